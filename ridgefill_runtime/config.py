@@ -1,0 +1,103 @@
+"""Frozen, validated configuration objects. Each setting is read in exactly one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import ModelLoadError, UnsupportedError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style frequency scaling (the only kind besides plain RoPE we support)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model math needs; filled from config.json or GGUF metadata."""
+
+    architecture: str  # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedError(
+                f"unsupported architecture {self.architecture!r} "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"model config: num_heads {self.num_heads} is not a multiple of "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_blocks` blocks of `block_size` token slots each."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: enough for max_num_seqs full contexts
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"cache.block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"cache.num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step token budget and concurrency; chunk_size caps one prompt's share of a step."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 16
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder or GGUF file; None: the embedded default
+    dtype: str = "float32"
+    device: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

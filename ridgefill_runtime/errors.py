@@ -1,0 +1,17 @@
+"""Errors a user can act on. The CLI and the server print `str(err)` as one line."""
+
+
+class RidgefillError(Exception):
+    """Base class: the message names the cause (file, key, value) in one line."""
+
+
+class ModelLoadError(RidgefillError):
+    """A checkpoint is missing, corrupt, or describes something we do not support."""
+
+
+class UnsupportedError(ModelLoadError):
+    """An architecture, quantization type or setting we refuse by name."""
+
+
+class InputError(RidgefillError):
+    """A request that cannot be served as asked (too long, bad sampling parameters)."""
