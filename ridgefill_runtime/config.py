@@ -67,11 +67,14 @@ class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` token slots each."""
 
     block_size: int = 16
-    num_blocks: int | None = None  # None: enough for max_num_seqs full contexts
+    kv_cache_gib: float = 1.0  # memory the K/V slabs may take when num_blocks is not given
+    num_blocks: int | None = None  # explicit pool size; overrides kv_cache_gib
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"cache.block_size must be positive, got {self.block_size}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"cache.kv_cache_gib must be positive, got {self.kv_cache_gib}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"cache.num_blocks must be positive, got {self.num_blocks}")
 

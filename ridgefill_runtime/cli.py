@@ -1,0 +1,102 @@
+"""`ridgefill generate | score`: the command line. Errors print as one line, not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import RidgefillError
+
+ARMS = ("exact",)  # NOTE: the fill arms (nofill, identity, ridgefill) join when RidgeFill lands
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ridgefill", description="RidgeFill LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt, streaming to stdout")
+    _engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+    s = sub.add_parser("score", help="per-token log-probabilities of a text under the model")
+    _engine_args(s)
+    s.add_argument("--text-file", required=True, type=Path)
+    s.add_argument("--json", action="store_true", help="print one JSON object (the only format for now)")
+    s.add_argument("--arm", default="exact", choices=ARMS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except RidgefillError as e:
+        print(f"ridgefill: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args) -> int:
+    import torch
+
+    from .config import EngineConfig
+    from .llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
+    if args.command == "score":
+        return _score(LLM(config), args)
+    return _generate(LLM(config), args)
+
+
+def _generate(llm, args) -> int:
+    from .sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    engine = llm.engine
+    seq = engine.add_request(llm.encode(args.prompt, chat=args.chat), params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.seq is seq and out.delta_text:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _score(llm, args) -> int:
+    from .errors import InputError
+
+    try:
+        text = args.text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{args.text_file}: cannot read text file ({e})") from None
+    ids = llm.encode(text)
+    if len(ids) < 2:
+        raise InputError(f"{args.text_file}: needs at least 2 tokens to score, has {len(ids)}")
+    result = llm.score(ids)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""SwiGLU feed-forward with gate and up projections fused into one GEMM."""
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x [N, d] -> [N, d]; gate_up [2I, d] holds gate rows then up rows; down [d, I]."""
+    h = F.linear(x, gate_up)  # [N, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)

@@ -1,0 +1,61 @@
+"""Offline use: load a model, generate for a list of prompts, score a text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+from .config import EngineConfig
+from .engine import _DTYPES, Engine
+from .errors import InputError
+from .loader.load import load_checkpoint
+from .models.dense import DenseLM
+from .sequence import SamplingParams
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    ckpt = load_checkpoint(config.model)
+    model = DenseLM(ckpt.config, ckpt.tensors, dtype=_DTYPES[config.dtype], device=config.device)
+    ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
+    return Engine(model, ckpt.tokenizer, config)
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None):
+        self.engine = engine or build_engine(config or EngineConfig())
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise InputError("this model has no tokenizer: pass token ids")
+        if chat:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams,
+                 chat: bool = False) -> list[Completion]:
+        seqs = [self.engine.add_request(self.encode(p, chat), params) for p in prompts]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [Completion(s.prompt_ids, list(s.output_ids), s.text, s.finish_reason or "") for s in seqs]
+
+    def score(self, token_ids: list[int]) -> dict:
+        """log p(token_ids[i+1] | token_ids[:i+1]) and the argmax at each position i."""
+        seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return {"token_ids": list(token_ids), "target_logprobs": seq.prompt_logprobs,
+                "argmax": seq.prompt_argmax}
+
+

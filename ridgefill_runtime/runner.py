@@ -1,0 +1,103 @@
+"""Turns a scheduled step into tensors, runs the model, samples. Changes no scheduling state."""
+
+from __future__ import annotations
+
+import torch
+
+from .cache.kv_pool import KVPool
+from .layers.attention import AttentionBatch
+from .sampling import sample_token
+from .scheduler import ScheduledSeq, StepResult
+
+
+class Runner:
+    def __init__(self, model, kv: KVPool, block_size: int):
+        self.model = model
+        self.kv = kv
+        self.block_size = block_size
+        self.device = model.device
+        self._generators: dict[int, torch.Generator] = {}
+
+    def run(self, items: list[ScheduledSeq]) -> StepResult:
+        ids, positions, batch = self._prepare(items)
+        rows, owners = self._logit_rows(items)
+        logits = self.model.forward(ids, positions, batch, self.kv, rows)  # [R, V] float32
+        next_tokens: list[int | None] = []
+        scores: list[tuple[list[float], list[int]] | None] = []
+        for k, item in enumerate(items):
+            lo, hi = owners[k]
+            scores.append(self._prompt_scores(item, logits[lo:hi]) if item.seq.params.prompt_logprobs else None)
+            next_tokens.append(self._sample(item, logits[hi - 1]) if item.samples else None)
+        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores)
+
+    def forget(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    # -- building the step's tensors ----------------------------------------------------------
+
+    def _prepare(self, items: list[ScheduledSeq]):
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        write: list[torch.Tensor] = []
+        read: list[torch.Tensor | None] = []
+        starts = [0]
+        for item in items:
+            seq = item.seq
+            ids.extend(seq.tokens(item.start, item.end))
+            p = torch.arange(item.start, item.end)
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            pos.append(p)
+            write.append(self._slots(table, p))
+            read.append(None if item.start == 0 else self._slots(table, torch.arange(item.end)).to(self.device))
+            starts.append(starts[-1] + item.num_tokens)
+        dev = self.device
+        batch = AttentionBatch(query_starts=starts, context_lens=[it.end for it in items],
+                               write_slots=torch.cat(write).to(dev), read_slots=read)
+        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), batch
+
+    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _logit_rows(self, items: list[ScheduledSeq]):
+        """Rows needing logits (the last row of a sampling item, every row when scoring)."""
+        rows: list[torch.Tensor] = []
+        owners: list[tuple[int, int]] = []
+        offset = count = 0
+        for item in items:
+            if item.seq.params.prompt_logprobs:
+                r = torch.arange(offset, offset + item.num_tokens)
+            elif item.samples:
+                r = torch.tensor([offset + item.num_tokens - 1])
+            else:
+                r = torch.empty(0, dtype=torch.int64)
+            rows.append(r)
+            owners.append((count, count + len(r)))
+            count += len(r)
+            offset += item.num_tokens
+        return torch.cat(rows).to(self.device), owners
+
+    # -- turning logits into results -------------------------------------------------------
+
+    def _prompt_scores(self, item: ScheduledSeq, logits: torch.Tensor):
+        """log p(next prompt token) and argmax for rows whose next token is a prompt token."""
+        seq = item.seq
+        n = max(0, min(item.end, len(seq.prompt_ids) - 1) - item.start)
+        if n == 0:
+            return [], []
+        logp = logits[:n].log_softmax(-1)  # [n, V]
+        targets = torch.tensor(seq.prompt_ids[item.start + 1:item.start + 1 + n], device=logits.device)
+        chosen = logp.gather(1, targets[:, None])[:, 0]
+        return chosen.tolist(), logp.argmax(-1).tolist()
+
+    def _sample(self, item: ScheduledSeq, logits: torch.Tensor) -> int | None:
+        params = item.seq.params
+        if params.max_tokens == 0:
+            return None
+        gen = None
+        if not params.greedy:
+            gen = self._generators.get(item.seq.seq_id)
+            if gen is None:
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+                self._generators[item.seq.seq_id] = gen
+        return sample_token(logits, params, gen)

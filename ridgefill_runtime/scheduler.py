@@ -1,0 +1,158 @@
+"""Decides what runs each step: continuous batching under a token budget, chunked prefill.
+
+Plain Python over Sequence objects and block ids; no tensors, no model code.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .cache.block_manager import BlockManager
+from .config import SchedulerConfig
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (= seq.num_computed)
+    num_tokens: int  # rows computed this step
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the sequence's last known token, so it yields the next one."""
+        return self.end == self.seq.num_tokens
+
+
+@dataclass
+class StepResult:
+    """What the runner hands back, as plain Python values, one entry per scheduled item."""
+
+    next_tokens: list[int | None]
+    prompt_logprobs: list[tuple[list[float], list[int]] | None]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- admission and removal ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence wherever it is and give its blocks back."""
+        if seq.finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        # NOTE: decodes first, so a long prompt never delays running users by more than
+        # the chunk it is given in the same step.
+        for seq in [s for s in self.running if s.remaining == 1]:
+            if budget == 0:
+                break
+            if not self._reserve(seq, 1):
+                continue  # seq was preempted to make room
+            items.append(ScheduledSeq(seq, seq.num_computed, 1))
+            budget -= 1
+        for seq in [s for s in self.running if s.remaining > 1]:
+            if budget == 0:
+                break
+            n = min(seq.remaining, self.config.chunk_size, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+                break
+            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            items.append(ScheduledSeq(seq, seq.num_computed, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.remaining, self.config.chunk_size, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            items.append(ScheduledSeq(seq, seq.num_computed, n))
+            budget -= n
+        return items
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Make room for n more positions of a running seq, preempting the newest others."""
+        while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq.block_table, seq.num_computed + n)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # NOTE: recompute, not swap: its tokens are kept, its K/V are rebuilt by a new prefill.
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, items: list[ScheduledSeq], result: StepResult,
+                    eos_ids: tuple[int, ...]) -> list[Sequence]:
+        """Apply a step's results; returns the sequences that gained a token or finished."""
+        touched = []
+        for item, token, scored in zip(items, result.next_tokens, result.prompt_logprobs):
+            seq = item.seq
+            if seq.finished:  # aborted while the step ran
+                continue
+            seq.num_computed = item.end
+            if scored is not None:
+                _record_prompt_scores(seq, item.start, *scored)
+            if not item.samples:
+                continue
+            touched.append(seq)
+            if token is None:  # max_tokens == 0: a scoring request ends after its prefill
+                self.finish(seq, "length")
+                continue
+            seq.output_ids.append(token)
+            reason = _finish_reason(seq, token, eos_ids)
+            if reason:
+                self.finish(seq, reason)
+        return touched
+
+
+def _record_prompt_scores(seq: Sequence, start: int, logprobs: list[float], argmax: list[int]) -> None:
+    # NOTE: after a preemption the prompt is recomputed; keep only rows not yet recorded.
+    skip = len(seq.prompt_logprobs) - start
+    if skip < len(logprobs):
+        seq.prompt_logprobs.extend(logprobs[max(skip, 0):])
+        seq.prompt_argmax.extend(argmax[max(skip, 0):])
+
+
+def _finish_reason(seq: Sequence, token: int, eos_ids: tuple[int, ...]) -> str | None:
+    p = seq.params
+    if (token in eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        return "stop"
+    if len(seq.output_ids) >= p.max_tokens:
+        return "length"
+    return None

@@ -1,0 +1,91 @@
+"""A request's life in the engine: its tokens, sampling settings and progress. No tensors."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    prompt_logprobs: bool = False  # record log p(next prompt token) and the argmax per prompt row
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise InputError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not self.temperature >= 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise InputError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    arrival_time: float = field(default_factory=time.monotonic)
+    # score mode (params.prompt_logprobs): per prompt row i < len(prompt) - 1
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_argmax: list[int] = field(default_factory=list)
+    text: str = ""  # detokenized output, kept by the detokenizer
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Rows still to compute before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end), prompt then output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,47 @@
+"""Tiny random transformers checkpoints built offline, saved as HF folders for our loader."""
+
+from __future__ import annotations
+
+import torch
+
+TINY_CONFIGS = {
+    "llama_gqa_untied": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=1024,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    ),
+    "llama_tied_rope_scaled": dict(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=320, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=64),
+    ),
+    "qwen3_qk_norm": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=320,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+    ),
+}
+
+
+def build_tiny(name: str, folder, seed: int = 0):
+    """Save a random model of config `name` into `folder`; returns the transformers model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(TINY_CONFIGS[name])
+    model_type = kw.pop("model_type")
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # NOTE: random init leaves norms at 1 and logits tiny; widen weights so the test
+    # sees real attention patterns and logits of order 1-10.
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
