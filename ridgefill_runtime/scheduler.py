@@ -73,6 +73,8 @@ class Scheduler:
         for seq in [s for s in self.running if s.remaining == 1]:
             if budget == 0:
                 break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older one
             if not self._reserve(seq, 1):
                 continue  # seq was preempted to make room
             items.append(ScheduledSeq(seq, seq.num_computed, 1))
