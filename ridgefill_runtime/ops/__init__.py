@@ -1,0 +1,57 @@
+"""Numerical ops used by the model code, with compiled kernels where available.
+
+The compiled extension `ridgefill_runtime._C` is optional. Importing it
+registers the `torch.ops.ridgefill.*` schemas (csrc/bindings.cpp) and their
+CUDA kernels. Without it (pure-Python install, CPU-only torch, no toolkit)
+every op falls back to its torch reference, so this package always imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+_EXTENSION_MODULE = "ridgefill_runtime._C"
+
+
+def _load_extension() -> str | None:
+    """Import the compiled extension; return None on success, else why not."""
+    import torch  # noqa: F401  (the .so links against libtorch: load it first)
+
+    try:
+        importlib.import_module(_EXTENSION_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != _EXTENSION_MODULE:
+            raise
+        return "not built (pure-Python install)"
+    except ImportError as exc:
+        # Present but unloadable, typically built against another torch
+        # (undefined symbols). Worth a warning: it silently costs speed.
+        reason = f"failed to load: {exc}"
+        warnings.warn(
+            f"{_EXTENSION_MODULE} {reason}; using torch reference ops. "
+            "Rebuild with scripts/install.sh.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return reason
+    return None
+
+
+_EXTENSION_ERROR = _load_extension()
+
+
+def extension_loaded() -> bool:
+    """True when ridgefill_runtime._C is loaded and torch.ops.ridgefill exists."""
+    return _EXTENSION_ERROR is None
+
+
+def extension_error() -> str | None:
+    """Why the extension is not loaded (None when it is); for diagnostics."""
+    return _EXTENSION_ERROR
+
+
+# Imported last: these modules read extension_loaded() at import time.
+from .rms_norm import rms_norm, rms_norm_reference  # noqa: E402
+
+__all__ = ["extension_error", "extension_loaded", "rms_norm", "rms_norm_reference"]

@@ -1,0 +1,28 @@
+"""Repository-wide pytest hooks.
+
+The only sanctioned skip: tests marked `gpu` when torch sees no CUDA device.
+Everything else must run (and be able to fail) on a GPU-less machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also declared in pyproject.toml; repeated so the marker is known when
+    # pytest runs with another rootdir/config file.
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped when torch.cuda.is_available() is false")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # only when needed: keeps collection of torch-free tests fast
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False")
+    for item in gpu_items:
+        item.add_marker(skip)
