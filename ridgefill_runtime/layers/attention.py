@@ -33,6 +33,17 @@ def causal_offset_mask(q_len: int, k_len: int, device: torch.device) -> torch.Te
     return k_pos <= q_pos
 
 
+def attend_at(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Chosen query rows q [R, H, D] at context positions q_pos [R] over k/v [Lk, Hkv, D]."""
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
+    mask = None
+    if not (q.shape[0] == 1 and int(q_pos[0]) == k.shape[0] - 1):  # a last row sees everything
+        mask = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [R, Lk]
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, H*D]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence: q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H*D], queries = last Lq positions."""
     q_len, k_len = q.shape[0], k.shape[0]
@@ -47,6 +58,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return out[0].transpose(0, 1).reshape(q_len, -1)  # [Lq, H*D]
 
 
+def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int):
+    """Sequence i's K/V over its whole context [ctx, Hkv, D]."""
+    slots = batch.read_slots[i]
+    if slots is None:  # NOTE: fresh prefill: its K/V are all in hand, skip the gather.
+        lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
+        return k_new[lo:hi], v_new[lo:hi]
+    return kv.read(layer, slots)
+
+
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     kv, layer: int, batch: AttentionBatch, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend per sequence.
@@ -57,10 +77,25 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     outs = []
     for i in range(batch.num_seqs):
         lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
-        slots = batch.read_slots[i]
-        if slots is None:  # NOTE: fresh prefill: its K/V are all in hand, skip the gather.
-            k, v = k_new[lo:hi], v_new[lo:hi]
-        else:
-            k, v = kv.read(layer, slots)
+        k, v = _context(k_new, v_new, kv, layer, batch, i)
         outs.append(attend(q[lo:hi], k, v, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                         kv, layer: int, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    """Like paged_attention, but only the sorted batch rows `rows` [R] attend; all rows' K/V
+    are written. q [R, H, D] holds those rows' queries -> [R, H*D]."""
+    kv.write(layer, batch.write_slots, k_new, v_new)
+    starts = torch.tensor(batch.query_starts, device=rows.device)
+    owner = torch.searchsorted(starts, rows, right=True) - 1  # [R] sequence of each row
+    ctx = torch.tensor(batch.context_lens, device=rows.device)
+    pos = ctx[owner] - (starts[owner + 1] - rows)  # [R] position of each row in its context
+    outs = []
+    for i in owner.unique_consecutive().tolist():
+        pick = (owner == i).nonzero().flatten()
+        k, v = _context(k_new, v_new, kv, layer, batch, i)
+        outs.append(attend_at(q[pick], pos[pick], k, v, scale))
+    if not outs:  # a step where no sequence wants logits (a mid-prompt chunk)
+        return q.new_empty(0, q.shape[1] * q.shape[2])
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -8,4 +8,6 @@ def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> to
     """x [N, d] -> [N, d]; gate_up [2I, d] holds gate rows then up rows; down [d, I]."""
     h = F.linear(x, gate_up)  # [N, 2I]
     gate, up = h.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    # NOTE: in place on the GEMM's output: no [N, I] temporaries on the prefill path.
+    F.silu(gate, inplace=True)
+    return F.linear(gate.mul_(up), down)

@@ -35,13 +35,17 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin rows per absolute position, grown on demand; indexed by a positions tensor."""
+    """cos/sin of each (position, pair) angle, grown on demand; indexed by a positions tensor.
+
+    NOTE: rotate-half pairs dimension i with i + D/2 under one angle, so a half-width
+    table is enough and halves the per-step gather.
+    """
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu"):
         self.inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         self.device = torch.device(device)
-        self.cos = torch.empty(0, config.head_dim, device=self.device)
-        self.sin = torch.empty(0, config.head_dim, device=self.device)
+        self.cos = torch.empty(0, config.head_dim // 2, device=self.device)
+        self.sin = torch.empty(0, config.head_dim // 2, device=self.device)
         self._ensure(max(config.max_position_embeddings, 1))
 
     def _ensure(self, length: int) -> None:
@@ -49,18 +53,23 @@ class RotaryTable:
             return
         pos = torch.arange(length, dtype=torch.float32)
         angles = pos[:, None] * self.inv_freq[None, :]  # [P, D/2]
-        emb = torch.cat([angles, angles], dim=-1)  # [P, D]
-        self.cos = emb.cos().to(self.device)
-        self.sin = emb.sin().to(self.device)
+        self.cos = angles.cos().to(self.device)
+        self.sin = angles.sin().to(self.device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [N, D] for positions [N]."""
+        """cos, sin [N, 1, D/2] for positions [N], ready to broadcast over heads."""
         self._ensure(int(positions.max()) + 1 if positions.numel() else 0)
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] rotated by cos/sin [N, D] (rotate-half pairing: i with i + D/2)."""
+    """x [N, H, D] rotated by cos/sin [N, 1, D/2]: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    lo, hi = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=lo)
+    lo.addcmul_(x2, sin, value=-1)
+    torch.mul(x2, cos, out=hi)
+    hi.addcmul_(x1, sin)
+    return out

@@ -118,3 +118,40 @@ def test_greedy_continuation_identical(tiny):
     llm = LLM(EngineConfig(model=str(tiny["folder"]), cache=CacheConfig(num_blocks=64)))
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert out.token_ids == expected
+
+
+def test_last_layer_on_chosen_rows_equals_full(tiny):
+    """The pruned final layer (logits for some rows only) equals the full forward's rows,
+    in a batch mixing a fresh prefill, a later chunk, a decode and a chunk with no rows."""
+    vocab = tiny["ours"].config.vocab_size
+    rng = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (n,), generator=rng).tolist() for n in (120, 90, 60, 50)]
+    results = {}
+    for mode in ("full", "rows"):
+        h = Harness(tiny["ours"])
+        seqs = [h.new_seq(p) for p in prompts]
+        h.step([(seqs[1], 40), (seqs[2], 59), (seqs[3], 20)])  # earlier context for three of them
+        spans = [(seqs[0], 120), (seqs[1], 50), (seqs[2], 1), (seqs[3], 10)]
+        items = []
+        for seq, n in spans:
+            h.blocks.grow(seq.block_table, seq.num_computed + n)
+            items.append(ScheduledSeq(seq, seq.num_computed, n))
+        ids, pos, batch = h.runner._prepare(items)
+        wanted = torch.tensor([5, 119, 120 + 49, 120 + 50])  # two rows of seq 0, last of 1, the decode
+        if mode == "full":
+            results[mode] = h.model.forward(ids, pos, batch, h.kv)[wanted]
+        else:
+            results[mode] = h.model.forward(ids, pos, batch, h.kv, wanted)
+    assert rel_err(results["rows"], results["full"]) < 1e-5
+
+
+def test_chunk_without_logit_rows_still_writes_last_layer_kv(tiny):
+    h = Harness(tiny["ours"])
+    seq = h.new_seq(tiny["ids"])
+    h.blocks.grow(seq.block_table, 200)
+    ids, pos, batch = h.runner._prepare([ScheduledSeq(seq, 0, 200)])
+    out = h.model.forward(ids, pos, batch, h.kv, torch.empty(0, dtype=torch.int64))
+    assert out.shape == (0, tiny["ours"].config.vocab_size)
+    seq.num_computed = 200
+    rest = h.step([(seq, SEQ_LEN - 200)])[0]
+    assert rel_err(rest, tiny["ref_logits"][200:]) < 1e-4
