@@ -155,3 +155,22 @@ def test_chunk_without_logit_rows_still_writes_last_layer_kv(tiny):
     seq.num_computed = 200
     rest = h.step([(seq, SEQ_LEN - 200)])[0]
     assert rel_err(rest, tiny["ref_logits"][200:]) < 1e-4
+
+
+def test_bfloat16_error_is_within_twice_transformers_own(tiny):
+    """bf16 has no exact reference: our bf16 error against the fp32 logits must be at most
+    2x (plus a small floor) what transformers' own bf16 run makes on the same input."""
+    ckpt = load_hf_folder(tiny["folder"])
+    ours = DenseLM(ckpt.config, ckpt.tensors, dtype=torch.bfloat16)
+    h = Harness(ours)
+    seq = h.new_seq(tiny["ids"])
+    parts = [h.step([(seq, SEQ_LEN - 16)])[0]] + [h.step([(seq, 1)])[0] for _ in range(16)]
+    ours_err = rel_err(torch.cat(parts).float(), tiny["ref_logits"])
+    ref16 = tiny["ref"].to(torch.bfloat16)
+    try:
+        with torch.no_grad():
+            theirs = ref16(torch.tensor([tiny["ids"]])).logits[0].float()
+    finally:
+        tiny["ref"].to(torch.float32)
+    theirs_err = rel_err(theirs, tiny["ref_logits"])
+    assert ours_err <= 2 * theirs_err + 1e-3, (ours_err, theirs_err)
