@@ -100,7 +100,50 @@ class EngineConfig:
     device: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    fill: "FillConfig" = field(default_factory=lambda: FillConfig())
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+FILL_ARMS = ("exact", "nofill", "identity", "ridgefill")
+PLACEMENTS = ("resident", "streamed")
+
+
+@dataclass(frozen=True)
+class FillConfig:
+    """RidgeFill prefill (seed 000, §2): lower layers 0..split-1 run exactly for every row;
+    prefix rows get their late K/V from a predicted layer input; the last `tail` rows and
+    every decode step run the full model.
+
+    arm: exact (fill off), nofill (late layers never see the prefix), identity (POP's fill,
+    x̂_l = x_S), ridgefill (x̂_l = A_l x_S + b_l from `maps`).
+    """
+
+    arm: str = "exact"
+    split: int = 15
+    tail: int = 1024
+    maps: str | None = None  # map file; required by the ridgefill arm
+    placement: str = "resident"  # where maps live: device memory, or pinned host memory streamed per layer
+    value_rescale: bool = False
+    key_rescale: bool = False
+    rescale_rows: int = 64  # c: first tail rows on which the rescale ratios are measured
+
+    def __post_init__(self) -> None:
+        if self.arm not in FILL_ARMS:
+            raise ValueError(f"fill.arm must be one of {', '.join(FILL_ARMS)}, got {self.arm!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"fill.placement must be resident or streamed, got {self.placement!r}")
+        if self.split < 1:
+            raise ValueError(f"fill.split must be >= 1, got {self.split}")
+        if self.tail < 1:
+            raise ValueError(f"fill.tail must be >= 1 (the last prompt row is always exact), got {self.tail}")
+        if self.rescale_rows < 1:
+            raise ValueError(f"fill.rescale_rows must be >= 1, got {self.rescale_rows}")
+        if self.arm == "ridgefill" and not self.maps:
+            raise ValueError("fill.arm = ridgefill needs fill.maps (a map file from `ridgefill fit`)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.arm != "exact"

@@ -27,7 +27,7 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig):
+    def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, config
         kv_dtype = model.dtype
@@ -37,16 +37,23 @@ class Engine:
         self.kv = KVPool(cfg.num_layers, num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, model.device)
         self.blocks = BlockManager(num_blocks, bs)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
-        self.runner = Runner(model, self.kv, bs)
+        self.fill = config.fill
+        if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
+            raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
+        self.runner = Runner(model, self.kv, bs, self.fill, fill_maps)
         self.text = TextTracker(tokenizer)
         self.max_model_len = min(cfg.max_position_embeddings, num_blocks * bs)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     # -- requests ----------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True) -> Sequence:
+        """Queue a request. `fill=False` asks for an exact prefill even when the fill is on."""
         self.validate(prompt_ids, params)
         seq = Sequence(prompt_ids=list(prompt_ids), params=params)
+        if fill and self.fill.enabled and len(prompt_ids) > self.fill.tail:
+            seq.fill_boundary = len(prompt_ids) - self.fill.tail
+            seq.fill_arm = self.fill.arm
         self.scheduler.add(seq)
         return seq
 

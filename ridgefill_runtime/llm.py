@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .config import EngineConfig
 from .engine import _DTYPES, Engine
 from .errors import InputError
+from .fill.maps import FillMaps, check_maps_fit
 from .loader.load import load_checkpoint
 from .models.dense import DenseLM
 from .sequence import SamplingParams
@@ -24,8 +25,19 @@ class Completion:
 def build_engine(config: EngineConfig) -> Engine:
     ckpt = load_checkpoint(config.model)
     model = DenseLM(ckpt.config, ckpt.tensors, dtype=_DTYPES[config.dtype], device=config.device)
+    model.identity = ckpt.identity
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
-    return Engine(model, ckpt.tokenizer, config)
+    return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model))
+
+
+def load_fill_maps(config: EngineConfig, model) -> FillMaps | None:
+    """The ridgefill arm's maps, checked against the model they will run on."""
+    fill = config.fill
+    if fill.arm != "ridgefill":
+        return None
+    maps = FillMaps(fill.maps, fill.placement, model.dtype, model.device)
+    check_maps_fit(maps.meta, model.identity, model.config, fill.split, fill.maps)
+    return maps
 
 
 class LLM:
@@ -51,11 +63,12 @@ class LLM:
         return [Completion(s.prompt_ids, list(s.output_ids), s.text, s.finish_reason or "") for s in seqs]
 
     def score(self, token_ids: list[int]) -> dict:
-        """log p(token_ids[i+1] | token_ids[:i+1]) and the argmax at each position i."""
+        """log p(token_ids[i+1] | token_ids[:i+1]) and the argmax at each position i, for
+        i from `first_scored` on (0 exact; the first tail row when the prefix is filled)."""
         seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
         while self.engine.has_unfinished():
             self.engine.step()
-        return {"token_ids": list(token_ids), "target_logprobs": seq.prompt_logprobs,
-                "argmax": seq.prompt_argmax}
+        return {"token_ids": list(token_ids), "first_scored": seq.fill_boundary,
+                "target_logprobs": seq.prompt_logprobs, "argmax": seq.prompt_argmax}
 
 

@@ -5,28 +5,34 @@ from __future__ import annotations
 import torch
 
 from .cache.kv_pool import KVPool
+from .config import FillConfig
+from .fill.plan import build_fill_step
 from .layers.attention import AttentionBatch
 from .sampling import sample_token
 from .scheduler import ScheduledSeq, StepResult
 
 
 class Runner:
-    def __init__(self, model, kv: KVPool, block_size: int):
+    def __init__(self, model, kv: KVPool, block_size: int, fill: FillConfig | None = None, maps=None):
         self.model = model
         self.kv = kv
         self.block_size = block_size
         self.device = model.device
+        self.fill_config = fill or FillConfig()
+        self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
 
     def run(self, items: list[ScheduledSeq]) -> StepResult:
         ids, positions, batch = self._prepare(items)
-        rows, owners = self._logit_rows(items)
-        logits = self.model.forward(ids, positions, batch, self.kv, rows)  # [R, V] float32
+        fill = build_fill_step(items, batch, self._seq_slots, self.fill_config, self.predict)
+        rows, owners = self._logit_rows(items, fill)
+        logits = self.model.forward(ids, positions, batch, self.kv, rows, fill)  # [R, V] float32
         next_tokens: list[int | None] = []
         scores: list[tuple[list[float], list[int]] | None] = []
         for k, item in enumerate(items):
             lo, hi = owners[k]
-            scores.append(self._prompt_scores(item, logits[lo:hi]) if item.seq.params.prompt_logprobs else None)
+            scored = item.seq.params.prompt_logprobs and item.end > item.seq.fill_boundary
+            scores.append(self._prompt_scores(item, logits[lo:hi]) if scored else None)
             next_tokens.append(self._sample(item, logits[hi - 1]) if item.samples else None)
         return StepResult(next_tokens=next_tokens, prompt_logprobs=scores)
 
@@ -58,13 +64,23 @@ class Runner:
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def _logit_rows(self, items: list[ScheduledSeq]):
-        """Rows needing logits (the last row of a sampling item, every row when scoring)."""
+    def _seq_slots(self, seq, start: int, end: int) -> torch.Tensor:
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        return self._slots(table, torch.arange(start, end)).to(self.device)
+
+    def _logit_rows(self, items: list[ScheduledSeq], fill=None):
+        """Rows needing logits (the last row of a sampling item, every row when scoring).
+
+        With a fill step the indices are into fill.late_rows (filled rows have no logits);
+        None means every row that reaches the top.
+        """
         rows: list[torch.Tensor] = []
         owners: list[tuple[int, int]] = []
         offset = count = 0
         for item in items:
-            if item.seq.params.prompt_logprobs:
+            if item.end <= item.seq.fill_boundary:  # a filled prefix item: no logits
+                r = torch.empty(0, dtype=torch.int64)
+            elif item.seq.params.prompt_logprobs:
                 r = torch.arange(offset, offset + item.num_tokens)
             elif item.samples:
                 r = torch.tensor([offset + item.num_tokens - 1])
@@ -74,9 +90,13 @@ class Runner:
             owners.append((count, count + len(r)))
             count += len(r)
             offset += item.num_tokens
-        if count == offset:  # every row wanted (scoring): the plain causal path is faster
+        top = offset if fill is None else len(fill.late_rows)
+        if count == top:  # every row wanted (scoring): the plain causal path is faster
             return None, owners
-        return torch.cat(rows).to(self.device), owners
+        flat = torch.cat(rows).to(self.device)
+        if fill is not None:
+            flat = torch.searchsorted(fill.late_rows, flat)  # NOTE: late_rows is sorted
+        return flat, owners
 
     # -- turning logits into results -------------------------------------------------------
 
@@ -103,3 +123,12 @@ class Runner:
                 gen.manual_seed(params.seed if params.seed is not None else torch.seed())
                 self._generators[item.seq.seq_id] = gen
         return sample_token(logits, params, gen)
+
+
+def _predictor(arm: str, maps):
+    """How a filled row's late-layer input is predicted from its split state x_S."""
+    if arm == "ridgefill":
+        return maps.predict
+    if arm == "identity":
+        return lambda layer, x_split: x_split  # POP's fill: x̂_l = x_S
+    return None  # exact never fills; nofill writes nothing

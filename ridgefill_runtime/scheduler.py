@@ -82,7 +82,7 @@ class Scheduler:
         for seq in [s for s in self.running if s.remaining > 1]:
             if budget == 0:
                 break
-            n = min(seq.remaining, self.config.chunk_size, budget)
+            n = self._chunk(seq, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 break
             self.blocks.grow(seq.block_table, seq.num_computed + n)
@@ -90,7 +90,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.remaining, self.config.chunk_size, budget)
+            n = self._chunk(seq, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
                 break
             self.waiting.popleft()
@@ -100,6 +100,14 @@ class Scheduler:
             items.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
         return items
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Rows to give seq this step. NOTE: a chunk never straddles the fill boundary, so
+        each step's item is either all filled prefix rows or all fully computed rows."""
+        n = min(seq.remaining, self.config.chunk_size, budget)
+        if seq.num_computed < seq.fill_boundary:
+            n = min(n, seq.fill_boundary - seq.num_computed)
+        return n
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make room for n more positions of a running seq, preempting the newest others."""
@@ -144,8 +152,9 @@ class Scheduler:
 
 
 def _record_prompt_scores(seq: Sequence, start: int, logprobs: list[float], argmax: list[int]) -> None:
-    # NOTE: after a preemption the prompt is recomputed; keep only rows not yet recorded.
-    skip = len(seq.prompt_logprobs) - start
+    # NOTE: rows are recorded from the fill boundary on (filled rows have no logits);
+    # after a preemption the prompt is recomputed, so keep only rows not yet recorded.
+    skip = len(seq.prompt_logprobs) - (start - seq.fill_boundary)
     if skip < len(logprobs):
         seq.prompt_logprobs.extend(logprobs[max(skip, 0):])
         seq.prompt_argmax.extend(argmax[max(skip, 0):])

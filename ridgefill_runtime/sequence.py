@@ -59,7 +59,10 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     arrival_time: float = field(default_factory=time.monotonic)
-    # score mode (params.prompt_logprobs): per prompt row i < len(prompt) - 1
+    # RidgeFill: prompt rows [0, fill_boundary) are filled with `fill_arm`; 0 means no fill
+    fill_boundary: int = 0
+    fill_arm: str = "exact"
+    # score mode (params.prompt_logprobs): per prompt row i in [fill_boundary, len(prompt) - 1)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_argmax: list[int] = field(default_factory=list)
     text: str = ""  # detokenized output, kept by the detokenizer

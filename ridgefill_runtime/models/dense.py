@@ -13,6 +13,8 @@ from ..layers.attention import AttentionBatch, paged_attention, paged_attention_
 from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable, apply_rotary
 from ..ops.rms_norm import rms_norm
+from ..fill.corrections import rescale_filled
+from ..fill.step import FillStep
 from .weights import DenseWeights, LayerWeights, build_weights
 
 
@@ -52,28 +54,39 @@ class DenseLM:
         cos, sin = rope
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
+    def kv_only(self, layer: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a filled row writes: layer input [F, d] -> k, v [F, Hkv, D] (norm, K/V
+        projections, K-norm, RoPE at its own position; no query, no attention, no MLP)."""
+        cfg, w = self.config, self.weights.layers[layer]
+        q_dim, hd = cfg.num_heads * cfg.head_dim, cfg.head_dim
+        xn = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+        bias = None if w.qkv_bias is None else w.qkv_bias[q_dim:]
+        kv = F.linear(xn, w.qkv[q_dim:], bias)  # [F, 2 * Hkv * D]
+        k, v = kv.view(x.shape[0], 2, cfg.num_kv_heads, hd).unbind(1)
+        if cfg.qk_norm:
+            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        cos, sin = rope
+        return apply_rotary(k, cos, sin), v
+
     def layer(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-              batch: AttentionBatch, kv) -> torch.Tensor:
-        """One decoder layer: hidden [N, d] -> [N, d], writing its K/V to the cache."""
-        w: LayerWeights = self.weights.layers[layer]
-        q, k, v = self.qkv(layer, h, rope)
-        attn = paged_attention(q, k, v, kv, layer, batch, self.scale)  # [N, H*D]
-        h = h + F.linear(attn, w.o)
-        x = rms_norm(h, w.post_norm, self.config.rms_norm_eps)
-        return h + swiglu_mlp(x, w.gate_up, w.down)
+              batch: AttentionBatch, kv, rows: torch.Tensor | None = None, on_kv=None) -> torch.Tensor:
+        """One decoder layer: hidden [N, d] -> [N, d] (or [R, d] for `rows`), writing all
+        N rows' K/V to the cache.
 
-    def last_layer_rows(self, h: torch.Tensor, rope, batch: AttentionBatch, kv,
-                        rows: torch.Tensor) -> torch.Tensor:
-        """The final layer for chosen rows only: hidden [N, d] -> [R, d].
-
-        NOTE: every row still writes its K/V (later tokens need them), but attention,
-        the output projection and the MLP run only where logits are wanted.
+        NOTE: with `rows`, attention, the output projection and the MLP run only for those
+        rows (the final layer, where only some rows need logits). `on_kv(layer, k, v)` sees
+        this layer's fresh K/V before anything attends (the fill's rescale hooks in here).
         """
-        layer = self.config.num_layers - 1
         w: LayerWeights = self.weights.layers[layer]
         q, k, v = self.qkv(layer, h, rope)
-        attn = paged_attention_rows(q[rows], rows, k, v, kv, layer, batch, self.scale)  # [R, H*D]
-        h = h[rows] + F.linear(attn, w.o)
+        if on_kv is not None:
+            on_kv(layer, k, v)
+        if rows is None:
+            attn = paged_attention(q, k, v, kv, layer, batch, self.scale)  # [N, H*D]
+        else:
+            attn = paged_attention_rows(q[rows], rows, k, v, kv, layer, batch, self.scale)  # [R, H*D]
+            h = h[rows]
+        h = h + F.linear(attn, w.o)
         x = rms_norm(h, w.post_norm, self.config.rms_norm_eps)
         return h + swiglu_mlp(x, w.gate_up, w.down)
 
@@ -86,15 +99,41 @@ class DenseLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [N] -> logits [R, V] for the sorted `logit_rows` (all rows when None)."""
+                kv, logit_rows: torch.Tensor | None = None, fill: FillStep | None = None) -> torch.Tensor:
+        """Rows [N] -> logits [R, V] for the sorted `logit_rows` (all rows when None).
+
+        With `fill`, layers below the split run for every row; above it, filled rows only
+        write K/V from their predicted input, and `logit_rows` index `fill.late_rows`.
+        """
         h = self.embed(input_ids)
         rope = self.rope(positions)
+        start, on_kv = 0, None
+        if fill is not None:
+            for i in range(fill.split):
+                h = self.layer(i, h, rope, batch, kv)
+            h, rope, batch, on_kv = self._enter_late_layers(h, rope, kv, fill)
+            start = fill.split
         last = self.config.num_layers - 1
-        for i in range(last):
-            h = self.layer(i, h, rope, batch, kv)
-        if logit_rows is None:
-            h = self.layer(last, h, rope, batch, kv)
-        else:
-            h = self.last_layer_rows(h, rope, batch, kv, logit_rows)
+        for i in range(start, last):
+            h = self.layer(i, h, rope, batch, kv, on_kv=on_kv)
+        h = self.layer(last, h, rope, batch, kv, rows=logit_rows, on_kv=on_kv)
         return self.logits(h)
+
+    def _enter_late_layers(self, h, rope, kv, fill: FillStep):
+        """Split the rows at the split layer: filled rows get a K/V writer for every late layer,
+        the others continue; returns the continuing rows' state and the per-layer hook."""
+        x_split = h[fill.rows]  # [F, d]
+        rope_fill = tuple(t[fill.rows] for t in rope)
+        late = fill.late_rows
+        h_late, rope_late = h[late], tuple(t[late] for t in rope)
+        rescale_inputs = [(r, h_late[r.rows], tuple(t[r.rows] for t in rope_late)) for r in fill.rescales]
+
+        def on_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+            if fill.predict is not None and len(fill.rows):
+                k_hat, v_hat = self.kv_only(layer, fill.predict(layer, x_split), rope_fill)
+                kv.write(layer, fill.slots, k_hat, v_hat)
+            for r, xs, rp in rescale_inputs:
+                k_pred, v_pred = self.kv_only(layer, fill.predict(layer, xs), rp)
+                rescale_filled(kv, layer, r, k[r.rows], v[r.rows], k_pred, v_pred)
+
+        return h_late, rope_late, fill.late_batch, on_kv

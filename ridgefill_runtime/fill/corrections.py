@@ -1,0 +1,29 @@
+"""Value and key rescale (seed 000, §2.3 and §6.6): per KV head, the ratio of exact to
+predicted norms on the first c tail rows multiplies the filled rows' values (or keys)."""
+
+from __future__ import annotations
+
+import torch
+
+from .step import Rescale
+
+
+def head_norm_ratio(exact: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
+    """exact, predicted [c, Hkv, D] -> [Hkv]: mean over rows of ||exact|| / ||predicted||."""
+    e = exact.float().norm(dim=-1)  # [c, Hkv]
+    p = predicted.float().norm(dim=-1).clamp_min(1e-12)
+    return (e / p).mean(0)
+
+
+def rescale_filled(kv, layer: int, r: Rescale, k_exact, v_exact, k_pred, v_pred) -> None:
+    """Multiply the filled slots' cached values / keys of `layer` by the measured ratios."""
+    if r.values:
+        _scale_slots(kv.v[layer], r.filled_slots, head_norm_ratio(v_exact, v_pred))
+    if r.keys:
+        # NOTE: RoPE is a rotation, so the ratio of key norms is the same before and after it.
+        _scale_slots(kv.k[layer], r.filled_slots, head_norm_ratio(k_exact, k_pred))
+
+
+def _scale_slots(slab: torch.Tensor, slots: torch.Tensor, ratio: torch.Tensor) -> None:
+    rows = slab.index_select(0, slots)  # [P, Hkv, D]
+    slab.index_copy_(0, slots, rows * ratio.to(slab.dtype)[None, :, None])
