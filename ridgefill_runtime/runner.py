@@ -22,11 +22,15 @@ class Runner:
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
 
-    def run(self, items: list[ScheduledSeq]) -> StepResult:
+    def forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """Run the step; logits [R, V] float32 and, per item, its (lo, hi) range of rows in them."""
         ids, positions, batch = self._prepare(items)
         fill = build_fill_step(items, batch, self._seq_slots, self.fill_config, self.predict)
         rows, owners = self._logit_rows(items, fill)
-        logits = self.model.forward(ids, positions, batch, self.kv, rows, fill)  # [R, V] float32
+        return self.model.forward(ids, positions, batch, self.kv, rows, fill), owners
+
+    def run(self, items: list[ScheduledSeq]) -> StepResult:
+        logits, owners = self.forward(items)
         next_tokens: list[int | None] = []
         scores: list[tuple[list[float], list[int]] | None] = []
         for k, item in enumerate(items):

@@ -114,6 +114,10 @@ class DenseLM:
             h, rope, batch, on_kv = self._enter_late_layers(h, rope, kv, fill)
             start = fill.split
         last = self.config.num_layers - 1
+        if h.shape[0] == 0:  # a step of filled rows only: write their late K/V, nothing attends
+            for i in range(start, last + 1):
+                on_kv(i, None, None)
+            return self.logits(h)
         for i in range(start, last):
             h = self.layer(i, h, rope, batch, kv, on_kv=on_kv)
         h = self.layer(last, h, rope, batch, kv, rows=logit_rows, on_kv=on_kv)
