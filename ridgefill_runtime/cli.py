@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from .errors import RidgefillError
 
-ARMS = ("exact",)  # NOTE: the fill arms (nofill, identity, ridgefill) join when RidgeFill lands
+ARMS = ("exact", "nofill", "identity", "ridgefill")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(s)
     s.add_argument("--text-file", required=True, type=Path)
     s.add_argument("--json", action="store_true", help="print one JSON object (the only format for now)")
-    s.add_argument("--arm", default="exact", choices=ARMS)
+    s.add_argument("--arm", default="exact", choices=ARMS,
+                   help="prefix handling; fill arms score only the rows they compute exactly (the tail)")
+    s.add_argument("--fill-config", type=Path, default=None,
+                   help="TOML with a [fill] table (split, tail, maps, corrections); default: the shipped maps")
+
+    f = sub.add_parser("fit", help="fit RidgeFill maps: one capture pass, then a ridge solve per late layer")
+    _engine_args(f)
+    f.add_argument("--calib", nargs="+", required=True, type=Path, help="calibration text files or folders")
+    f.add_argument("--heldout", nargs="+", required=True, type=Path, help="held-out text files or folders (λ choice)")
+    f.add_argument("--splits", required=True, help="comma-separated split layers, e.g. 12,15,18")
+    f.add_argument("--out", required=True, type=Path)
+    f.add_argument("--max-doc-tokens", type=int, default=4096)
+
+    from .eval.cli import add_eval_parser
+    add_eval_parser(sub, _engine_args)
+
+    from server.cli_serve import add_serve_parser
+    add_serve_parser(sub)
     return parser
 
 
@@ -54,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    if args.command == "serve":
+        from server.cli_serve import run_serve
+        return run_serve(args)
     import torch
 
     from .config import EngineConfig
@@ -62,7 +83,15 @@ def _run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
+    if args.command == "eval":
+        from .eval.cli import run_eval
+        return run_eval(args, LLM(config))
+    if args.command == "fit":
+        from .fill.fit_cli import run_fit
+        return run_fit(args, config)
     if args.command == "score":
+        from .fill.settings import fill_for_arm
+        config = dataclasses.replace(config, fill=fill_for_arm(args.arm, args.fill_config))
         return _score(LLM(config), args)
     return _generate(LLM(config), args)
 

@@ -1,0 +1,81 @@
+"""Turn a validated request body into (prompt ids, SamplingParams), refusing what we cannot serve."""
+
+from __future__ import annotations
+
+from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.sequence import SamplingParams
+
+from .config import FILL_NOT_AVAILABLE
+from .errors import HTTPError
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_common(req: _SamplingFields) -> None:
+    if req.n != 1:
+        raise HTTPError(400, f"n={req.n} is not supported: this server returns exactly one choice (n=1)", "n")
+    if req.logprobs not in (None, False, 0):
+        raise HTTPError(400, "logprobs are not supported", "logprobs")
+    if req.ridgefill is not None and req.ridgefill.mode != "off":
+        raise HTTPError(400, f"ridgefill.mode {req.ridgefill.mode!r}: {FILL_NOT_AVAILABLE}", "ridgefill.mode")
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    try:
+        return SamplingParams(
+            max_tokens=default_max if max_tokens is None else max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=req.top_k or 0,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            stop=stop,
+            ignore_eos=req.ignore_eos,
+        )
+    except InputError as e:
+        raise HTTPError(400, str(e), _param_of(str(e))) from None
+
+
+def completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
+    p = req.prompt
+    if isinstance(p, str):
+        return _encode(tokenizer, p)
+    if p and all(isinstance(t, int) for t in p):
+        return list(p)
+    if len(p) == 1:  # a batch of one: ["text"] or [[ids]]
+        one = p[0]
+        return _encode(tokenizer, one) if isinstance(one, str) else list(one)
+    raise HTTPError(400, "prompt must be one string or one list of token ids (batches are not supported)", "prompt")
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+    messages = [_message_dict(m) for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except InputError as e:
+        raise HTTPError(400, str(e), "messages") from None
+    # NOTE: the template already writes any BOS it wants; do not add another.
+    return _encode(tokenizer, text, add_special_tokens=False)
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    content = m.content
+    if isinstance(content, list):  # OpenAI content parts: keep only the text ones
+        if any(part.get("type") != "text" for part in content):
+            raise HTTPError(400, "only text content parts are supported", "messages")
+        content = "".join(part.get("text", "") for part in content)
+    return {"role": m.role, "content": content or ""}
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    if tokenizer is None:
+        raise HTTPError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _param_of(message: str) -> str | None:
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "stop"):
+        if message.startswith(name):
+            return name
+    return None
