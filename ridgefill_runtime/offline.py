@@ -24,8 +24,11 @@ class PromptLogits:
             seq.fill_boundary, seq.fill_arm = len(ids) - self.fill.tail, self.fill.arm
         return seq
 
-    def __call__(self, ids: list[int]) -> tuple[int, torch.Tensor, "Runner", Sequence]:
-        """-> (first exact row, logits [N - first, V], the runner holding the cache, the sequence)."""
+    def __call__(self, ids: list[int], after_fill=None) -> tuple[int, torch.Tensor, "Runner", Sequence]:
+        """-> (first exact row, logits [N - first, V], the runner holding the cache, the sequence).
+
+        after_fill(runner, seq), if given, runs once the prefix is filled and before the tail
+        reads it (the splice measurements edit the filled cache there)."""
         cfg = self.model.config
         blocks = -(-len(ids) // self.block_size)
         kv = KVPool(cfg.num_layers, blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -38,6 +41,8 @@ class PromptLogits:
             n = min(self.chunk, len(ids) - seq.num_computed)
             if seq.num_computed < seq.fill_boundary:
                 n = min(n, seq.fill_boundary - seq.num_computed)
+            if after_fill is not None and seq.num_computed == seq.fill_boundary > 0:
+                after_fill(runner, seq)
             item = ScheduledSeq(seq, seq.num_computed, n)
             logits, _ = runner.forward([item])
             if item.end > seq.fill_boundary:
