@@ -60,3 +60,32 @@ def test_prompt_longer_than_context_is_one_line_error(tmp_path):
     p = run_cli("score", "--text-file", str(f), "--json")
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.strip().count("\n") == 0 and "exceeds the context length of 8192" in p.stderr
+
+
+def test_score_fill_arm_covers_the_tail_and_lines_up_with_exact(tmp_path, capsys):
+    f = tmp_path / "t.txt"
+    f.write_text("Ridge regression has a closed form. " * 30)
+    cfg = tmp_path / "fill.toml"
+    cfg.write_text("[fill]\nsplit = 15\ntail = 40\n")
+    assert main(["score", "--text-file", str(f), "--json"]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert main(["score", "--text-file", str(f), "--json", "--arm", "identity", "--fill-config", str(cfg)]) == 0
+    arm = json.loads(capsys.readouterr().out)
+    n = len(exact["token_ids"])
+    assert exact["first_scored"] == 0 and arm["first_scored"] == n - 40
+    assert len(arm["target_logprobs"]) == len(arm["argmax"]) == n - 1 - arm["first_scored"]
+    # the same positions: the arm's entries sit at the end of exact's arrays, so they are
+    # far closer to exact's last k entries than to those one position off
+    k = len(arm["target_logprobs"])
+    gap = lambda ref: sum(abs(a - b) for a, b in zip(arm["target_logprobs"], ref)) / k  # noqa: E731
+    assert gap(exact["target_logprobs"][-k:]) < gap(exact["target_logprobs"][-k - 1:-1])
+    assert arm["target_logprobs"] != exact["target_logprobs"][-k:]  # the fill changed something
+
+
+def test_bad_fill_config_is_one_line_error(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("hello there " * 20)
+    cfg = tmp_path / "fill.toml"
+    cfg.write_text("[fill]\nsplitt = 15\n")
+    p = run_cli("score", "--text-file", str(f), "--json", "--arm", "identity", "--fill-config", str(cfg))
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "fill.splitt" in p.stderr

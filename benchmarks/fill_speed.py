@@ -1,0 +1,80 @@
+"""RidgeFill prefill speed on the embedded SmolLM2: exact vs filled, one run, same threads.
+
+    python benchmarks/fill_speed.py --threads 2 --lengths 2048 4096 8000 --reps 3
+
+Each figure is time to first token through the whole engine (one request, idle engine,
+prompt in one chunk). Ceiling (seed 000, §2.5): 1/r with r = S/L + (1 - S/L)·T/N, which
+ignores the maps' own cost and the K/V projections that filled rows still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # NOTE: reuses prefill.py's real-text helper
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--split", type=int, default=15)
+    ap.add_argument("--tail", type=int, default=1024)
+    ap.add_argument("--arm", default="ridgefill", choices=["ridgefill", "identity"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
+    from ridgefill_runtime.engine import Engine
+    from ridgefill_runtime.fill.settings import shipped_maps
+    from ridgefill_runtime.llm import LLM, load_fill_maps
+    from ridgefill_runtime.sequence import SamplingParams
+    from prefill import real_text_ids
+
+    llm = LLM(EngineConfig(cache=CacheConfig(kv_cache_gib=0.05)))
+    model = llm.engine.model
+    maps_path = str(shipped_maps(args.split)) if args.arm == "ridgefill" else None
+    fill = FillConfig(arm=args.arm, split=args.split, tail=args.tail, maps=maps_path)
+
+    def engine(n: int, fill_config: FillConfig) -> Engine:
+        cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5), fill=fill_config,
+                           scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n))
+        return Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model))
+
+    def ttft(eng: Engine, ids: list[int]) -> float:
+        t = time.perf_counter()
+        eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
+        while eng.has_unfinished():
+            eng.step()
+        return time.perf_counter() - t
+
+    L, S, T = model.config.num_layers, args.split, args.tail
+    ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
+    print(f"threads={torch.get_num_threads()} model=SmolLM2-135M-Instruct float32 CPU, arm={args.arm}, "
+          f"split={S}/{L}, tail={T}")
+    print(f"{'tokens':>6} | {'exact s':>7} | {'fill s':>7} | {'speedup':>7} | {'ceiling 1/r':>11} | {'measured/ceiling':>16}")
+    print("-" * 72)
+    warm = ids_all[:T + 256]
+    ttft(engine(len(warm), FillConfig()), warm), ttft(engine(len(warm), fill), warm)
+    for n in args.lengths:
+        ids = ids_all[:n]
+        exact_e, fill_e = engine(n, FillConfig()), engine(n, fill)
+        ex, fi = [], []
+        for _ in range(args.reps):
+            ex.append(ttft(exact_e, ids))
+            fi.append(ttft(fill_e, ids))
+        e, f = statistics.median(ex), statistics.median(fi)
+        r = S / L + (1 - S / L) * T / n
+        print(f"{n:>6} | {e:>7.2f} | {f:>7.2f} | {e / f:>7.2f} | {1 / r:>11.2f} | {(e / f) * r:>16.2f}")
+
+
+if __name__ == "__main__":
+    main()
