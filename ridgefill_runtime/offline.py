@@ -24,9 +24,11 @@ class PromptLogits:
             seq.fill_boundary, seq.fill_arm = len(ids) - self.fill.tail, self.fill.arm
         return seq
 
-    def __call__(self, ids: list[int], after_fill=None) -> tuple[int, torch.Tensor, "Runner", Sequence]:
-        """-> (first exact row, logits [N - first, V], the runner holding the cache, the sequence).
+    def __call__(self, ids: list[int], after_fill=None, logits_from: int = 0
+                 ) -> tuple[int, torch.Tensor, "Runner", Sequence]:
+        """-> (first row with logits, logits [N - first, V], the runner holding the cache, the sequence).
 
+        Logits start at the fill boundary, or at `logits_from` (whichever is later).
         after_fill(runner, seq), if given, runs once the prefix is filled and before the tail
         reads it (the splice measurements edit the filled cache there)."""
         cfg = self.model.config
@@ -37,15 +39,21 @@ class PromptLogits:
         seq = self.new_sequence(ids)
         BlockManager(blocks, self.block_size).grow(seq.block_table, len(ids))
         parts = []
+        first = max(seq.fill_boundary, logits_from)
+        scoring, silent = seq.params, SamplingParams(max_tokens=0)
         while seq.num_computed < len(ids):
             n = min(self.chunk, len(ids) - seq.num_computed)
-            if seq.num_computed < seq.fill_boundary:
-                n = min(n, seq.fill_boundary - seq.num_computed)
+            stop = seq.fill_boundary if seq.num_computed < seq.fill_boundary else first
+            if seq.num_computed < stop:
+                n = min(n, stop - seq.num_computed)
+            # NOTE: rows before `first` need no logits: the runner computes none for them.
+            seq.params = scoring if seq.num_computed >= first else silent
             if after_fill is not None and seq.num_computed == seq.fill_boundary > 0:
                 after_fill(runner, seq)
             item = ScheduledSeq(seq, seq.num_computed, n)
             logits, _ = runner.forward([item])
-            if item.end > seq.fill_boundary:
+            if item.start >= first:
                 parts.append(logits)
             seq.num_computed = item.end
-        return seq.fill_boundary, torch.cat(parts), runner, seq
+        seq.params = scoring
+        return first, torch.cat(parts), runner, seq

@@ -16,6 +16,7 @@ from .needles import TASKS, make_prompt, solved
 
 KEY_RISE = 2.0  # nats: a key token's exact loss rises by more than this without the prefix
 SPLICES = ("keys", "values", "both")
+CHUNK = 2048  # NOTE: big chunks: the CPU's masked-attention path for later chunks is slower
 
 
 @dataclass
@@ -28,11 +29,11 @@ class Arm:
 def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_arm: str | None) -> dict:
     """Per arm: mean ΔNLL on novel and key tokens, mean KL(exact‖arm), top-1 agreement."""
     n, b = len(ids), len(ids) - tail
-    _, exact_all, exact_runner, exact_seq = PromptLogits(model)(ids)
-    exact = exact_all[b:n - 1]  # rows b..n-2 predict tokens b+1..n-1
+    _, exact_all, exact_runner, exact_seq = PromptLogits(model, chunk=CHUNK)(ids, logits_from=b)
+    exact = exact_all[:-1]  # rows b..n-2 predict tokens b+1..n-1
     targets = torch.tensor(ids[b + 1:])
     nll_exact = target_nll(exact, targets)
-    _, cut, _, _ = PromptLogits(model)(ids[b:])  # the context cut to its last `tail` tokens
+    _, cut, _, _ = PromptLogits(model, chunk=CHUNK)(ids[b:])  # the context cut to its last `tail` tokens
     key = (target_nll(cut[:-1], targets) - nll_exact) > KEY_RISE
     novel = novel_mask(ids)[b + 1:]
     out = {"tokens": n, "novel": int(novel.sum()), "key": int(key.sum())}
@@ -42,7 +43,7 @@ def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_
         runs += [(f"{splice_arm}+exact_{what}", base, what) for what in SPLICES]
     for name, arm, splice in runs:
         hook = None if splice is None else _splicer(exact_runner, exact_seq, splice, arm.fill.split)
-        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps)(ids, after_fill=hook)
+        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK)(ids, after_fill=hook)
         logits = logits[:-1]
         d = target_nll(logits, targets) - nll_exact
         kl, agree = kl_and_agreement(exact, logits)

@@ -138,3 +138,10 @@ def test_value_rescale_multiplies_filled_values_by_measured_ratio(tiny):
     assert not torch.allclose(ratio, torch.ones_like(ratio), atol=1e-3)
     # keys untouched when only the value rescale is on
     assert torch.equal(r1.kv.k[layer][s1], r0.kv.k[layer][s0])
+
+
+def test_logits_from_returns_the_same_rows_as_a_full_run(tiny):
+    full = PromptLogits(tiny["model"], chunk=64)(tiny["ids"])[1]
+    first, part, _, _ = PromptLogits(tiny["model"], chunk=64)(tiny["ids"], logits_from=100)
+    assert first == 100 and part.shape[0] == N - 100
+    assert rel_err(part, full[100:]) < 1e-5
