@@ -7,7 +7,9 @@ build would fetch a fresh, huge torch, or none at all).
 
 CUDA build: needs a CUDA build of torch and a toolkit (CUDA_HOME, or nvcc on
 PATH as torch resolves it). No GPU is needed to compile. Targets come from
-TORCH_CUDA_ARCH_LIST, default "8.0;9.0" (A100, H100/H200).
+TORCH_CUDA_ARCH_LIST, default "8.0;9.0;12.0" (A100, H100/H200, RTX 50xx / RTX PRO
+Blackwell; nvcc >= 12.8 knows sm_120, and the pinned toolkit is 13.0). Narrow it for a faster local
+build, e.g. TORCH_CUDA_ARCH_LIST=9.0.
 
 ROCm build: on a ROCm build of torch (torch.version.hip set) with ROCM_HOME,
 the same CUDAExtension runs torch's hipify over csrc/ and compiles with hipcc;
@@ -29,7 +31,7 @@ from setuptools import setup
 
 EXT_NAME = "ridgefill_runtime._C"
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_CUDA_ARCHS = "8.0;9.0"
+DEFAULT_CUDA_ARCHS = "8.0;9.0;12.0"
 
 
 def _skip(reason: str) -> dict:

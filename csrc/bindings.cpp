@@ -2,8 +2,8 @@
 //
 // Importing the compiled module `ridgefill_runtime._C` runs these static
 // registrations; device kernels are attached elsewhere with
-// TORCH_LIBRARY_IMPL (rms_norm.cu for CUDA) and the CPU kernel / fake (meta)
-// implementation from Python (ridgefill_runtime/ops/rms_norm.py).
+// TORCH_LIBRARY_IMPL (csrc/<op>.cu for CUDA) and the CPU kernel / fake (meta)
+// implementation from Python (ridgefill_runtime/ops/<op>.py).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -11,6 +11,50 @@ TORCH_LIBRARY(ridgefill, m) {
   // y = (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype) * weight, over the last
   // dim; fp32 accumulation; weight is 1-D of size x.size(-1), same dtype as x.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+
+  // RidgeFill map application, W8A16: y = x @ (qweight * scales).T + bias in
+  // x's dtype (fp32 accumulation). x [M, d_in] (float32/bfloat16/float16);
+  // qweight int8 [d_out, d_in]; scales bfloat16 [d_out, d_in / 128] (one per
+  // 128 weights of a row); bias bfloat16 [d_out] or None. int8_map_gemm.cu.
+  m.def("int8_map_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor");
+
+  // Attention of an arbitrary subset of prompt rows over the paged KV cache.
+  // q [R, H, D]; row i is sequence q_seq[i] (int32) at position q_pos[i]
+  // (int64) and sees that sequence's keys 0..q_pos[i]; k_slab/v_slab
+  // [S, Hkv, D]; block_tables int32 [B, max_blocks]; context_lens int32 [B].
+  // Returns out [R, H, D] and, if return_key_mass, key_mass float32
+  // [B, max_blocks * block_size] (probability each key receives, summed over
+  // the sequence's rows and all heads), else an empty float32 [0].
+  // scattered_rows_attention.cu.
+  m.def(
+      "scattered_rows_attention(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
+      "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass) "
+      "-> (Tensor, Tensor)");
+
+  // Gated DeltaNet, Qwen3-Next convention (see ridgefill_runtime/ops/gdn.py).
+  // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; states float32
+  // [B, Hv, Dk, Dv]. Returns (o [B, T, Hv, Dv] in q's dtype, final state).
+  m.def(
+      "gdn_chunk(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, "
+      "bool use_qk_l2norm) -> (Tensor, Tensor)");
+  // One decode token: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv].
+  m.def(
+      "gdn_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, bool use_qk_l2norm) "
+      "-> (Tensor, Tensor)");
+  // Filled rows: the state update only, no output (no q).
+  m.def(
+      "gdn_state_update(Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, "
+      "bool use_qk_l2norm) -> Tensor");
+
+  // RIPE (seed 001, Eq. 9): loop `loop` of a looped model for a block of Tq
+  // query tokens per sequence. q [B, Tq, H, D]; deep_k/deep_v [B, T, Hkv, D]
+  // (deepest plane by position); ring_k/ring_v [B, P, C, Hkv, D] (plane p of
+  // position j at slot j % C); cache_lens int32 [B] = positions before the
+  // block. loop == P means the deepest loop (deep plane everywhere). Layout
+  // and policy: ridgefill_runtime/ops/ripe_attention.py. ripe_attention.cu.
+  m.def(
+      "ripe_attention(Tensor q, Tensor deep_k, Tensor deep_v, Tensor ring_k, Tensor ring_v, "
+      "Tensor cache_lens, int loop, int window, float scale) -> Tensor");
 }
 
 // A bare Python module: the ops live in torch.ops.ridgefill, so the module

@@ -67,4 +67,29 @@ __device__ __forceinline__ float block_reduce_sum(float value, float* scratch) {
   return total;
 }
 
+__device__ __forceinline__ float warp_reduce_max(float value) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    value = fmaxf(value, shfl_xor(value, offset));
+  }
+  return value;
+}
+
+// Sum over aligned groups of 32 lanes: the whole warp on wave32, each half
+// of a wavefront on wave64. For kernels that assign one 32-lane group per
+// task so that the host can size grids without knowing the warp size.
+__device__ __forceinline__ float reduce_sum_32(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    value += shfl_xor(value, offset);
+  }
+  return value;
+}
+
+// Integer ceil-division for launch sizes (host and device).
+template <typename T>
+__host__ __device__ constexpr T ceil_div(T a, T b) {
+  return (a + b - 1) / b;
+}
+
 }  // namespace ridgefill

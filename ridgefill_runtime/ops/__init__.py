@@ -55,3 +55,39 @@ def extension_error() -> str | None:
 from .rms_norm import rms_norm, rms_norm_reference  # noqa: E402
 
 __all__ = ["extension_error", "extension_loaded", "rms_norm", "rms_norm_reference"]
+
+from .gdn import (  # noqa: E402
+    gdn_chunk,
+    gdn_chunk_reference,
+    gdn_recurrent_reference,
+    gdn_state_update,
+    gdn_state_update_reference,
+    gdn_step,
+    gdn_step_reference,
+)
+from .int8_map_gemm import (  # noqa: E402
+    dequantize_int8_groupwise,
+    int8_map_gemm,
+    int8_map_gemm_reference,
+    quantize_int8_groupwise,
+)
+from .ripe_attention import ripe_attention, ripe_attention_reference  # noqa: E402
+from .scattered_rows_attention import scattered_rows_attention, scattered_rows_attention_reference  # noqa: E402
+
+__all__ += [
+    "dequantize_int8_groupwise",
+    "gdn_chunk",
+    "gdn_chunk_reference",
+    "gdn_recurrent_reference",
+    "gdn_state_update",
+    "gdn_state_update_reference",
+    "gdn_step",
+    "gdn_step_reference",
+    "int8_map_gemm",
+    "int8_map_gemm_reference",
+    "quantize_int8_groupwise",
+    "ripe_attention",
+    "ripe_attention_reference",
+    "scattered_rows_attention",
+    "scattered_rows_attention_reference",
+]

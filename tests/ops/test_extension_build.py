@@ -129,3 +129,84 @@ def test_op_registration_on_cpu(dtype):
     # The fake must reject what the kernels reject (traced graphs fail early).
     with pytest.raises(ValueError, match="weight must be 1-D"):
         torch.ops.ridgefill.rms_norm(x.to("meta"), weight[:5].to("meta"), 1e-5)
+
+
+# Every op of issue 5: its schema as declared in csrc/bindings.cpp and a CUDA kernel behind it.
+# A schema edit that the Python wrappers do not follow shows up here first.
+NEW_OP_SCHEMAS = {
+    "int8_map_gemm": "ridgefill::int8_map_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
+    "scattered_rows_attention": (
+        "ridgefill::scattered_rows_attention(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
+        "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass) "
+        "-> (Tensor, Tensor)"
+    ),
+    "gdn_chunk": (
+        "ridgefill::gdn_chunk(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, "
+        "bool use_qk_l2norm) -> (Tensor, Tensor)"
+    ),
+    "gdn_step": (
+        "ridgefill::gdn_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor state, "
+        "bool use_qk_l2norm) -> (Tensor, Tensor)"
+    ),
+    "gdn_state_update": (
+        "ridgefill::gdn_state_update(Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, "
+        "bool use_qk_l2norm) -> Tensor"
+    ),
+    "ripe_attention": (
+        "ridgefill::ripe_attention(Tensor q, Tensor deep_k, Tensor deep_v, Tensor ring_k, Tensor ring_v, "
+        "Tensor cache_lens, int loop, int window, float scale) -> Tensor"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_OP_SCHEMAS))
+def test_new_op_schemas_and_kernels(name):
+    if not ops.extension_loaded():
+        assert not REQUIRED
+        assert not hasattr(torch.ops.ridgefill, name)
+        return
+    packet = getattr(torch.ops.ridgefill, name)
+    assert str(packet.default._schema) == NEW_OP_SCHEMAS[name]
+    for key in ("CUDA", "CPU", "Meta"):  # CPU and Meta come from the Python side (reference, fake)
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"ridgefill::{name}", key), key
+
+
+def test_new_ops_opcheck_on_cpu():
+    """Schema, fake and CPU kernel agree for each new op (torch.library.opcheck, no GPU needed)."""
+    if not ops.extension_loaded():
+        return
+    gen = torch.Generator().manual_seed(1)
+    qweight, scales = ops.quantize_int8_groupwise(torch.randn(6, 256, generator=gen))
+    x = torch.randn(3, 256, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+    bias = torch.randn(6, generator=gen).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.ridgefill.int8_map_gemm.default, (x, qweight, scales, bias))
+
+    k_slab = torch.randn(16, 2, 8, generator=gen)
+    v_slab = torch.randn(16, 2, 8, generator=gen)
+    tables = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    lens = torch.tensor([7, 4], dtype=torch.int32)
+    q = torch.randn(3, 4, 8, generator=gen)
+    q_seq = torch.tensor([0, 0, 1], dtype=torch.int32)
+    q_pos = torch.tensor([2, 6, 3])
+    for mass in (True, False):
+        torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default,
+                              (q, q_seq, q_pos, k_slab, v_slab, tables, lens, 4, 0.3, mass))
+
+    qg = torch.randn(2, 5, 1, 8, generator=gen)
+    kg = torch.randn(2, 5, 1, 8, generator=gen)
+    vg = torch.randn(2, 5, 2, 4, generator=gen)
+    g = -torch.rand(2, 5, 2, generator=gen)
+    beta = torch.rand(2, 5, 2, generator=gen)
+    state = torch.randn(2, 2, 8, 4, generator=gen)
+    torch.library.opcheck(torch.ops.ridgefill.gdn_chunk.default, (qg, kg, vg, g, beta, state, True))
+    torch.library.opcheck(torch.ops.ridgefill.gdn_state_update.default, (kg, vg, g, beta, None, False))
+    torch.library.opcheck(torch.ops.ridgefill.gdn_step.default,
+                          (qg[:, 0], kg[:, 0], vg[:, 0], g[:, 0], beta[:, 0], state, True))
+
+    deep = torch.randn(2, 9, 1, 8, generator=gen)
+    ring = torch.randn(2, 2, 5, 1, 8, generator=gen)
+    qr = torch.randn(2, 2, 2, 8, generator=gen)
+    cache_lens = torch.tensor([4, 7], dtype=torch.int32)
+    for loop in (0, 2):
+        torch.library.opcheck(torch.ops.ridgefill.ripe_attention.default,
+                              (qr, deep, deep.clone(), ring, ring.clone(), cache_lens, loop, 3, 0.3))

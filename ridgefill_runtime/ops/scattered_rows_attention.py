@@ -1,0 +1,143 @@
+"""scattered_rows_attention: attention for an arbitrary subset of prompt rows over the paged KV cache.
+
+The rows are whatever the fill chose to run exactly (seed 000 §2.4: exact prefix rows, the tail, the
+probe's last rows) from several sequences, each attending causally *by its original position* to its
+sequence's keys in the runtime's cache (ridgefill_runtime/cache/kv_pool.py):
+
+  q            [R, H, D]            the rows' queries (any float dtype; k/v share it)
+  q_seq        int32 [R]            sequence (batch index b) of each row
+  q_pos        int64 [R]            position of each row in its sequence; it sees keys 0..q_pos
+  k_slab/v_slab [S, Hkv, D]         one layer's cache slabs; position p of sequence b lives at slot
+                                    block_tables[b, p // block_size] * block_size + p % block_size
+  block_tables int32 [B, max_blocks]
+  context_lens int32 [B]            keys written for each sequence; q_pos < context_lens[q_seq]
+  -> out [R, H, D] in q's dtype, and key_mass float32 [B, max_blocks * block_size] when requested:
+     key_mass[b, j] = sum over b's rows and all H heads of the softmax probability of key j (entries
+     at j >= context_lens[b] are 0). That is what the probe selector ranks prefix rows by.
+
+GQA: head h reads KV head h // (H // Hkv) (transformers' repeat_kv). Scores and softmax in fp32.
+Rows are usually sorted by (seq, pos) but need not be. An empty subset returns empty outputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import extension_loaded
+
+_OP_NAME = "ridgefill::scattered_rows_attention"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+
+def _op_available(name: str) -> bool:
+    """The extension is loaded *and* has this op. A stale _C built before the op existed would
+    otherwise break `import ridgefill_runtime.ops` at register_fake; fall back loudly instead."""
+    if not extension_loaded():
+        return False
+    if hasattr(torch.ops.ridgefill, name):
+        return True
+    warnings.warn(f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
+                  "reference. Rebuild with scripts/install.sh.", RuntimeWarning, stacklevel=2)
+    return False
+
+def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size) -> None:
+    """Shape/dtype contract shared by every path (data-dependent checks live in the reference)."""
+    if q.dtype not in _DTYPES or k_slab.dtype != q.dtype or v_slab.dtype != q.dtype:
+        raise TypeError(f"scattered_rows_attention: q, k_slab, v_slab must share a float dtype; got {q.dtype}, "
+                        f"{k_slab.dtype}, {v_slab.dtype}")
+    if q_seq.dtype != torch.int32 or q_pos.dtype != torch.int64:
+        raise TypeError("scattered_rows_attention: q_seq must be int32 and q_pos int64")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError("scattered_rows_attention: block_tables and context_lens must be int32")
+    if q.dim() != 3 or k_slab.dim() != 3 or k_slab.shape != v_slab.shape:
+        raise ValueError(f"scattered_rows_attention: need q [R, H, D], k_slab = v_slab [S, Hkv, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k_slab.shape)}, {tuple(v_slab.shape)}")
+    rows, heads, head_dim = q.shape
+    kv_heads = k_slab.shape[1]
+    if k_slab.shape[2] != head_dim or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"scattered_rows_attention: H={heads} must be a multiple of Hkv={kv_heads} and head dims "
+                         f"must match ({head_dim} vs {k_slab.shape[2]})")
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"scattered_rows_attention: head dim must be in [1, 256], got {head_dim}")
+    if tuple(q_seq.shape) != (rows,) or tuple(q_pos.shape) != (rows,):
+        raise ValueError("scattered_rows_attention: q_seq and q_pos must be [R]")
+    if block_tables.dim() != 2 or tuple(context_lens.shape) != (block_tables.shape[0],):
+        raise ValueError("scattered_rows_attention: need block_tables [B, max_blocks] and context_lens [B]")
+    if block_size < 1:
+        raise ValueError("scattered_rows_attention: block_size must be positive")
+
+
+def scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
+                                       block_size: int, scale: float, return_key_mass: bool = False):
+    """Pure torch; one sequence at a time, fp32 scores/softmax/weighted sum. Returns (out, key_mass)."""
+    _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size)
+    rows, heads, head_dim = q.shape
+    batch, max_blocks = block_tables.shape
+    kv_heads = k_slab.shape[1]
+    group = heads // kv_heads
+    max_ctx = max_blocks * block_size
+    out = torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=q.device)  # [R, H, D]
+    key_mass = (torch.zeros(batch, max_ctx, dtype=torch.float32, device=q.device) if return_key_mass
+                else torch.empty(0, dtype=torch.float32, device=q.device))
+    if rows == 0:
+        return out.to(q.dtype), key_mass
+    lens = context_lens.long()
+    if bool((q_seq < 0).any()) or bool((q_seq >= batch).any()):
+        raise ValueError("scattered_rows_attention: q_seq out of range")
+    if bool((q_pos < 0).any()) or bool((q_pos >= lens[q_seq.long()]).any()):
+        raise ValueError("scattered_rows_attention: every q_pos must be in [0, context_lens[q_seq])")
+    if bool((lens > max_ctx).any()):
+        raise ValueError("scattered_rows_attention: a context is longer than its block table")
+    for b in torch.unique(q_seq).tolist():
+        pick = (q_seq == b).nonzero().flatten()  # [Rb]
+        n_keys = int(q_pos[pick].max()) + 1
+        pos = torch.arange(n_keys, device=q.device)
+        slots = block_tables[b].long()[pos // block_size] * block_size + pos % block_size  # [L]
+        k = k_slab.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v_slab.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [L, H, D]
+        qb = q[pick].float()  # [Rb, H, D]
+        scores = torch.einsum("rhd,lhd->rhl", qb, k) * scale  # [Rb, H, L]
+        visible = pos[None, :] <= q_pos[pick][:, None]  # [Rb, L]
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [Rb, H, L]
+        out[pick] = torch.einsum("rhl,lhd->rhd", probs, v)
+        if return_key_mass:
+            key_mass[b, :n_keys] += probs.sum(dim=(0, 1))
+    return out.to(q.dtype), key_mass
+
+
+if _op_available("scattered_rows_attention"):
+
+    @torch.library.register_fake(_OP_NAME)
+    def _fake(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass):
+        _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size)
+        out = q.new_empty(q.shape)
+        if return_key_mass:
+            mass = q.new_empty((block_tables.shape[0], block_tables.shape[1] * block_size), dtype=torch.float32)
+        else:
+            mass = q.new_empty((0,), dtype=torch.float32)
+        return out, mass
+
+    @torch.library.register_kernel(_OP_NAME, "cpu")
+    def _cpu(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass):
+        return scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
+                                                  block_size, scale, return_key_mass)
+
+    _cuda_impl = torch.ops.ridgefill.scattered_rows_attention.default
+else:
+    _cuda_impl = scattered_rows_attention_reference
+
+
+def scattered_rows_attention(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k_slab: torch.Tensor,
+                             v_slab: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                             block_size: int, scale: float,
+                             return_key_mass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [R, H, D], key_mass [B, max_blocks*block_size] or empty); see the module docstring."""
+    if q.is_cuda:
+        return _cuda_impl(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale,
+                          return_key_mass)
+    return scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
+                                              block_size, scale, return_key_mass)

@@ -1,0 +1,242 @@
+"""scattered_rows_attention against a float64 loop over rows, heads and keys, on a real paged layout
+(shuffled physical blocks, odd block size, GQA), plus the key-mass the probe selector reads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ridgefill_runtime import ops
+from ridgefill_runtime.layers.attention import attend_at
+from ridgefill_runtime.ops import scattered_rows_attention, scattered_rows_attention_reference
+
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # output unit roundoff (fp32: sum noise)
+DTYPES = list(TOL)
+
+
+def make_cache(context_lens, heads, kv_heads, head_dim, block_size, dtype, device="cpu", seed=0, spare_blocks=3):
+    """A KV slab holding B sequences in shuffled physical blocks, plus poison (NaN) in every unused slot."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    max_blocks = max(1, max(math.ceil(n / block_size) for n in context_lens)) + 1  # one spare column
+    num_blocks = batch * max_blocks + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = perm[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)  # [B, max_blocks]
+    slots = num_blocks * block_size
+    k_slab = torch.full((slots, kv_heads, head_dim), float("nan"))
+    v_slab = torch.full((slots, kv_heads, head_dim), float("nan"))
+    for b, n in enumerate(context_lens):
+        pos = torch.arange(n)
+        slot = block_tables[b].long()[pos // block_size] * block_size + pos % block_size
+        k_slab[slot] = torch.randn(n, kv_heads, head_dim, generator=gen)
+        v_slab[slot] = torch.randn(n, kv_heads, head_dim, generator=gen)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    q_all = torch.randn(sum(context_lens), heads, head_dim, generator=gen)
+    cast = lambda t: t.to(dtype).to(device)  # noqa: E731
+    return cast(q_all), cast(k_slab), cast(v_slab), block_tables.to(device), lens.to(device)
+
+
+def pick_rows(context_lens, fraction, seed, device="cpu"):
+    """A sorted random subset: (row indices into q_all, q_seq int32, q_pos int64)."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs, poss = [], []
+    for b, n in enumerate(context_lens):
+        keep = (torch.rand(n, generator=gen) < fraction).nonzero().flatten()
+        seqs += [b] * len(keep)
+        poss += keep.tolist()
+    offsets = [0]
+    for n in context_lens:
+        offsets.append(offsets[-1] + n)
+    rows = torch.tensor([offsets[b] + p for b, p in zip(seqs, poss)], dtype=torch.long)
+    return (rows.to(device), torch.tensor(seqs, dtype=torch.int32, device=device),
+            torch.tensor(poss, dtype=torch.int64, device=device))
+
+
+def naive_f64(q, q_seq, q_pos, k_slab, v_slab, block_tables, block_size, scale, max_ctx):
+    """Plain loops in Python floats."""
+    rows, heads, head_dim = q.shape
+    group = heads // k_slab.shape[1]
+    qd, kd, vd = q.double().tolist(), k_slab.double().tolist(), v_slab.double().tolist()
+    tables = block_tables.tolist()
+    out = [[[0.0] * head_dim for _ in range(heads)] for _ in range(rows)]
+    mass = [[0.0] * max_ctx for _ in range(block_tables.shape[0])]
+    for r in range(rows):
+        b, p = int(q_seq[r]), int(q_pos[r])
+        slots = [tables[b][j // block_size] * block_size + j % block_size for j in range(p + 1)]
+        for h in range(heads):
+            kvh = h // group
+            s = [scale * math.fsum(a * c for a, c in zip(qd[r][h], kd[slot][kvh])) for slot in slots]
+            top = max(s)
+            e = [math.exp(x - top) for x in s]
+            z = math.fsum(e)
+            probs = [x / z for x in e]
+            for j, pj in enumerate(probs):
+                mass[b][j] += pj
+            for d in range(head_dim):
+                out[r][h][d] = math.fsum(pj * vd[slot][kvh][d] for pj, slot in zip(probs, slots))
+    return torch.tensor(out, dtype=torch.float64).view(rows, heads, head_dim), torch.tensor(mass, dtype=torch.float64)
+
+
+CASES = [
+    # (context lens, H, Hkv, D, block size, fraction of rows kept)
+    ([1, 17, 40], 6, 2, 24, 5, 0.3),
+    ([33], 4, 4, 16, 8, 1.0),
+    ([7, 1, 12, 3], 8, 1, 8, 3, 0.5),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"lens{c[0]}-H{c[1]}-Hkv{c[2]}-D{c[3]}-bs{c[4]}")
+def test_reference_matches_naive_f64(case, dtype):
+    lens, heads, kv_heads, head_dim, block_size, fraction = case
+    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype, seed=len(lens))
+    rows, q_seq, q_pos = pick_rows(lens, fraction, seed=heads)
+    q = q_all[rows]
+    scale = head_dim**-0.5
+    out, mass = scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale, True)
+    exp_out, exp_mass = naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, tables.shape[1] * block_size)
+    assert out.dtype == dtype and out.shape == q.shape and mass.shape == exp_mass.shape
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), exp_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(mass.double(), exp_mass, rtol=1e-5, atol=1e-5)
+    # Each row-head distributes exactly one unit of mass over its own sequence's keys.
+    per_seq_rows = torch.bincount(q_seq.long(), minlength=len(lens)).double()
+    torch.testing.assert_close(mass.double().sum(1), per_seq_rows * heads, rtol=1e-5, atol=1e-5)
+    assert bool((mass[:, tables.shape[1] * block_size - 1] == 0).all())  # the spare block column is never read
+
+
+def test_one_row_and_empty_subset():
+    lens = [9, 4]
+    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, 4, 2, 8, 4, torch.float32, seed=1)
+    one = scattered_rows_attention_reference(q_all[[10]], torch.tensor([1], dtype=torch.int32),
+                                             torch.tensor([1]), k_slab, v_slab, tables, ctx, 4, 0.3, True)
+    exp_out, exp_mass = naive_f64(q_all[[10]], torch.tensor([1]), torch.tensor([1]), k_slab, v_slab, tables, 4, 0.3,
+                                  tables.shape[1] * 4)
+    torch.testing.assert_close(one[0].double(), exp_out, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(one[1].double(), exp_mass, rtol=1e-6, atol=1e-6)
+    assert float(one[1][0].abs().sum()) == 0.0 and float(one[1][1, :2].sum()) == pytest.approx(4.0)
+    out, mass = scattered_rows_attention(q_all[:0], torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.long),
+                                         k_slab, v_slab, tables, ctx, 4, 0.3, True)
+    assert out.shape == (0, 4, 8) and mass.shape == (2, tables.shape[1] * 4) and float(mass.abs().sum()) == 0.0
+    _, no_mass = scattered_rows_attention(q_all[:0], torch.zeros(0, dtype=torch.int32),
+                                          torch.zeros(0, dtype=torch.long), k_slab, v_slab, tables, ctx, 4, 0.3)
+    assert no_mass.shape == (0,)
+
+
+def test_agrees_with_model_attention_path():
+    # The runtime's current path (gather the sequence's slots, SDPA with a position mask) must give
+    # the same rows: the model can swap one for the other.
+    lens = [21, 13]
+    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, 6, 3, 16, 4, torch.float32, seed=2)
+    rows, q_seq, q_pos = pick_rows(lens, 0.4, seed=3)
+    out, _ = scattered_rows_attention_reference(q_all[rows], q_seq, q_pos, k_slab, v_slab, tables, ctx, 4, 0.25)
+    for b, n in enumerate(lens):
+        pick = (q_seq == b).nonzero().flatten()
+        pos = torch.arange(n)
+        slots = tables[b].long()[pos // 4] * 4 + pos % 4
+        expected = attend_at(q_all[rows][pick], q_pos[pick], k_slab[slots], v_slab[slots], 0.25)  # [Rb, H*D]
+        torch.testing.assert_close(out[pick].reshape(len(pick), -1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_rejects_bad_arguments():
+    q_all, k_slab, v_slab, tables, ctx = make_cache([5], 4, 2, 8, 4, torch.float32)
+    q = q_all[:1]
+    seq = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="q_pos"):
+        scattered_rows_attention(q, seq, torch.tensor([5]), k_slab, v_slab, tables, ctx, 4, 1.0)
+    with pytest.raises(TypeError, match="int64"):
+        scattered_rows_attention(q, seq, torch.tensor([1], dtype=torch.int32), k_slab, v_slab, tables, ctx, 4, 1.0)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        scattered_rows_attention(q[:, :3], seq, torch.tensor([1]), k_slab, v_slab, tables, ctx, 4, 1.0)
+    with pytest.raises(TypeError, match="share a float dtype"):
+        scattered_rows_attention(q.half(), seq, torch.tensor([1]), k_slab, v_slab, tables, ctx, 4, 1.0)
+
+
+# ---------------------------------------------------------------------------
+# CUDA kernel.
+
+
+def _kernel(*args):
+    assert ops.extension_loaded(), f"CUDA available but extension not loaded: {ops.extension_error()}"
+    q = args[0]
+    torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)  # poison the caching allocator
+    return torch.ops.ridgefill.scattered_rows_attention(*args)
+
+
+def _torch_lowp(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale):
+    """torch's own low-precision answer: SDPA in q's dtype, one sequence at a time."""
+    out = torch.empty_like(q)
+    for b in q_seq.unique().tolist():
+        pick = (q_seq == b).nonzero().flatten()
+        pos = torch.arange(int(q_pos[pick].max()) + 1, device=q.device)
+        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
+        out[pick] = attend_at(q[pick], q_pos[pick], k_slab[slots], v_slab[slots], scale).view(len(pick), *q.shape[1:])
+    return out
+
+
+GPU_CASES = CASES + [
+    ([300, 1, 1000], 32, 8, 128, 16, 0.05),  # Llama-like GQA 4, D 128
+    ([2049], 16, 2, 64, 16, 0.02),           # GQA 8, D 64
+    ([700, 64], 8, 1, 256, 32, 0.1),         # D 256, MQA: head chunks of 4
+    ([100], 20, 1, 80, 16, 0.2),             # group 20 > MAXG: several head chunks
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{len(c[0])}-H{c[1]}-Hkv{c[2]}-D{c[3]}-bs{c[4]}")
+def test_kernel_matches_reference(case, dtype):
+    lens, heads, kv_heads, head_dim, block_size, fraction = case
+    for seed in range(2):
+        q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype,
+                                                        device="cuda", seed=seed)
+        rows, q_seq, q_pos = pick_rows(lens, fraction, seed=seed + 1, device="cuda")
+        q = q_all[rows]
+        scale = head_dim**-0.5
+        args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale)
+        out, mass = _kernel(*args, True)
+        assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
+        # Exact answer: the fp32 reference on float64 copies (the inputs are already rounded).
+        exact_out, exact_mass = scattered_rows_attention_reference(
+            q.double().float(), q_seq, q_pos, k_slab.float(), v_slab.float(), tables, ctx, block_size, scale, True)
+        err = (out.float() - exact_out).abs().max().item() if out.numel() else 0.0
+        if dtype == torch.float32:
+            assert err <= 1e-5, err
+        else:
+            torch_err = (_torch_lowp(*args[:6], block_size, scale).float() - exact_out).abs().max().item()
+            assert err <= 2 * torch_err + TOL[dtype], (err, torch_err)
+        # Key mass is fp32 math on the same (rounded) inputs for every dtype: only summation order differs.
+        torch.testing.assert_close(mass, exact_mass, rtol=1e-4, atol=1e-4)
+        out2, none = _kernel(*args, False)
+        assert none.shape == (0,) and torch.equal(out2, out)
+
+
+@pytest.mark.gpu
+def test_kernel_empty_and_one_row():
+    q_all, k_slab, v_slab, tables, ctx = make_cache([9, 4], 4, 2, 8, 4, torch.bfloat16, device="cuda", seed=4)
+    out, mass = _kernel(q_all[:0], torch.zeros(0, dtype=torch.int32, device="cuda"),
+                        torch.zeros(0, dtype=torch.long, device="cuda"), k_slab, v_slab, tables, ctx, 4, 0.3, True)
+    assert out.shape == (0, 4, 8) and float(mass.abs().sum()) == 0.0
+    args = (q_all[[10]], torch.tensor([1], dtype=torch.int32, device="cuda"), torch.tensor([0], device="cuda"),
+            k_slab, v_slab, tables, ctx, 4, 0.3, True)
+    out, mass = _kernel(*args)
+    ref_out, ref_mass = scattered_rows_attention_reference(*[a.cpu() if torch.is_tensor(a) else a for a in args])
+    torch.testing.assert_close(out.cpu(), ref_out)
+    torch.testing.assert_close(mass.cpu(), ref_mass)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_opcheck(dtype):
+    lens = [11, 6]
+    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, 4, 2, 32, 4, dtype, device="cuda", seed=5)
+    # opcheck compares against the fake and checks autograd registration; NaN in unused slots is
+    # never read, but opcheck may compare outputs elementwise, so fill them.
+    k_slab = torch.nan_to_num(k_slab)
+    v_slab = torch.nan_to_num(v_slab)
+    rows, q_seq, q_pos = pick_rows(lens, 0.5, seed=6, device="cuda")
+    for mass in (True, False):
+        torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default,
+                              (q_all[rows], q_seq, q_pos, k_slab, v_slab, tables, ctx, 4, 0.2, mass))
