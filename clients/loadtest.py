@@ -37,6 +37,7 @@ class StreamRecord:
     sent: float
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    fill: dict | None = None  # the usage's `ridgefill` object: present when the prefix was filled
     error: str | None = None
 
     @property
@@ -91,6 +92,7 @@ class Client:
                     chunk = json.loads(line[6:])
                     if chunk.get("usage"):
                         rec.completion_tokens = chunk["usage"]["completion_tokens"]
+                        rec.fill = chunk["usage"].get("ridgefill")
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         rec.chunk_times.append(now)
                         if started is not None and not started.is_set():
@@ -120,7 +122,8 @@ async def mixed_cell(client: Client, users: int, rep: int, args) -> dict:
     new = await client.stream(new_prompt, args.new_output_tokens)
     done = await asyncio.gather(*tasks)
     errors = [r.error for r in [new, *done] if r.error]
-    cell = {"users": users, "rep": rep, "new_ttft_s": new.ttft if new.chunk_times else math.nan, "errors": errors}
+    cell = {"users": users, "rep": rep, "new_ttft_s": new.ttft if new.chunk_times else math.nan,
+            "new_filled_rows": new.fill["filled_rows"] if new.fill else 0, "new_fill": new.fill, "errors": errors}
     if done:
         first_sent = min(r.sent for r in done)
         last = max(r.chunk_times[-1] for r in done if r.chunk_times)
@@ -140,7 +143,8 @@ async def run_mixed(args) -> dict:
     summary = []
     for c in args.concurrency:
         rows = [x for x in cells if x["users"] == c]
-        row = {"users": c, "new_ttft_s": _median(r["new_ttft_s"] for r in rows)}
+        row = {"users": c, "new_ttft_s": _median(r["new_ttft_s"] for r in rows),
+               "new_filled_rows": max(r["new_filled_rows"] for r in rows)}
         if c > 1:
             for key in ("others_throughput_tok_s", "itl_p50_s", "itl_p99_s", "itl_max_s"):
                 row[key] = _median(r[key] for r in rows)
@@ -198,12 +202,30 @@ def _settings(args) -> dict:
 
 
 def mixed_table(result: dict) -> str:
-    lines = ["| users C | new TTFT (s) | others' tok/s | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| users C | new TTFT (s) | filled rows | others' tok/s | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["summary"]:
         ms = lambda k: f"{r[k] * 1e3:.0f}" if k in r else "–"  # noqa: E731
         tput = f"{r['others_throughput_tok_s']:.1f}" if "others_throughput_tok_s" in r else "–"
-        lines.append(f"| {r['users']} | {r['new_ttft_s']:.2f} | {tput} | {ms('itl_p50_s')} | {ms('itl_p99_s')} | {ms('itl_max_s')} |")
+        lines.append(f"| {r['users']} | {r['new_ttft_s']:.2f} | {r.get('new_filled_rows', 0)} | {tput} | {ms('itl_p50_s')} | {ms('itl_p99_s')} | {ms('itl_max_s')} |")
+    return "\n".join(lines)
+
+
+def mixed_side_by_side(results: list[dict], labels: list[str]) -> str:
+    """One row per C, each measure for every result next to each other (e.g. fill off | on)."""
+    measures = [("new TTFT (s)", "new_ttft_s", 1, 2), ("filled rows", "new_filled_rows", 1, 0),
+                ("others' tok/s", "others_throughput_tok_s", 1, 1), ("ITL p50 (ms)", "itl_p50_s", 1e3, 0),
+                ("ITL p99 (ms)", "itl_p99_s", 1e3, 0), ("ITL max (ms)", "itl_max_s", 1e3, 0)]
+    head = ["users C"] + [f"{title} {label}" for title, *_ in measures for label in labels]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = [{r["users"]: r for r in res["summary"]} for res in results]
+    for c in sorted(set().union(*rows)):
+        cells = [str(c)]
+        for _, key, scale, digits in measures:
+            for by_c in rows:
+                r = by_c.get(c, {})
+                cells.append(f"{r[key] * scale:.{digits}f}" if key in r else "–")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -257,8 +279,9 @@ def compare(paths: list[Path], png: Path | None) -> str:
     labels = [p.stem for p in paths]
     if png:
         plot(results, labels, png)
-    table = mixed_table if results[0]["mode"] == "mixed" else plain_table
-    return "\n\n".join(f"### {label}\n\n{table(r)}" for r, label in zip(results, labels))
+    if results[0]["mode"] == "mixed":
+        return mixed_side_by_side(results, labels)
+    return "\n\n".join(f"### {label}\n\n{plain_table(r)}" for r, label in zip(results, labels))
 
 
 # -- command line ---------------------------------------------------------------------------

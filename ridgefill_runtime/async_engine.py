@@ -56,6 +56,16 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class FillRows:
+    """How a filled request's prompt rows were computed (for usage and metrics)."""
+
+    filled: int  # leading prompt rows filled (Sequence.fill_boundary)
+    exact_prefix: int  # prefix rows chosen to run exactly; not built yet, so always 0
+    tail: int  # the last rows, run through every layer
+    split: int
+
+
 @dataclass(eq=False)
 class RequestHandle:
     """The event-loop side of one request: await `events` until an event says finished."""
@@ -65,7 +75,9 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
+    fill: bool = True  # False: exact prefill even when the engine's fill is on
     seq: Sequence | None = None  # set by the engine thread once added
+    fill_rows: FillRows | None = None  # set with seq when its prefix is filled; None otherwise
     cancelled: bool = False  # NOTE: only written under AsyncEngine._lock
 
     @property
@@ -120,8 +132,9 @@ class AsyncEngine:
 
     # -- event-loop side ----------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Validate and enqueue; raises InputError, EngineOverloaded or EngineStopped."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True) -> RequestHandle:
+        """Validate and enqueue; raises InputError, EngineOverloaded or EngineStopped.
+        `fill=False` asks for exact prefill even when the engine's fill is on."""
         if not self.alive:
             raise EngineStopped("the engine is not running")
         self.engine.validate(prompt_ids, params)  # reads only immutable model facts
@@ -129,7 +142,7 @@ class AsyncEngine:
             if self._in_flight >= self.capacity:
                 raise EngineOverloaded(f"the server is at capacity ({self.capacity} requests in flight)")
             self._in_flight += 1
-        handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop())
+        handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop(), fill=fill)
         self._inbox.put(("add", handle))
         return handle
 
@@ -178,10 +191,17 @@ class AsyncEngine:
             self._finish(handle, StreamEvent("", [], True, "abort"))
             return
         try:
-            handle.seq = self.engine.add_request(handle.prompt_ids, handle.params)
+            seq = self.engine.add_request(handle.prompt_ids, handle.params, fill=handle.fill)
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
             self._finish(handle, StreamEvent("", [], True, "error", str(e)))
             return
+        if seq.fill_boundary > 0:
+            # NOTE: written before any event of this request is sent, so readers on the
+            # event loop (usage) see it once they have an event.
+            handle.fill_rows = FillRows(filled=seq.fill_boundary, exact_prefix=0,
+                                        tail=len(seq.prompt_ids) - seq.fill_boundary,
+                                        split=self.engine.fill.split)
+        handle.seq = seq
         self._active[handle.seq.seq_id] = handle
 
     def _step(self) -> None:

@@ -30,7 +30,7 @@ from .limits import BodySizeLimit
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
-                       TokenizeRequest, TokenizeResponse, make_usage, new_id)
+                       TokenizeRequest, TokenizeResponse, new_id, usage_of)
 from .streaming import collect, stream_chat, stream_completion
 
 log = logging.getLogger("ridgefill.server")
@@ -94,10 +94,10 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
             raise HTTPError(404, f"model {name!r} does not exist; this server serves "
                                  f"{server_config.served_model_name!r}", "model")
 
-    def submit(prompt_ids, params):
+    def submit(prompt_ids, params, fill: bool):
         eng = state.ready()
         try:
-            return eng.submit(prompt_ids, params)
+            return eng.submit(prompt_ids, params, fill)
         except InputError as e:
             raise HTTPError(400, str(e), "prompt") from None
         except (EngineOverloaded, EngineStopped) as e:
@@ -137,12 +137,13 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         rq.check_common(body)
+        fill = rq.wants_fill(body)
         if body.echo:
             raise HTTPError(400, "echo is not supported", "echo")
         eng = state.ready()
         prompt = rq.completion_prompt(body, eng.engine.tokenizer)
         params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS)
-        handle = submit(prompt, params)
+        handle = submit(prompt, params, fill)
         rid, model = new_id("cmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -151,19 +152,20 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         _raise_if_failed(out)
         return CompletionResponse(id=rid, model=model,
                                   choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
-                                  usage=make_usage(out.prompt_tokens, out.completion_tokens))
+                                  usage=usage_of(handle))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         rq.check_common(body)
+        fill = rq.wants_fill(body)
         eng = state.ready()
         prompt = rq.chat_prompt(body, eng.engine.tokenizer)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # NOTE: like OpenAI, an unset limit means "up to the context length".
         default = max(eng.engine.max_model_len - len(prompt), 0)
         params = rq.sampling_params(body, asked, default)
-        handle = submit(prompt, params)
+        handle = submit(prompt, params, fill)
         rid, model = new_id("chatcmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -173,7 +175,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         return ChatCompletionResponse(
             id=rid, model=model,
             choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
-            usage=make_usage(out.prompt_tokens, out.completion_tokens))
+            usage=usage_of(handle))
 
     return app
 

@@ -12,7 +12,8 @@ _FLAG_KEYS = {
     "model": "model.path", "dtype": "model.dtype", "device": "model.device",
     "block_size": "cache.block_size", "kv_cache_gib": "cache.kv_cache_gib", "num_blocks": "cache.num_blocks",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens", "max_num_seqs": "scheduler.max_num_seqs",
-    "chunk_size": "scheduler.chunk_size", "fill": "fill.mode",
+    "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
+    "fill_tail": "fill.tail", "fill_maps": "fill.maps", "fill_placement": "fill.placement",
     "host": "server.host", "port": "server.port", "api_key": "server.api_key",
     "served_model_name": "server.served_model_name", "max_queued_requests": "server.max_queued_requests",
     "max_body_bytes": "server.max_body_bytes", "threads": "server.threads", "log_level": "server.log_level",
@@ -32,7 +33,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, help="most sequences running at once")
     p.add_argument("--chunk-size", type=int, help="most prompt rows one sequence gets per step")
-    p.add_argument("--fill", choices=["off"], help="prefill mode (only 'off' until RidgeFill lands)")
+    p.add_argument("--fill", choices=["off", "plain"],
+                   help="prefill mode: off = exact, plain = RidgeFill with the configured maps")
+    p.add_argument("--fill-split", type=int, help="first late layer S (layers below it run exactly for every row)")
+    p.add_argument("--fill-tail", type=int, help="last prompt rows always run through every layer")
+    p.add_argument("--fill-maps", help="map file from `ridgefill fit` (default: the shipped maps of the embedded model)")
+    p.add_argument("--fill-placement", choices=["resident", "streamed"], help="where the maps live")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes and /tokenize")

@@ -12,8 +12,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
-from ridgefill_runtime.errors import RidgefillError
+from safetensors import safe_open
+
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
+from ridgefill_runtime.errors import ModelLoadError, RidgefillError
+from ridgefill_runtime.fill.maps import MapMeta
+from ridgefill_runtime.fill.settings import shipped_maps
 
 
 class ConfigError(RidgefillError):
@@ -51,22 +55,30 @@ class ServerConfig:
         return d
 
 
-FILL_NOT_AVAILABLE = "RidgeFill is not available yet in this build; only mode = \"off\" (exact prefill) is accepted"
+# Operator names for the prefill: "plain" is RidgeFill with the configured maps; "nofill" and
+# "identity" are the paper's ablation arms, accepted for evaluation runs.
+FILL_MODES = {"off": "exact", "plain": "ridgefill", "nofill": "nofill", "identity": "identity"}
+CORRECTIONS = ("value_rescale", "key_rescale")  # the boolean corrections a list may name
 
 
 @dataclass(frozen=True)
 class FillSettings:
-    """Placeholder until RidgeFill lands: only exact prefill ("off")."""
+    """The operator's fill mode; everything else about the fill lives in EngineConfig.fill."""
 
     mode: str = "off"
 
     def __post_init__(self) -> None:
-        if self.mode != "off":
-            raise ValueError(f"fill.mode {self.mode!r}: {FILL_NOT_AVAILABLE}")
+        if self.mode not in FILL_MODES:
+            raise ValueError(f"fill.mode must be one of {', '.join(FILL_MODES)}, got {self.mode!r}")
+
+    @property
+    def arm(self) -> str:
+        return FILL_MODES[self.mode]
 
 
-# section -> key -> (accepted Python types, where it goes). "engine", "cache", "scheduler",
-# "server", "fill" name the dataclass a value is passed to.
+# section -> key -> (accepted Python types, where it goes, field name). "engine", "cache",
+# "scheduler", "server" name the dataclass a value is passed to; "fill" collects FillConfig
+# fields plus "mode" (FillSettings). Nested tables flatten to dotted keys ("corrections.key_rescale").
 _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str, str]]] = {
     "model": {
         "path": ((str,), "engine", "model"),
@@ -85,6 +97,15 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str, str]]] = {
     },
     "fill": {
         "mode": ((str,), "fill", "mode"),
+        "split": ((int,), "fill", "split"),
+        "tail": ((int,), "fill", "tail"),
+        "maps": ((str,), "fill", "maps"),
+        "placement": ((str,), "fill", "placement"),
+        # `corrections = ["value_rescale"]` (a list of names to switch on) or a table:
+        "corrections": ((list,), "fill", "corrections"),
+        "corrections.value_rescale": ((bool,), "fill", "value_rescale"),
+        "corrections.key_rescale": ((bool,), "fill", "key_rescale"),
+        "corrections.rescale_rows": ((int,), "fill", "rescale_rows"),
     },
     "server": {name: (types, "server", name) for name, types in {
         "host": (str,), "port": (int,), "api_key": (str,), "served_model_name": (str,),
@@ -92,30 +113,67 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str, str]]] = {
         "threads": (int,), "log_level": (str,),
     }.items()},
 }
-# Keys that belong to the RidgeFill issue: named in the error so operators know why.
-_FILL_LATER = ("split", "tail", "maps", "placement", "corrections")
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
                 ) -> tuple[EngineConfig, ServerConfig, FillSettings]:
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
     values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, "fill": {}, "server": {}}
+    origin: dict[str, str] = {}  # dotted key -> where its value came from, for errors found later
     source = str(path) if path else "command line"
     if path:
         for dotted, value in _flatten(_read_toml(Path(path))):
-            _put(values, dotted, value, source)
+            _put(values, origin, dotted, value, source)
     for dotted, value in (overrides or {}).items():
         if value is not None:
-            _put(values, dotted, value, "command line")
+            _put(values, origin, dotted, value, "command line")
+    try:
+        fill_settings = FillSettings(values["fill"].pop("mode", "off"))
+    except ValueError as e:
+        raise ConfigError(f"{origin['fill.mode']}: {e}") from None
+    fill_kwargs = {"arm": fill_settings.arm, **values["fill"]}
+    if fill_settings.arm == "ridgefill":
+        fill_kwargs["maps"] = _maps_path(values["engine"].get("model"), fill_kwargs, origin)
     try:
         cache = CacheConfig(**values["cache"])
         scheduler = SchedulerConfig(**values["scheduler"])
-        engine = EngineConfig(cache=cache, scheduler=scheduler, **values["engine"])
+        fill = FillConfig(**fill_kwargs)
+        engine = EngineConfig(cache=cache, scheduler=scheduler, fill=fill, **values["engine"])
         server = ServerConfig(**values["server"])
-        fill = FillSettings(**values["fill"])
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
-    return engine, server, fill
+    if fill.arm == "ridgefill":
+        _check_maps_header(fill, origin.get("fill.maps", origin["fill.mode"]))
+    return engine, server, fill_settings
+
+
+def _maps_path(model: str | None, fill_kwargs: dict, origin: dict[str, str]) -> str:
+    """The map file for mode = "plain": the configured one, else the maps shipped for the
+    embedded default model (they fit no other model, so a model path needs its own maps)."""
+    if fill_kwargs.get("maps"):
+        return fill_kwargs["maps"]
+    if model is not None:
+        raise ConfigError(f"{origin['fill.mode']}: key 'fill.maps' is required when fill.mode = \"plain\" "
+                          f"and model.path is set (the shipped maps fit only the embedded default model)")
+    return str(shipped_maps(fill_kwargs.get("split", FillConfig().split)))
+
+
+def _check_maps_header(fill: FillConfig, where: str) -> None:
+    """Refuse a missing, foreign or other-split map file before the server starts; the model
+    itself is checked against the maps when it loads (llm.load_fill_maps)."""
+    path = Path(fill.maps)
+    if not path.is_file():
+        raise ConfigError(f"{where}: key 'fill.maps': map file {path} not found")
+    try:
+        with safe_open(str(path), framework="pt") as f:  # reads the header only
+            meta = MapMeta.from_strings(f.metadata() or {}, str(path))
+    except ModelLoadError as e:
+        raise ConfigError(f"{where}: key 'fill.maps': {e}") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise ConfigError(f"{where}: key 'fill.maps': {path}: unreadable map file ({type(e).__name__}: {e})") from None
+    if meta.split != fill.split:
+        raise ConfigError(f"{where}: key 'fill.maps': {path} holds maps fitted for split {meta.split}, "
+                          f"but fill.split is {fill.split}")
 
 
 def _read_toml(path: Path) -> dict:
@@ -128,29 +186,38 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: cannot read config: {e}") from None
 
 
-def _flatten(doc: dict) -> list[tuple[str, Any]]:
+def _flatten(doc: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """Nested tables become dotted keys; a top-level scalar stays bare (reported as unknown)."""
     out = []
-    for section, body in doc.items():
-        if not isinstance(body, dict):
-            out.append((section, body))  # a top-level key: reported as unknown by _put
-            continue
-        out.extend((f"{section}.{key}", value) for key, value in body.items())
+    for key, body in doc.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(body, dict):
+            out.extend(_flatten(body, dotted + "."))
+        else:
+            out.append((dotted, body))
     return out
 
 
-def _put(values: dict, dotted: str, value: Any, source: str) -> None:
+def _put(values: dict, origin: dict, dotted: str, value: Any, source: str) -> None:
     section, _, key = dotted.partition(".")
     spec = _SCHEMA.get(section, {}).get(key)
     if spec is None:
-        if section == "fill" and key in _FILL_LATER:
-            raise ConfigError(f"{source}: key '{dotted}': {FILL_NOT_AVAILABLE}")
         raise ConfigError(f"{source}: unknown key '{dotted}'")
     types, target, name = spec
     # NOTE: bool is an int subclass in Python; `port = true` must still be refused.
-    if isinstance(value, bool) or not isinstance(value, types):
-        want = " or ".join(t.__name__ for t in types)
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        want = " or ".join("list or table" if t is list else t.__name__ for t in types)
         raise ConfigError(f"{source}: key '{dotted}' must be {want}, got {type(value).__name__} {value!r}")
+    if dotted == "fill.corrections":
+        for item in value:
+            if item not in CORRECTIONS:
+                raise ConfigError(f"{source}: key 'fill.corrections': unknown correction {item!r} "
+                                  f"(known: {', '.join(CORRECTIONS)}; rescale_rows needs the table form)")
+            values["fill"][item] = True
+            origin[f"fill.{item}"] = source
+        return
     values[target][name] = float(value) if float in types else value
+    origin[dotted] = source
 
 
 def effective_config_text(engine: EngineConfig, server: ServerConfig, fill: FillSettings) -> str:

@@ -32,8 +32,8 @@ class ServerMetrics(EngineObserver):
         self.generation_tokens = Counter("ridgefill_generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter("ridgefill_request_finished", "Finished requests by reason",
                                 ["finish_reason"], registry=r)
-        # NOTE: the fill counters exist (at 0) before RidgeFill lands, so dashboards can be built now.
-        self.filled_rows = Counter("ridgefill_fill_filled_rows", "Prompt rows filled by the ridge maps", registry=r)
+        # Counted when a filled request finishes (like the prompt tokens); exact requests add nothing.
+        self.filled_rows = Counter("ridgefill_fill_filled_rows", "Prompt rows filled (late-layer K/V predicted, not computed)", registry=r)
         self.exact_prefix_rows = Counter("ridgefill_fill_exact_prefix_rows", "Exact prefix rows in filled prompts", registry=r)
         self.tail_rows = Counter("ridgefill_fill_tail_rows", "Exact tail rows in filled prompts", registry=r)
         self.http_requests = Counter("ridgefill_http_requests", "HTTP requests by route and status",
@@ -64,6 +64,10 @@ class ServerMetrics(EngineObserver):
         if t.first_token is not None and t.last_token is not None:
             self.decode_time.observe(t.last_token - t.first_token)
         self.prompt_tokens.inc(handle.num_prompt_tokens)
+        if handle.fill_rows is not None:
+            self.filled_rows.inc(handle.fill_rows.filled)
+            self.exact_prefix_rows.inc(handle.fill_rows.exact_prefix)
+            self.tail_rows.inc(handle.fill_rows.tail)
         reason = handle.seq.finish_reason if handle.seq is not None else "abort"
         self.finished.labels(finish_reason=reason or "abort").inc()
 

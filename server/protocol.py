@@ -12,12 +12,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ridgefill_runtime.async_engine import FillRows, RequestHandle
+
 
 class RidgefillOptions(BaseModel):
-    """Per-request fill control: `{"mode": "off"}` asks for exact prefill."""
+    """Per-request fill control: `{"mode": "off"}` asks for exact prefill; "plain" or no mode
+    takes the server's default. Other values are refused in `server/requests.py`."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: str = "off"
+    mode: str | None = None
 
 
 class StreamOptions(BaseModel):
@@ -71,7 +74,7 @@ class TokenizeRequest(BaseModel):
 
 class FillUsage(BaseModel):
     filled_rows: int
-    exact_rows: int
+    exact_prefix_rows: int
     tail_rows: int
     split: int
 
@@ -80,13 +83,20 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    # NOTE: only present when the fill ran (never, until RidgeFill lands)
+    # NOTE: present exactly when the request's prefix was filled
     ridgefill: FillUsage | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def make_usage(prompt_tokens: int, completion_tokens: int, fill: FillRows | None = None) -> Usage:
+    fill_usage = None if fill is None else FillUsage(
+        filled_rows=fill.filled, exact_prefix_rows=fill.exact_prefix, tail_rows=fill.tail, split=fill.split)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens, ridgefill=fill_usage)
+
+
+def usage_of(handle: RequestHandle) -> Usage:
+    """The usage of a finished request, streamed or not."""
+    return make_usage(handle.num_prompt_tokens, handle.num_output_tokens, handle.fill_rows)
 
 
 def new_id(prefix: str) -> str:

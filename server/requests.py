@@ -5,7 +5,6 @@ from __future__ import annotations
 from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.sequence import SamplingParams
 
-from .config import FILL_NOT_AVAILABLE
 from .errors import HTTPError
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 
@@ -17,8 +16,15 @@ def check_common(req: _SamplingFields) -> None:
         raise HTTPError(400, f"n={req.n} is not supported: this server returns exactly one choice (n=1)", "n")
     if req.logprobs not in (None, False, 0):
         raise HTTPError(400, "logprobs are not supported", "logprobs")
-    if req.ridgefill is not None and req.ridgefill.mode != "off":
-        raise HTTPError(400, f"ridgefill.mode {req.ridgefill.mode!r}: {FILL_NOT_AVAILABLE}", "ridgefill.mode")
+
+
+def wants_fill(req: _SamplingFields) -> bool:
+    """False when the request asks for exact prefill; True leaves it to the server's fill mode."""
+    mode = req.ridgefill.mode if req.ridgefill is not None else None
+    if mode not in (None, "off", "plain"):
+        raise HTTPError(400, f"ridgefill.mode must be \"off\" (exact prefill) or \"plain\" "
+                             f"(the server's fill), got {mode!r}", "ridgefill.mode")
+    return mode != "off"
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int) -> SamplingParams:

@@ -16,7 +16,7 @@ from fastapi import Request
 from ridgefill_runtime.async_engine import AsyncEngine, RequestHandle, StreamEvent
 
 from .errors import error_body
-from .protocol import make_usage, now
+from .protocol import now, usage_of
 
 
 @dataclass
@@ -114,5 +114,5 @@ async def stream_chat(engine: AsyncEngine, handle: RequestHandle, rid: str, mode
 
 
 def _usage_chunk(rid: str, obj: str, created: int, model: str, handle: RequestHandle) -> dict:
-    usage = make_usage(handle.num_prompt_tokens, handle.num_output_tokens).model_dump(exclude_none=True)
+    usage = usage_of(handle).model_dump(exclude_none=True)
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}

@@ -44,6 +44,10 @@ def test_mixed_mode_reports_ttft_throughput_and_stalls(url, tmp_path, capsys):
     cell = next(c for c in result["cells"] if c["users"] == 3)
     assert cell["others_tokens"] == 2 * 12 and cell["errors"] == []
     assert png.read_bytes()[:4] == b"\x89PNG" and "| 3 |" in capsys.readouterr().out
+    assert cell["new_filled_rows"] == 0 and cell["new_fill"] is None  # this server runs fill off
+    assert main(["compare", str(out), str(out)]) == 0  # mixed results compare side by side, one row per C
+    table = capsys.readouterr().out
+    assert "new TTFT (s) mixed | new TTFT (s) mixed |" in table and table.count("\n| 3 | ") == 1
 
 
 def test_plain_mode_reports_percentiles_and_compare_renders(url, tmp_path, capsys):

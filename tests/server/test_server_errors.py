@@ -63,7 +63,7 @@ def _assert_error(r: httpx.Response, status: int, *words: str, param: str | None
     ({}, ["prompt"], "prompt"),
     ({"prompt": "hi", "stop": [""]}, ["stop"], "stop"),
     ({"prompt": "hi", "logprobs": 3}, ["logprobs"], "logprobs"),
-    ({"prompt": "hi", "ridgefill": {"mode": "plain"}}, ["not available yet"], "ridgefill.mode"),
+    ({"prompt": "hi", "ridgefill": {"mode": "fast"}}, ["ridgefill.mode must be", "'fast'"], "ridgefill.mode"),
 ])
 def test_bad_completion_input_is_400(keyed, body, words, param):
     _assert_error(keyed.post("/v1/completions", json=body), 400, *words, param=param)

@@ -1,0 +1,238 @@
+"""RidgeFill through the server: the [fill] config, the per-request exact opt-out, the usage
+`ridgefill` object and the fill counters, against real servers on the embedded SmolLM2.
+
+Two servers share one loaded model: one with fill plain (tail 64, maps written here for this
+model), one with fill off. The maps are A = I + noise, b = noise: deliberately not the exact
+hidden state, so a filled prompt generates measurably different text from an exact one and
+the tests can tell which path a request took.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from ridgefill_runtime.config import CacheConfig, EngineConfig
+from ridgefill_runtime.engine import Engine
+from ridgefill_runtime.fill.maps import MapMeta, save_maps
+from ridgefill_runtime.llm import build_engine, load_fill_maps
+from server.app import create_app
+from server.background import BackgroundServer
+from server.config import ConfigError, load_config
+
+SPLIT, TAIL = 15, 64
+GREEDY = {"temperature": 0, "max_tokens": 8}
+# ~300 tokens: long enough that the first ~236 rows are filled with TAIL = 64.
+LONG = ("Ledger of the mill. " + "The river ran past the old mill, where the miller kept a ledger of every "
+        "sack of grain, and in autumn the village gathered to count the harvest. " * 9
+        + "Question: what did the miller keep? Answer:")
+COUNTERS = ("ridgefill_fill_filled_rows_total", "ridgefill_fill_exact_prefix_rows_total", "ridgefill_fill_tail_rows_total")
+
+
+def write_maps(path, model, split: int, noise: float = 0.05) -> None:
+    """Maps for every late layer of `model`, fitted to nothing: a perturbed identity."""
+    cfg, d = model.config, model.config.hidden_size
+    gen = torch.Generator().manual_seed(7)
+    maps = {l: (torch.eye(d) + noise * torch.randn(d, d, generator=gen) / d ** 0.5,
+                noise * torch.randn(d, generator=gen)) for l in range(split, cfg.num_layers)}
+    meta = MapMeta(model_identity=model.identity, architecture=cfg.architecture, num_layers=cfg.num_layers,
+                   hidden_size=d, split=split, lam=0.0, calibration_rows=0, calibration_hash="test")
+    save_maps(path, meta, maps)
+
+
+@pytest.fixture(scope="module")
+def model_and_maps(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
+    torch.set_num_threads(2)
+    base = build_engine(EngineConfig(cache=CacheConfig(num_blocks=64)))
+    folder = tmp_path_factory.mktemp("maps")
+    maps = {split: folder / f"split{split}.safetensors" for split in (SPLIT, 11)}
+    for split, path in maps.items():
+        write_maps(path, base.model, split)
+    yield base, maps
+    mp.undo()
+
+
+def _config(tmp_path, text: str):
+    f = tmp_path / "rf.toml"
+    f.write_text(text)
+    return f
+
+
+@pytest.fixture(scope="module")
+def servers(model_and_maps, tmp_path_factory):
+    """(fill-plain server, fill-off server); the fill one is configured through a TOML file."""
+    base, maps = model_and_maps
+    f = _config(tmp_path_factory.mktemp("cfg"),
+                f'[cache]\nnum_blocks = 64\n[fill]\nmode = "plain"\nsplit = {SPLIT}\ntail = {TAIL}\nmaps = "{maps[SPLIT]}"\n')
+    fill_cfg, fill_server_cfg, fill_settings = load_config(f)
+    assert fill_cfg.fill.arm == "ridgefill" and fill_settings.mode == "plain"
+    # NOTE: same weights as `base`, own KV pool and fill settings, built as build_engine would.
+    filled = Engine(base.model, base.tokenizer, fill_cfg, load_fill_maps(fill_cfg, base.model))
+    off_cfg, off_server_cfg, off_settings = load_config(None, {"cache.num_blocks": 64})
+    with BackgroundServer(create_app(fill_cfg, fill_server_cfg, fill_settings, build=lambda: filled)) as on, \
+            BackgroundServer(create_app(off_cfg, off_server_cfg, off_settings, build=lambda: base)) as off:
+        on.wait_ready()
+        off.wait_ready()
+        yield on.url, off.url
+
+
+def _counters(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in COUNTERS:
+            out[name] = float(value)
+    assert set(out) == set(COUNTERS), text
+    return out
+
+
+def _complete(url: str, **body) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"prompt": LONG, **GREEDY, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_filled_request_reports_its_rows_and_moves_the_counters(servers):
+    on, _ = servers
+    before = _counters(on)
+    out = _complete(on)
+    n = out["usage"]["prompt_tokens"]
+    assert 280 <= n <= 340  # the prompt is really long enough to fill most of it
+    assert out["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
+                                         "tail_rows": TAIL, "split": SPLIT}
+    after = _counters(on)
+    assert after["ridgefill_fill_filled_rows_total"] - before["ridgefill_fill_filled_rows_total"] == n - TAIL
+    assert after["ridgefill_fill_tail_rows_total"] - before["ridgefill_fill_tail_rows_total"] == TAIL
+    assert after["ridgefill_fill_exact_prefix_rows_total"] == before["ridgefill_fill_exact_prefix_rows_total"]
+
+
+def test_exact_request_on_a_fill_server_equals_a_fill_off_server(servers):
+    on, off = servers
+    reference = _complete(off)
+    assert "ridgefill" not in reference["usage"]
+    before = _counters(on)
+    exact = _complete(on, ridgefill={"mode": "off"})
+    assert "ridgefill" not in exact["usage"]
+    assert exact["choices"][0]["text"] == reference["choices"][0]["text"] and reference["choices"][0]["text"].strip()
+    assert _counters(on) == before  # an exact request fills no rows
+    # "plain" means the server's default; with these off-target maps the text shows the fill ran.
+    filled = _complete(on, ridgefill={"mode": "plain"})
+    assert filled["usage"]["ridgefill"]["filled_rows"] > 0
+    assert filled["choices"][0]["text"] != reference["choices"][0]["text"]
+
+
+def test_streamed_chat_usage_chunk_carries_the_fill(servers):
+    on, _ = servers
+    body = {"messages": [{"role": "user", "content": LONG}], "temperature": 0, "max_completion_tokens": 4,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", on + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])["usage"]
+    assert usage["ridgefill"] == {"filled_rows": usage["prompt_tokens"] - TAIL, "exact_prefix_rows": 0,
+                                  "tail_rows": TAIL, "split": SPLIT}
+
+
+def test_prompt_within_the_tail_is_not_filled(servers):
+    on, _ = servers
+    before = _counters(on)
+    out = _complete(on, prompt="A short prompt")
+    assert out["usage"]["prompt_tokens"] <= TAIL and "ridgefill" not in out["usage"]
+    assert _counters(on) == before
+
+
+@pytest.mark.parametrize("fill, words", [
+    ({"mode": "fast"}, "ridgefill.mode must be \"off\" (exact prefill) or \"plain\""),
+    ({"mode": "exact"}, "got 'exact'"),  # the runtime's arm names are not request modes
+    ({"mode": "off", "split": 3}, "ridgefill"),  # nothing else may be set per request
+])
+def test_bad_request_mode_is_400_naming_the_field(servers, fill, words):
+    on, _ = servers
+    r = httpx.post(on + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "ridgefill": fill})
+    err = r.json()["error"]
+    assert r.status_code == 400 and words in err["message"] and err["param"].startswith("ridgefill"), err
+
+
+# -- the [fill] config -------------------------------------------------------------------------
+
+
+def test_every_fill_key_reaches_the_fill_config(model_and_maps, tmp_path):
+    _, maps = model_and_maps
+    f = _config(tmp_path, f'[fill]\nmode = "plain"\nsplit = 11\ntail = 128\nmaps = "{maps[11]}"\n'
+                          'placement = "streamed"\n[fill.corrections]\nvalue_rescale = true\n'
+                          'key_rescale = true\nrescale_rows = 32\n')
+    engine, _, settings = load_config(f)
+    fc = engine.fill
+    assert settings.mode == "plain" and (fc.arm, fc.split, fc.tail, fc.maps, fc.placement) == (
+        "ridgefill", 11, 128, str(maps[11]), "streamed")
+    assert (fc.value_rescale, fc.key_rescale, fc.rescale_rows) == (True, True, 32)
+    # The list form switches corrections on by name; flags override the file.
+    f = _config(tmp_path, '[fill]\nmode = "identity"\ncorrections = ["key_rescale"]\n')
+    fc = load_config(f, {"fill.tail": 256, "fill.placement": None})[0].fill
+    assert (fc.arm, fc.tail, fc.key_rescale, fc.value_rescale, fc.maps) == ("identity", 256, True, False, None)
+    assert load_config(None, {"fill.mode": "nofill"})[0].fill.arm == "nofill"
+    assert load_config(None)[0].fill.arm == "exact"
+
+
+def test_plain_on_the_embedded_model_defaults_to_the_shipped_maps(model_and_maps, monkeypatch):
+    _, maps = model_and_maps
+    # NOTE: the shipped file is stood in for by this test's maps, so the test does not depend
+    # on which map files the checkout holds; what is tested is that the split picks the file.
+    monkeypatch.setattr("server.config.shipped_maps", lambda split: maps[split])
+    assert load_config(None, {"fill.mode": "plain"})[0].fill.maps == str(maps[SPLIT])
+    assert load_config(None, {"fill.mode": "plain", "fill.split": 11})[0].fill.maps == str(maps[11])
+
+
+@pytest.mark.parametrize("text, words", [
+    ('[fill]\nsplitt = 12\n', "unknown key 'fill.splitt'"),
+    ('[fill.corrections]\nvalue_rescal = true\n', "unknown key 'fill.corrections.value_rescal'"),
+    ('[fill]\ntail = "64"\n', "key 'fill.tail' must be int, got str '64'"),
+    ('[fill]\nsplit = true\n', "key 'fill.split' must be int, got bool"),
+    ('[fill]\nmaps = 3\n', "key 'fill.maps' must be str"),
+    ('[fill.corrections]\nkey_rescale = 1\n', "key 'fill.corrections.key_rescale' must be bool, got int"),
+    ('[fill]\ncorrections = true\n', "key 'fill.corrections' must be list or table"),
+    ('[fill]\ncorrections = ["rescale_rows"]\n', "unknown correction 'rescale_rows'"),
+    ('[fill]\nmode = "fast"\n', "fill.mode must be one of off, plain, nofill, identity, got 'fast'"),
+    ('[fill]\nplacement = "disk"\n', "fill.placement must be resident or streamed"),
+    ('[fill]\ntail = 0\n', "fill.tail must be >= 1"),
+    ('[model]\npath = "/m"\n[fill]\nmode = "plain"\n', "key 'fill.maps' is required when fill.mode = \"plain\" and model.path is set"),
+    ('[fill]\nmode = "plain"\nmaps = "/nope.safetensors"\n', "key 'fill.maps': map file /nope.safetensors not found"),
+])
+def test_bad_fill_config_names_key_and_file(tmp_path, text, words):
+    f = _config(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value).startswith(f"{f}: ") and words in str(e.value), str(e.value)
+
+
+def test_not_a_map_file_is_refused(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not safetensors")
+    f = _config(tmp_path, f'[fill]\nmode = "plain"\nmaps = "{junk}"\n')
+    with pytest.raises(ConfigError, match=rf"^{f}: key 'fill.maps': {junk}: unreadable map file"):
+        load_config(f)
+
+
+def test_maps_for_another_split_stop_serve_with_one_line(model_and_maps, tmp_path):
+    _, maps = model_and_maps
+    f = _config(tmp_path, f'[fill]\nmode = "plain"\nsplit = {SPLIT}\nmaps = "{maps[11]}"\n')
+    p = subprocess.run([sys.executable, "-m", "server", "serve", "--config", str(f)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == (f"ridgefill: error: {f}: key 'fill.maps': {maps[11]} holds maps fitted for "
+                                f"split 11, but fill.split is {SPLIT}")
+    # The same from flags: the error names the command line.
+    p = subprocess.run([sys.executable, "-m", "server", "serve", "--fill", "plain", "--fill-split", "11",
+                        "--fill-maps", str(maps[SPLIT])], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.strip() == (
+        f"ridgefill: error: command line: key 'fill.maps': {maps[SPLIT]} holds maps fitted for split {SPLIT}, "
+        f"but fill.split is 11")
