@@ -56,6 +56,8 @@ def run_eval(args, llm) -> int:
         r = document_measures(model, ids, arms, args.tail, splice_arm)
         r.update(path=d.path, sha256=d.sha256)
         per_doc.append(r)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "documents.partial.json").write_text(json.dumps(per_doc, indent=1))  # NOTE: survives a crash later
         print(f"eval: doc {i + 1}/{len(docs)} ({len(ids)} tokens, {r['key']} key, {r['novel']} novel) "
               f"{time.time() - t0:.0f}s", flush=True)
     lengths = [int(x) for x in args.needle_lengths.split(",")]
