@@ -46,6 +46,20 @@ def extension_loaded() -> bool:
     return _EXTENSION_ERROR is None
 
 
+def op_available(name: str) -> bool:
+    """The extension is loaded *and* has this op. NOTE: a stale _C built before the op existed
+    would otherwise break `import ridgefill_runtime.ops` at register_fake; fall back loudly."""
+    if not extension_loaded():
+        return False
+    import torch
+
+    if hasattr(torch.ops.ridgefill, name):
+        return True
+    warnings.warn(f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
+                  "reference. Rebuild with scripts/install.sh.", RuntimeWarning, stacklevel=2)
+    return False
+
+
 def extension_error() -> str | None:
     """Why the extension is not loaded (None when it is); for diagnostics."""
     return _EXTENSION_ERROR

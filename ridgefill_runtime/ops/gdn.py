@@ -32,28 +32,16 @@ Chunked form (our derivation; C tokens per chunk, S0 the state entering the chun
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
-from . import extension_loaded
+from . import op_available
 
 _L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_CHUNK = 64
 
 
-
-def _op_available(name: str) -> bool:
-    """The extension is loaded *and* has this op. A stale _C built before the op existed would
-    otherwise break `import ridgefill_runtime.ops` at register_fake; fall back loudly instead."""
-    if not extension_loaded():
-        return False
-    if hasattr(torch.ops.ridgefill, name):
-        return True
-    warnings.warn(f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
-                  "reference. Rebuild with scripts/install.sh.", RuntimeWarning, stacklevel=2)
-    return False
 
 def _check_seq_args(name, q, k, v, g, beta, state) -> None:
     """Contract of the sequence-form ops (q may be None for the state-only op)."""
@@ -164,7 +152,7 @@ def gdn_state_update_reference(k, v, g, beta, initial_state=None, use_qk_l2norm=
     return gdn_chunk_reference(None, k, v, g, beta, initial_state, use_qk_l2norm)[1]
 
 
-if _op_available("gdn_chunk"):
+if op_available("gdn_chunk"):
 
     def _state_like(k, v):
         return k.new_empty((k.shape[0], v.shape[2], k.shape[3], v.shape[3]), dtype=torch.float32)

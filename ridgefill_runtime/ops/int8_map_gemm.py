@@ -21,28 +21,16 @@ both inequalities.
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
-from . import extension_loaded
+from . import op_available
 
 _OP_NAME = "ridgefill::int8_map_gemm"
 GROUP = 128  # format constant; the kernel is compiled for it
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
-def _op_available(name: str) -> bool:
-    """The extension is loaded *and* has this op. A stale _C built before the op existed would
-    otherwise break `import ridgefill_runtime.ops` at register_fake; fall back loudly instead."""
-    if not extension_loaded():
-        return False
-    if hasattr(torch.ops.ridgefill, name):
-        return True
-    warnings.warn(f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
-                  "reference. Rebuild with scripts/install.sh.", RuntimeWarning, stacklevel=2)
-    return False
 
 def _check_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
     """The contract the CUDA kernel enforces, applied on every path alike."""
@@ -107,7 +95,7 @@ def int8_map_gemm_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torc
     return y.to(x.dtype)
 
 
-if _op_available("int8_map_gemm"):
+if op_available("int8_map_gemm"):
 
     @torch.library.register_fake(_OP_NAME)
     def _int8_map_gemm_fake(x, qweight, scales, bias):

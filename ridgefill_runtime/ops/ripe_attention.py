@@ -29,27 +29,15 @@ GQA: head h reads KV head h // (H // Hkv). Scores and softmax in fp32.
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
-from . import extension_loaded
+from . import op_available
 
 _OP_NAME = "ridgefill::ripe_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
-def _op_available(name: str) -> bool:
-    """The extension is loaded *and* has this op. A stale _C built before the op existed would
-    otherwise break `import ridgefill_runtime.ops` at register_fake; fall back loudly instead."""
-    if not extension_loaded():
-        return False
-    if hasattr(torch.ops.ridgefill, name):
-        return True
-    warnings.warn(f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
-                  "reference. Rebuild with scripts/install.sh.", RuntimeWarning, stacklevel=2)
-    return False
 
 def _check_args(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window) -> None:
     if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (deep_k, deep_v, ring_k, ring_v)):
@@ -124,7 +112,7 @@ def ripe_attention_reference(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop
     return out.to(q.dtype)
 
 
-if _op_available("ripe_attention"):
+if op_available("ripe_attention"):
 
     @torch.library.register_fake(_OP_NAME)
     def _fake(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window, scale):

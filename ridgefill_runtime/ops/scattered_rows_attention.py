@@ -21,27 +21,15 @@ Rows are usually sorted by (seq, pos) but need not be. An empty subset returns e
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
-from . import extension_loaded
+from . import op_available
 
 _OP_NAME = "ridgefill::scattered_rows_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
-def _op_available(name: str) -> bool:
-    """The extension is loaded *and* has this op. A stale _C built before the op existed would
-    otherwise break `import ridgefill_runtime.ops` at register_fake; fall back loudly instead."""
-    if not extension_loaded():
-        return False
-    if hasattr(torch.ops.ridgefill, name):
-        return True
-    warnings.warn(f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
-                  "reference. Rebuild with scripts/install.sh.", RuntimeWarning, stacklevel=2)
-    return False
 
 def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size) -> None:
     """Shape/dtype contract shared by every path (data-dependent checks live in the reference)."""
@@ -109,7 +97,7 @@ def scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_ta
     return out.to(q.dtype), key_mass
 
 
-if _op_available("scattered_rows_attention"):
+if op_available("scattered_rows_attention"):
 
     @torch.library.register_fake(_OP_NAME)
     def _fake(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass):
