@@ -12,6 +12,7 @@ keep their progress. This costs one extra step per running sequence, only after 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -19,6 +20,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .config import RowsConfig
 from .engine import Engine
 from .errors import RidgefillError
 from .sequence import SamplingParams, Sequence, SeqStatus
@@ -58,10 +60,13 @@ class RequestTimes:
 
 @dataclass(frozen=True)
 class FillRows:
-    """How a filled request's prompt rows were computed (for usage and metrics)."""
+    """How a filled request's prompt rows were computed (for usage and metrics): filled +
+    exact_prefix + tail = the prompt's length. Until the request finishes, exact_prefix is 0
+    and filled is the whole prefix (Sequence.fill_boundary); when it finishes, the rows its
+    selectors chose (Sequence.exact_rows) move from filled to exact_prefix."""
 
-    filled: int  # leading prompt rows filled (Sequence.fill_boundary)
-    exact_prefix: int  # prefix rows chosen to run exactly; not built yet, so always 0
+    filled: int  # prefix rows whose late-layer K/V was predicted, not computed
+    exact_prefix: int  # prefix rows chosen to run exactly (len(Sequence.exact_rows))
     tail: int  # the last rows, run through every layer
     split: int
 
@@ -76,8 +81,9 @@ class RequestHandle:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
     fill: bool = True  # False: exact prefill even when the engine's fill is on
+    rows: RowsConfig | None = None  # this request's exact-row selectors; None: the engine's
     seq: Sequence | None = None  # set by the engine thread once added
-    fill_rows: FillRows | None = None  # set with seq when its prefix is filled; None otherwise
+    fill_rows: FillRows | None = None  # set with seq when its prefix is filled (final once finished)
     cancelled: bool = False  # NOTE: only written under AsyncEngine._lock
 
     @property
@@ -132,9 +138,11 @@ class AsyncEngine:
 
     # -- event-loop side ----------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True) -> RequestHandle:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
+               rows: RowsConfig | None = None) -> RequestHandle:
         """Validate and enqueue; raises InputError, EngineOverloaded or EngineStopped.
-        `fill=False` asks for exact prefill even when the engine's fill is on."""
+        `fill=False` asks for exact prefill even when the engine's fill is on; `rows` replaces
+        the engine's exact-row selectors for this request (Engine.add_request)."""
         if not self.alive:
             raise EngineStopped("the engine is not running")
         self.engine.validate(prompt_ids, params)  # reads only immutable model facts
@@ -142,7 +150,7 @@ class AsyncEngine:
             if self._in_flight >= self.capacity:
                 raise EngineOverloaded(f"the server is at capacity ({self.capacity} requests in flight)")
             self._in_flight += 1
-        handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop(), fill=fill)
+        handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop(), fill=fill, rows=rows)
         self._inbox.put(("add", handle))
         return handle
 
@@ -191,7 +199,7 @@ class AsyncEngine:
             self._finish(handle, StreamEvent("", [], True, "abort"))
             return
         try:
-            seq = self.engine.add_request(handle.prompt_ids, handle.params, fill=handle.fill)
+            seq = self.engine.add_request(handle.prompt_ids, handle.params, fill=handle.fill, rows=handle.rows)
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
             self._finish(handle, StreamEvent("", [], True, "error", str(e)))
             return
@@ -267,6 +275,12 @@ class AsyncEngine:
     def _finish(self, handle: RequestHandle, event: StreamEvent) -> None:
         if handle.seq is not None:
             self._active.pop(handle.seq.seq_id, None)
+            if handle.fill_rows is not None:
+                # NOTE: the prefill is over (or abandoned), so the exact rows are final; written
+                # before the finishing event is sent, so usage read after it sees them.
+                exact = len(handle.seq.exact_rows)
+                handle.fill_rows = dataclasses.replace(
+                    handle.fill_rows, filled=handle.seq.fill_boundary - exact, exact_prefix=exact)
         handle.times.finished = time.monotonic()
         with self._lock:
             self._in_flight -= 1

@@ -20,6 +20,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
+def _fill_args(p: argparse.ArgumentParser, arm_help: str) -> None:
+    p.add_argument("--arm", default="exact", choices=ARMS, help=arm_help)
+    p.add_argument("--fill-config", type=Path, default=None,
+                   help="TOML with a [fill] table (split, tail, maps) and an optional [fill.rows] table "
+                        "(exact prefix rows); default: the shipped maps and selectors")
+    p.add_argument("--selectors", default=None, metavar="A,B,C",
+                   help="exact prefix row selectors, comma-separated (special, attention, probe, lexical, "
+                        "protected, digits); replaces the config's selectors")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ridgefill", description="RidgeFill LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,15 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _fill_args(g, "prefix handling of the prompt (default: exact)")
 
     s = sub.add_parser("score", help="per-token log-probabilities of a text under the model")
     _engine_args(s)
     s.add_argument("--text-file", required=True, type=Path)
     s.add_argument("--json", action="store_true", help="print one JSON object (the only format for now)")
-    s.add_argument("--arm", default="exact", choices=ARMS,
-                   help="prefix handling; fill arms score only the rows they compute exactly (the tail)")
-    s.add_argument("--fill-config", type=Path, default=None,
-                   help="TOML with a [fill] table (split, tail, maps, corrections); default: the shipped maps")
+    _fill_args(s, "prefix handling; fill arms score only the rows they compute exactly (the tail)")
 
     f = sub.add_parser("fit", help="fit RidgeFill maps: one capture pass, then a ridge solve per late layer")
     _engine_args(f)
@@ -89,11 +97,26 @@ def _run(args) -> int:
     if args.command == "fit":
         from .fill.fit_cli import run_fit
         return run_fit(args, config)
+    from .fill.settings import fill_for_arm
+    fill = fill_for_arm(args.arm, args.fill_config, model=args.model, selectors=parse_selectors(args.selectors))
+    config = dataclasses.replace(config, fill=fill)
     if args.command == "score":
-        from .fill.settings import fill_for_arm
-        config = dataclasses.replace(config, fill=fill_for_arm(args.arm, args.fill_config))
         return _score(LLM(config), args)
     return _generate(LLM(config), args)
+
+
+def parse_selectors(text: str | None) -> list[str] | None:
+    """`--selectors a,b,c` -> ["a", "b", "c"] (None: not given); an unknown name is an InputError."""
+    if text is None:
+        return None
+    from .config import SELECTORS
+    from .errors import InputError
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in SELECTORS:
+            raise InputError(f"--selectors: unknown selector {name!r} (known: {', '.join(SELECTORS)})")
+    return names
 
 
 def _generate(llm, args) -> int:

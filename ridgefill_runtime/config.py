@@ -108,6 +108,68 @@ class EngineConfig:
 
 
 FILL_ARMS = ("exact", "nofill", "identity", "ridgefill")
+SELECTORS = ("special", "attention", "probe", "lexical", "protected", "digits")
+CONTROLS = ("none", "random", "tail")
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """Exact prefix rows (seed 000, §2.4): which selectors choose them and with what budgets.
+
+    special: control/user-defined/unknown tokens and position 0, always, outside any budget.
+    attention: the top `attention_share` of prefix rows by attention received from the last
+      `window` prompt rows, summed over heads of `attention_layers` (those below the split).
+    probe: after the fill, the last `probe_window` rows run the exact late layers over the
+      filled cache; the top E prefix rows by late attention run exactly, E = budget_factor x
+      the base rules' count (rarer half of protected-class rows, every digit row, the top
+      `base_attention_share` by lower-layer attention); lexical rows are reserved inside E.
+    lexical: sentences sharing a rare 4-word run with the last `window` content tokens.
+    protected: the rarest `protected_share` of protected-class rows (needs `unigram` counts).
+    digits: rows holding digit tokens.
+    control: none; random (the same count of random prefix rows, seeded by `seed`); tail (the
+      same count added to the exact tail instead).
+    """
+
+    selectors: tuple[str, ...] = ("special",)
+    attention_share: float = 0.10
+    attention_layers: tuple[int, ...] = (3, 7, 11)
+    window: int = 64
+    probe_window: int = 256
+    budget_factor: float = 1.0
+    base_attention_share: float = 0.20
+    protected_share: float = 0.25
+    lexical_cap: float = 0.05
+    lexical_sentence_rows: int = 80
+    unigram: str | None = None  # token counts over the calibration text (protected, probe)
+    control: str = "none"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "selectors", tuple(self.selectors))
+        object.__setattr__(self, "attention_layers", tuple(self.attention_layers))
+        bad = [s for s in self.selectors if s not in SELECTORS]
+        if bad:
+            raise ValueError(f"fill.rows.selectors: unknown selector {bad[0]!r} (known: {', '.join(SELECTORS)})")
+        if self.control not in CONTROLS:
+            raise ValueError(f"fill.rows.control must be one of {', '.join(CONTROLS)}, got {self.control!r}")
+        for name in ("attention_share", "base_attention_share", "protected_share", "lexical_cap"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"fill.rows.{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("window", "probe_window", "lexical_sentence_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"fill.rows.{name} must be >= 1, got {getattr(self, name)}")
+        if self.budget_factor < 0:
+            raise ValueError(f"fill.rows.budget_factor must be >= 0, got {self.budget_factor}")
+        if any(layer < 0 for layer in self.attention_layers):
+            raise ValueError("fill.rows.attention_layers must be layer indices >= 0")
+
+    def replace(self, **changes) -> "RowsConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def lower_attention(self) -> bool:
+        """The lower-layer attention scores are needed (attention rows, or the probe's budget)."""
+        return "attention" in self.selectors or "probe" in self.selectors
 PLACEMENTS = ("resident", "streamed")
 
 
@@ -128,7 +190,8 @@ class FillConfig:
     placement: str = "resident"  # where maps live: device memory, or pinned host memory streamed per layer
     value_rescale: bool = False
     key_rescale: bool = False
-    rescale_rows: int = 64  # c: first tail rows on which the rescale ratios are measured
+    rescale_rows: int = 64  # c: first exact late rows on which the rescale ratios are measured
+    rows: RowsConfig = field(default_factory=RowsConfig)  # exact prefix rows
 
     def __post_init__(self) -> None:
         if self.arm not in FILL_ARMS:
@@ -141,6 +204,8 @@ class FillConfig:
             raise ValueError(f"fill.tail must be >= 1 (the last prompt row is always exact), got {self.tail}")
         if self.rescale_rows < 1:
             raise ValueError(f"fill.rescale_rows must be >= 1, got {self.rescale_rows}")
+        if isinstance(self.rows, dict):
+            object.__setattr__(self, "rows", RowsConfig(**self.rows))
         if self.arm == "ridgefill" and not self.maps:
             raise ValueError("fill.arm = ridgefill needs fill.maps (a map file from `ridgefill fit`)")
 

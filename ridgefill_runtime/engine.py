@@ -8,9 +8,11 @@ import torch
 
 from .cache.block_manager import BlockManager
 from .cache.kv_pool import KVPool
-from .config import EngineConfig
+from .config import EngineConfig, RowsConfig
 from .detokenize import TextTracker
 from .errors import InputError
+from .fill.select import RowSelector
+from .fill.tokens import TokenTable, load_counts
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
@@ -36,8 +38,8 @@ class Engine:
         num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_gib * 2**30) // (bytes_per_token * bs))
         self.kv = KVPool(cfg.num_layers, num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, model.device)
         self.blocks = BlockManager(num_blocks, bs)
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.fill = config.fill
+        self.scheduler = Scheduler(config.scheduler, self.blocks, RowSelector(token_table(tokenizer, self.fill.rows)))
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.runner = Runner(model, self.kv, bs, self.fill, fill_maps)
@@ -47,13 +49,14 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True) -> Sequence:
-        """Queue a request. `fill=False` asks for an exact prefill even when the fill is on."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
+                    rows: RowsConfig | None = None, hide_from: int | None = None) -> Sequence:
+        """Queue a request. `fill=False` asks for an exact prefill even when the fill is on;
+        `rows` overrides the configured exact-row selectors for this request; `hide_from`
+        (evaluation: the question-hidden control) shows the selectors only positions before it."""
         self.validate(prompt_ids, params)
         seq = Sequence(prompt_ids=list(prompt_ids), params=params)
-        if fill and self.fill.enabled and len(prompt_ids) > self.fill.tail:
-            seq.fill_boundary = len(prompt_ids) - self.fill.tail
-            seq.fill_arm = self.fill.arm
+        apply_fill(seq, self.fill, fill, rows, hide_from)
         self.scheduler.add(seq)
         return seq
 
@@ -97,3 +100,24 @@ class Engine:
             self.runner.forget(seq.seq_id)
         return RequestOutput(seq=seq, delta_text=delta, new_token_ids=seq.output_ids[had:],
                              finished=seq.finished)
+
+
+def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,
+               hide_from: int | None = None) -> None:
+    """Set a new sequence's fill: prompt rows before len - tail are filled (when the fill is on
+    and the prompt is longer than the tail), with these exact-row selectors."""
+    n = len(seq.prompt_ids)
+    if not (wanted and fill.enabled and n > fill.tail):
+        return
+    if hide_from is not None and not 0 < hide_from <= n:
+        raise InputError(f"hide_from must be in 1..{n}, got {hide_from}")
+    seq.fill_boundary, seq.fill_arm = n - fill.tail, fill.arm
+    seq.rows, seq.hide_from = rows or fill.rows, hide_from
+
+
+def token_table(tokenizer, rows: RowsConfig) -> TokenTable | None:
+    """The per-token facts the selectors read; None when there is no tokenizer."""
+    if tokenizer is None or not hasattr(tokenizer, "token_type"):
+        return None
+    counts = load_counts(rows.unigram) if rows.unigram else None
+    return TokenTable.from_tokenizer(tokenizer, counts)

@@ -6,7 +6,8 @@ import torch
 
 from .cache.kv_pool import KVPool
 from .config import FillConfig
-from .fill.plan import build_fill_step
+from .fill.plan import FillPlanner, needs_fill_step
+from .fill.stash import SplitStash
 from .layers.attention import AttentionBatch
 from .sampling import sample_token
 from .scheduler import ScheduledSeq, StepResult
@@ -21,27 +22,56 @@ class Runner:
         self.fill_config = fill or FillConfig()
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
+        self._stashes: dict[int, SplitStash] = {}  # split states of sequences in a two-sweep prefill
+        self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self._stashes,
+                                   model.config.hidden_size, model.dtype, self.device)
+        self.last_row_scores: list[dict | None] = []
 
     def forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Run the step; logits [R, V] float32 and, per item, its (lo, hi) range of rows in them."""
-        ids, positions, batch = self._prepare(items)
-        fill = build_fill_step(items, batch, self._seq_slots, self.fill_config, self.predict)
+        """Run the step; logits [R, V] float32 and, per item, its (lo, hi) range of rows in them.
+        The selector scores the step finished are left in `last_row_scores`, one per item."""
+        ids, positions, batch = self._prepare([it for it in items if it.kind in ("full", "lower")])
+        fill = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items, fill)
-        return self.model.forward(ids, positions, batch, self.kv, rows, fill), owners
+        logits = self.model.forward(ids, positions, batch, self.kv, rows, fill)
+        self.last_row_scores = self._after_step(items, fill)
+        return logits, owners
 
     def run(self, items: list[ScheduledSeq]) -> StepResult:
         logits, owners = self.forward(items)
         next_tokens: list[int | None] = []
-        scores: list[tuple[list[float], list[int]] | None] = []
+        scores: list[tuple[int, list[float], list[int]] | None] = []
         for k, item in enumerate(items):
             lo, hi = owners[k]
-            scored = item.seq.params.prompt_logprobs and item.end > item.seq.fill_boundary
-            scores.append(self._prompt_scores(item, logits[lo:hi]) if scored else None)
+            scores.append(self._prompt_scores(item, logits[lo:hi]) if _scored(item) else None)
             next_tokens.append(self._sample(item, logits[hi - 1]) if item.samples else None)
-        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores)
+        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=self.last_row_scores)
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self._stashes.pop(seq_id, None)
+
+    def stash(self, seq_id: int) -> SplitStash | None:
+        return self._stashes.get(seq_id)
+
+    def _after_step(self, items, fill) -> list[dict | None]:
+        """Keep the split states of this step's lower rows; hand back finished selector scores."""
+        out: list[dict | None] = []
+        offset = 0
+        for item in items:
+            seq, scores = item.seq, None
+            stash = self._stashes.get(seq.seq_id)
+            if item.kind == "lower":
+                stash.x[item.start:item.end] = fill.exit_state[offset:offset + item.num_tokens]
+                offset += item.num_tokens
+                if item.end == seq.num_tokens and seq.rows.lower_attention:
+                    scores = {"attention": stash.attention.tolist()}
+            elif item.kind == "probe" and seq.queue_done + item.num_tokens == len(seq.queue):
+                scores = {"probe": stash.probe.tolist()}
+            elif item.kind == "late" and item.end == seq.num_tokens:
+                self._stashes.pop(seq.seq_id, None)  # the prefill is done
+            out.append(scores)
+        return out
 
     # -- building the step's tensors ----------------------------------------------------------
 
@@ -61,31 +91,36 @@ class Runner:
             read.append(None if item.start == 0 else self._slots(table, torch.arange(item.end)).to(self.device))
             starts.append(starts[-1] + item.num_tokens)
         dev = self.device
+        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
         batch = AttentionBatch(query_starts=starts, context_lens=[it.end for it in items],
-                               write_slots=torch.cat(write).to(dev), read_slots=read)
-        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.cat(pos).to(dev), batch
+                               write_slots=cat(write).to(dev), read_slots=read)
+        return torch.tensor(ids, dtype=torch.int64, device=dev), cat(pos).to(dev), batch
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _seq_slots(self, seq, start: int, end: int) -> torch.Tensor:
-        table = torch.tensor(seq.block_table, dtype=torch.int64)
-        return self._slots(table, torch.arange(start, end)).to(self.device)
+        return self._seq_slots_at(seq, torch.arange(start, end))
+
+    def _seq_slots_at(self, seq, positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(seq.block_table, dtype=torch.int64, device=positions.device)
+        return self._slots(table, positions).to(self.device)
 
     def _logit_rows(self, items: list[ScheduledSeq], fill=None):
-        """Rows needing logits (the last row of a sampling item, every row when scoring).
-
-        With a fill step the indices are into fill.late_rows (filled rows have no logits);
+        """Rows needing logits: the last row of a sampling item, every row (from the fill
+        boundary on) when scoring. Indices are into the rows reaching the top layer: every row
+        without a fill step, the late part with one (lower and probe items reach no logits).
         None means every row that reaches the top.
         """
         rows: list[torch.Tensor] = []
         owners: list[tuple[int, int]] = []
         offset = count = 0
         for item in items:
-            if item.end <= item.seq.fill_boundary:  # a filled prefix item: no logits
-                r = torch.empty(0, dtype=torch.int64)
-            elif item.seq.params.prompt_logprobs:
-                r = torch.arange(offset, offset + item.num_tokens)
+            if item.kind in ("lower", "probe"):
+                owners.append((count, count))
+                continue
+            if _scored(item):
+                r = torch.arange(offset + _first_scored(item), offset + item.num_tokens)
             elif item.samples:
                 r = torch.tensor([offset + item.num_tokens - 1])
             else:
@@ -94,26 +129,25 @@ class Runner:
             owners.append((count, count + len(r)))
             count += len(r)
             offset += item.num_tokens
-        top = offset if fill is None else len(fill.late_rows)
-        if count == top:  # every row wanted (scoring): the plain causal path is faster
+        if count == offset and offset > 0:  # every row wanted (scoring): the plain causal path is faster
             return None, owners
-        flat = torch.cat(rows).to(self.device)
-        if fill is not None:
-            flat = torch.searchsorted(fill.late_rows, flat)  # NOTE: late_rows is sorted
-        return flat, owners
+        flat = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+        return flat.to(self.device), owners
 
     # -- turning logits into results -------------------------------------------------------
 
     def _prompt_scores(self, item: ScheduledSeq, logits: torch.Tensor):
-        """log p(next prompt token) and argmax for rows whose next token is a prompt token."""
+        """(first position, log p(next prompt token), argmax) for the item's scored rows whose
+        next token is a prompt token. Scored rows are contiguous: positions start..end-1."""
         seq = item.seq
-        n = max(0, min(item.end, len(seq.prompt_ids) - 1) - item.start)
+        start = item.end - logits.shape[0]
+        n = max(0, min(item.end, len(seq.prompt_ids) - 1) - start)
         if n == 0:
-            return [], []
+            return start, [], []
         logp = logits[:n].log_softmax(-1)  # [n, V]
-        targets = torch.tensor(seq.prompt_ids[item.start + 1:item.start + 1 + n], device=logits.device)
+        targets = torch.tensor(seq.prompt_ids[start + 1:start + 1 + n], device=logits.device)
         chosen = logp.gather(1, targets[:, None])[:, 0]
-        return chosen.tolist(), logp.argmax(-1).tolist()
+        return start, chosen.tolist(), logp.argmax(-1).tolist()
 
     def _sample(self, item: ScheduledSeq, logits: torch.Tensor) -> int | None:
         params = item.seq.params
@@ -127,6 +161,19 @@ class Runner:
                 gen.manual_seed(params.seed if params.seed is not None else torch.seed())
                 self._generators[item.seq.seq_id] = gen
         return sample_token(logits, params, gen)
+
+
+def _scored(item: ScheduledSeq) -> bool:
+    """Scoring requests get logits for every row from the fill boundary on."""
+    return item.seq.params.prompt_logprobs and item.kind in ("full", "late") and item.end > item.seq.fill_boundary
+
+
+def _first_scored(item: ScheduledSeq) -> int:
+    """Index, within the item, of its first row at or after the fill boundary (late items
+    hold exact prefix rows first, then tail rows)."""
+    if item.positions is None:
+        return max(0, item.seq.fill_boundary - item.start)
+    return sum(p < item.seq.fill_boundary for p in item.positions)
 
 
 def _predictor(arm: str, maps):

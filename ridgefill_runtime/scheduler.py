@@ -11,22 +11,9 @@ from dataclasses import dataclass
 from .cache.block_manager import BlockManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SeqStatus
+from .stages import ScheduledSeq, Select, advance, next_item
 
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    start: int  # first position computed this step (= seq.num_computed)
-    num_tokens: int  # rows computed this step
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """This step reaches the sequence's last known token, so it yields the next one."""
-        return self.end == self.seq.num_tokens
+__all__ = ["Scheduler", "ScheduledSeq", "StepResult"]
 
 
 @dataclass
@@ -34,19 +21,26 @@ class StepResult:
     """What the runner hands back, as plain Python values, one entry per scheduled item."""
 
     next_tokens: list[int | None]
-    prompt_logprobs: list[tuple[list[float], list[int]] | None]
+    prompt_logprobs: list[tuple[int, list[float], list[int]] | None]  # (first position, logp, argmax)
+    row_scores: list[dict[str, list[float]] | None] | None = None  # selector scores per prefix row
+
+
+def _no_selection(seq: Sequence) -> list[int]:
+    return []
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, select: Select = _no_selection):
         self.config = config
         self.blocks = blocks
+        self.select = select  # chooses a filled sequence's exact prefix rows after its lower sweep
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     # -- admission and removal ------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        seq.start_prefill()
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
@@ -70,7 +64,7 @@ class Scheduler:
         items: list[ScheduledSeq] = []
         # NOTE: decodes first, so a long prompt never delays running users by more than
         # the chunk it is given in the same step.
-        for seq in [s for s in self.running if s.remaining == 1]:
+        for seq in [s for s in self.running if _decoding(s)]:
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
@@ -79,35 +73,27 @@ class Scheduler:
                 continue  # seq was preempted to make room
             items.append(ScheduledSeq(seq, seq.num_computed, 1))
             budget -= 1
-        for seq in [s for s in self.running if s.remaining > 1]:
+        for seq in [s for s in self.running if not _decoding(s)]:
             if budget == 0:
                 break
-            n = self._chunk(seq, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+            item = next_item(seq, budget, self.config.chunk_size)
+            if not self.blocks.can_grow(seq.block_table, item.end):
                 break
-            self.blocks.grow(seq.block_table, seq.num_computed + n)
-            items.append(ScheduledSeq(seq, seq.num_computed, n))
-            budget -= n
+            self.blocks.grow(seq.block_table, item.end)
+            items.append(item)
+            budget -= item.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = self._chunk(seq, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
+            item = next_item(seq, budget, self.config.chunk_size)
+            if not self.blocks.can_grow(seq.block_table, item.end):
                 break
             self.waiting.popleft()
-            self.blocks.grow(seq.block_table, seq.num_computed + n)
+            self.blocks.grow(seq.block_table, item.end)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            items.append(ScheduledSeq(seq, seq.num_computed, n))
-            budget -= n
+            items.append(item)
+            budget -= item.num_tokens
         return items
-
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Rows to give seq this step. NOTE: a chunk never straddles the fill boundary, so
-        each step's item is either all filled prefix rows or all fully computed rows."""
-        n = min(seq.remaining, self.config.chunk_size, budget)
-        if seq.num_computed < seq.fill_boundary:
-            n = min(n, seq.fill_boundary - seq.num_computed)
-        return n
 
     def _reserve(self, seq: Sequence, n: int) -> bool:
         """Make room for n more positions of a running seq, preempting the newest others."""
@@ -123,7 +109,7 @@ class Scheduler:
         # NOTE: recompute, not swap: its tokens are kept, its K/V are rebuilt by a new prefill.
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
-        seq.num_computed = 0
+        seq.start_prefill()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -131,13 +117,14 @@ class Scheduler:
                     eos_ids: tuple[int, ...]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that gained a token or finished."""
         touched = []
-        for item, token, scored in zip(items, result.next_tokens, result.prompt_logprobs):
+        row_scores = result.row_scores or [None] * len(items)
+        for item, token, scored, rs in zip(items, result.next_tokens, result.prompt_logprobs, row_scores):
             seq = item.seq
             if seq.finished:  # aborted while the step ran
                 continue
-            seq.num_computed = item.end
+            advance(item, rs, self.select)
             if scored is not None:
-                _record_prompt_scores(seq, item.start, *scored)
+                _record_prompt_scores(seq, *scored)
             if not item.samples:
                 continue
             touched.append(seq)
@@ -149,6 +136,10 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
         return touched
+
+
+def _decoding(seq: Sequence) -> bool:
+    return seq.stage == "full" and seq.remaining == 1
 
 
 def _record_prompt_scores(seq: Sequence, start: int, logprobs: list[float], argmax: list[int]) -> None:

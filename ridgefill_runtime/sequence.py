@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from .config import RowsConfig
 from .errors import InputError
 
 
@@ -62,6 +63,16 @@ class Sequence:
     # RidgeFill: prompt rows [0, fill_boundary) are filled with `fill_arm`; 0 means no fill
     fill_boundary: int = 0
     fill_arm: str = "exact"
+    rows: RowsConfig | None = None  # exact-row selectors for this request
+    hide_from: int | None = None  # question-hidden control: selectors see only positions < this
+    # Two-sweep prefill (seed 000, Figure 5), see stages.py: "lower" runs layers below the split
+    # for every row; "probe" and "late" run the positions in `queue` through the late layers;
+    # "full" is an ordinary sequence (no fill, or the fill is done).
+    stage: str = "full"
+    queue: list[int] = field(default_factory=list)
+    queue_done: int = 0
+    row_scores: dict[str, list[float]] = field(default_factory=dict)  # selector scores per prefix row
+    exact_rows: list[int] = field(default_factory=list)  # prefix rows chosen to run exactly
     # score mode (params.prompt_logprobs): per prompt row i in [fill_boundary, len(prompt) - 1)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_argmax: list[int] = field(default_factory=list)
@@ -73,8 +84,16 @@ class Sequence:
 
     @property
     def remaining(self) -> int:
-        """Rows still to compute before the next token can be sampled."""
-        return self.num_tokens - self.num_computed
+        """Rows still to compute before the next token can be sampled (1: a decode step)."""
+        pending = len(self.queue) - self.queue_done if self.stage in ("probe", "late") else 0
+        return self.num_tokens - self.num_computed + pending + (self.stage == "lower")
+
+    def start_prefill(self) -> None:
+        """(Re)start the prompt from nothing: after admission, or a recompute preemption."""
+        self.num_computed = 0
+        self.stage = "lower" if self.fill_boundary > 0 else "full"
+        self.queue, self.queue_done = [], 0
+        self.row_scores, self.exact_rows = {}, []
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)

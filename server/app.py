@@ -94,10 +94,14 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
             raise HTTPError(404, f"model {name!r} does not exist; this server serves "
                                  f"{server_config.served_model_name!r}", "model")
 
-    def submit(prompt_ids, params, fill: bool):
+    def rows_for(body, eng: AsyncEngine):
+        tok = eng.engine.tokenizer
+        return rq.request_rows(body, eng.engine.fill.rows, tok is not None and hasattr(tok, "token_type"))
+
+    def submit(prompt_ids, params, fill: bool, rows):
         eng = state.ready()
         try:
-            return eng.submit(prompt_ids, params, fill)
+            return eng.submit(prompt_ids, params, fill, rows)
         except InputError as e:
             raise HTTPError(400, str(e), "prompt") from None
         except (EngineOverloaded, EngineStopped) as e:
@@ -141,9 +145,10 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         if body.echo:
             raise HTTPError(400, "echo is not supported", "echo")
         eng = state.ready()
+        rows = rows_for(body, eng)
         prompt = rq.completion_prompt(body, eng.engine.tokenizer)
         params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS)
-        handle = submit(prompt, params, fill)
+        handle = submit(prompt, params, fill, rows)
         rid, model = new_id("cmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -160,12 +165,13 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         rq.check_common(body)
         fill = rq.wants_fill(body)
         eng = state.ready()
+        rows = rows_for(body, eng)
         prompt = rq.chat_prompt(body, eng.engine.tokenizer)
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # NOTE: like OpenAI, an unset limit means "up to the context length".
         default = max(eng.engine.max_model_len - len(prompt), 0)
         params = rq.sampling_params(body, asked, default)
-        handle = submit(prompt, params, fill)
+        handle = submit(prompt, params, fill, rows)
         rid, model = new_id("chatcmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)

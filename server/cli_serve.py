@@ -14,6 +14,7 @@ _FLAG_KEYS = {
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens", "max_num_seqs": "scheduler.max_num_seqs",
     "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
     "fill_tail": "fill.tail", "fill_maps": "fill.maps", "fill_placement": "fill.placement",
+    "fill_selectors": "fill.rows.selectors",
     "host": "server.host", "port": "server.port", "api_key": "server.api_key",
     "served_model_name": "server.served_model_name", "max_queued_requests": "server.max_queued_requests",
     "max_body_bytes": "server.max_body_bytes", "threads": "server.threads", "log_level": "server.log_level",
@@ -39,6 +40,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fill-tail", type=int, help="last prompt rows always run through every layer")
     p.add_argument("--fill-maps", help="map file from `ridgefill fit` (default: the shipped maps of the embedded model)")
     p.add_argument("--fill-placement", choices=["resident", "streamed"], help="where the maps live")
+    p.add_argument("--fill-selectors", type=_comma_list, metavar="A,B,C",
+                   help="exact prefix row selectors, e.g. special,probe,lexical (sets fill.rows.selectors; "
+                        "the other fill.rows keys take their defaults unless the config file gives them)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes and /tokenize")
@@ -47,6 +51,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def _comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -14,10 +14,10 @@ from typing import Any
 
 from safetensors import safe_open
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
+from ridgefill_runtime.config import SELECTORS, CacheConfig, EngineConfig, FillConfig, RowsConfig, SchedulerConfig
 from ridgefill_runtime.errors import ModelLoadError, RidgefillError
 from ridgefill_runtime.fill.maps import MapMeta
-from ridgefill_runtime.fill.settings import shipped_maps
+from ridgefill_runtime.fill.settings import NEEDS_COUNTS, needs_counts, shipped_maps, shipped_rows, shipped_unigram
 
 
 class ConfigError(RidgefillError):
@@ -76,9 +76,20 @@ class FillSettings:
         return FILL_MODES[self.mode]
 
 
+# [fill.rows]: every RowsConfig field (a list holds the element type named in _LIST_ITEMS);
+# tests/server/test_server_fill.py checks that no field is missing.
+_ROWS_TYPES: dict[str, tuple[type, ...]] = {
+    "selectors": (list,), "attention_share": (int, float), "attention_layers": (list,), "window": (int,),
+    "probe_window": (int,), "budget_factor": (int, float), "base_attention_share": (int, float),
+    "protected_share": (int, float), "lexical_cap": (int, float), "lexical_sentence_rows": (int,),
+    "unigram": (str,), "control": (str,), "seed": (int,),
+}
+_LIST_ITEMS = {"fill.rows.selectors": str, "fill.rows.attention_layers": int}
+
 # section -> key -> (accepted Python types, where it goes, field name). "engine", "cache",
 # "scheduler", "server" name the dataclass a value is passed to; "fill" collects FillConfig
-# fields plus "mode" (FillSettings). Nested tables flatten to dotted keys ("corrections.key_rescale").
+# fields plus "mode" (FillSettings); "rows" collects RowsConfig fields ([fill.rows]). Nested
+# tables flatten to dotted keys ("corrections.key_rescale", "rows.selectors").
 _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str, str]]] = {
     "model": {
         "path": ((str,), "engine", "model"),
@@ -106,6 +117,7 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str, str]]] = {
         "corrections.value_rescale": ((bool,), "fill", "value_rescale"),
         "corrections.key_rescale": ((bool,), "fill", "key_rescale"),
         "corrections.rescale_rows": ((int,), "fill", "rescale_rows"),
+        **{f"rows.{name}": (types, "rows", name) for name, types in _ROWS_TYPES.items()},
     },
     "server": {name: (types, "server", name) for name, types in {
         "host": (str,), "port": (int,), "api_key": (str,), "served_model_name": (str,),
@@ -118,7 +130,8 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str, str]]] = {
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
                 ) -> tuple[EngineConfig, ServerConfig, FillSettings]:
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
-    values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, "fill": {}, "server": {}}
+    values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, "fill": {}, "rows": {},
+                                         "server": {}}
     origin: dict[str, str] = {}  # dotted key -> where its value came from, for errors found later
     source = str(path) if path else "command line"
     if path:
@@ -134,10 +147,11 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     fill_kwargs = {"arm": fill_settings.arm, **values["fill"]}
     if fill_settings.arm == "ridgefill":
         fill_kwargs["maps"] = _maps_path(values["engine"].get("model"), fill_kwargs, origin)
+    rows = _rows(values["engine"].get("model"), fill_settings, values["rows"], origin, source)
     try:
         cache = CacheConfig(**values["cache"])
         scheduler = SchedulerConfig(**values["scheduler"])
-        fill = FillConfig(**fill_kwargs)
+        fill = FillConfig(rows=rows, **fill_kwargs)
         engine = EngineConfig(cache=cache, scheduler=scheduler, fill=fill, **values["engine"])
         server = ServerConfig(**values["server"])
     except ValueError as e:
@@ -156,6 +170,35 @@ def _maps_path(model: str | None, fill_kwargs: dict, origin: dict[str, str]) -> 
         raise ConfigError(f"{origin['fill.mode']}: key 'fill.maps' is required when fill.mode = \"plain\" "
                           f"and model.path is set (the shipped maps fit only the embedded default model)")
     return str(shipped_maps(fill_kwargs.get("split", FillConfig().split)))
+
+
+def _rows(model: str | None, fill: FillSettings, given: dict[str, Any], origin: dict[str, str],
+          source: str) -> RowsConfig:
+    """The exact-row selection: the [fill.rows] keys given (others take RowsConfig's defaults),
+    else SHIPPED_ROWS when fill.mode = "plain". With the fill on and no fill.rows.unigram, the
+    embedded default model gets the shipped counts; another model must name its own when a
+    selector reads them."""
+    rows = dict(given) if given else (shipped_rows() if fill.mode == "plain" else {})
+    where = next((origin[k] for k in origin if k.startswith("fill.rows.")), origin.get("fill.mode", source))
+    try:
+        config = RowsConfig(**rows)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if fill.arm == "exact":
+        return config
+    if config.unigram is None:
+        wanted = needs_counts(config.selectors)
+        if model is None:
+            return config.replace(unigram=str(shipped_unigram()))
+        if wanted:
+            raise ConfigError(
+                f"{where}: key 'fill.rows.unigram' is required when fill.rows.selectors include "
+                f"{' or '.join(wanted)} and model.path is set (the shipped counts fit only the embedded "
+                f"default model; or choose selectors without {' or '.join(NEEDS_COUNTS)})")
+    elif not Path(config.unigram).is_file():
+        raise ConfigError(f"{origin.get('fill.rows.unigram', where)}: key 'fill.rows.unigram': "
+                          f"counts file {config.unigram} not found")
+    return config
 
 
 def _check_maps_header(fill: FillConfig, where: str) -> None:
@@ -202,12 +245,30 @@ def _put(values: dict, origin: dict, dotted: str, value: Any, source: str) -> No
     section, _, key = dotted.partition(".")
     spec = _SCHEMA.get(section, {}).get(key)
     if spec is None:
+        if any(known.startswith(key + ".") for known in _SCHEMA.get(section, {})):
+            raise ConfigError(f"{source}: key '{dotted}' must be a table ([{dotted}]), got {type(value).__name__}")
         raise ConfigError(f"{source}: unknown key '{dotted}'")
     types, target, name = spec
     # NOTE: bool is an int subclass in Python; `port = true` must still be refused.
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-        want = " or ".join("list or table" if t is list else t.__name__ for t in types)
+        if dotted == "fill.corrections":
+            want = "list or table"
+        elif dotted in _LIST_ITEMS:
+            want = f"a list of {_LIST_ITEMS[dotted].__name__}"
+        else:
+            want = " or ".join(t.__name__ for t in types)
         raise ConfigError(f"{source}: key '{dotted}' must be {want}, got {type(value).__name__} {value!r}")
+    if dotted in _LIST_ITEMS:
+        item_type = _LIST_ITEMS[dotted]
+        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, item_type)]
+        if bad:
+            raise ConfigError(f"{source}: key '{dotted}' must be a list of {item_type.__name__}, "
+                              f"got {type(bad[0]).__name__} {bad[0]!r} in it")
+    if dotted == "fill.rows.selectors":
+        for item in value:
+            if item not in SELECTORS:
+                raise ConfigError(f"{source}: key 'fill.rows.selectors': unknown selector {item!r} "
+                                  f"(known: {', '.join(SELECTORS)})")
     if dotted == "fill.corrections":
         for item in value:
             if item not in CORRECTIONS:

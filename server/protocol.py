@@ -17,10 +17,13 @@ from ridgefill_runtime.async_engine import FillRows, RequestHandle
 
 class RidgefillOptions(BaseModel):
     """Per-request fill control: `{"mode": "off"}` asks for exact prefill; "plain" or no mode
-    takes the server's default. Other values are refused in `server/requests.py`."""
+    takes the server's default. `selectors` (names from ridgefill_runtime.config.SELECTORS)
+    replaces the server's exact-row selectors for this request; the other fill.rows settings
+    stay as configured. Other values are refused in `server/requests.py`."""
 
     model_config = ConfigDict(extra="forbid")
     mode: str | None = None
+    selectors: list[str] | None = None
 
 
 class StreamOptions(BaseModel):

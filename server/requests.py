@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from ridgefill_runtime.config import SELECTORS, RowsConfig
 from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.fill.settings import needs_counts
 from ridgefill_runtime.sequence import SamplingParams
 
 from .errors import HTTPError
@@ -25,6 +27,26 @@ def wants_fill(req: _SamplingFields) -> bool:
         raise HTTPError(400, f"ridgefill.mode must be \"off\" (exact prefill) or \"plain\" "
                              f"(the server's fill), got {mode!r}", "ridgefill.mode")
     return mode != "off"
+
+
+def request_rows(req: _SamplingFields, configured: RowsConfig, has_token_table: bool) -> RowsConfig | None:
+    """The request's exact-row selectors over the server's `configured` rows, or None (use the
+    configured ones). Only the selectors change; budgets, windows and counts stay configured."""
+    selectors = req.ridgefill.selectors if req.ridgefill is not None else None
+    if selectors is None:
+        return None
+    for name in selectors:
+        if name not in SELECTORS:
+            raise HTTPError(400, f"ridgefill.selectors: unknown selector {name!r} "
+                                 f"(known: {', '.join(SELECTORS)})", "ridgefill.selectors")
+    if not has_token_table and set(selectors) - {"special"}:
+        raise HTTPError(400, "ridgefill.selectors: this model has no tokenizer, so only 'special' "
+                             "(position 0) can be chosen", "ridgefill.selectors")
+    if configured.unigram is None and needs_counts(selectors):
+        raise HTTPError(400, f"ridgefill.selectors: {' and '.join(repr(s) for s in needs_counts(selectors))} "
+                             f"needs unigram counts, and this server has none configured (fill.rows.unigram)",
+                        "ridgefill.selectors")
+    return configured.replace(selectors=tuple(selectors))
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int) -> SamplingParams:

@@ -22,6 +22,7 @@ class NeedlePrompt:
     ids: tuple[int, ...]
     answers: tuple[str, ...]  # every one must appear in the output
     needle_positions: tuple[int, ...]  # first token of each needle sentence
+    question_start: int = 0  # first token of the question (the question-hidden control hides it on)
 
     def in_prefix(self, tail: int) -> bool:
         return max(self.needle_positions) < len(self.ids) - tail
@@ -85,8 +86,9 @@ def make_prompt(task: str, tokenizer, haystack_text: str, length: int, rng: rand
         if tuple(piece) in needle_texts:
             positions.append(len(ids))
         ids += piece
+    question_start = len(ids)
     ids += post_ids
-    return NeedlePrompt(task, tuple(ids), answers, tuple(positions))
+    return NeedlePrompt(task, tuple(ids), answers, tuple(positions), question_start)
 
 
 def solved(prompt: NeedlePrompt, output_text: str) -> bool:

@@ -1,57 +1,163 @@
-"""Runner-side: turn a step's scheduled items into a FillStep (or None when no fill applies)."""
+"""Runner-side: turn a step's scheduled items into a FillStep (or None when no fill applies).
+
+The lower part is the rows of `full` and `lower` items (they run layers below the split);
+the late part is, item by item, the `full` items' rows and the `probe` / `late` items' rows,
+which start from split states stashed by earlier steps.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from ..config import FillConfig
 from ..layers.attention import AttentionBatch
-from .step import FillStep, Predictor, Rescale
+from .stash import SplitStash
+from .step import FillStep, MassRequest, Predictor, Rescale
+
+SlotsOf = Callable[[object, torch.Tensor], torch.Tensor]  # (seq, positions [n]) -> cache slots [n]
 
 
-def is_fill_item(item) -> bool:
-    """All of this item's rows lie before its sequence's fill boundary (they never straddle it)."""
-    return item.end <= item.seq.fill_boundary
+def needs_fill_step(items) -> bool:
+    return any(it.kind != "full" or (it.seq.fill_boundary and it.seq.fill_arm == "nofill") for it in items)
 
 
-def build_fill_step(items, batch: AttentionBatch, slots_of, config: FillConfig,
-                    predict: Predictor | None) -> FillStep | None:
-    """slots_of(seq, start, end) -> cache slots [end - start] of the sequence's positions."""
-    fill_seqs = [it for it in items if it.seq.fill_boundary > 0]
-    needs = any(is_fill_item(it) or it.seq.fill_arm == "nofill" or _first_tail(it, config) for it in fill_seqs)
-    if not needs:
-        return None  # NOTE: decode over a ridge/identity-filled cache is an ordinary step
-    fill_rows, late_rows, late_starts, late_read, late_ctx, rescales = [], [], [0], [], [], []
-    for k, item in enumerate(items):
-        lo, hi = batch.query_starts[k], batch.query_starts[k + 1]
-        rows = torch.arange(lo, hi)
-        if is_fill_item(item):
-            fill_rows.append(rows)
-            continue
+class FillPlanner:
+    def __init__(self, config: FillConfig, predict: Predictor | None, slots_of: SlotsOf,
+                 stashes: dict[int, SplitStash], width: int, dtype, device):
+        self.config, self.predict, self.slots_of = config, predict, slots_of
+        self.stashes, self.width, self.dtype, self.device = stashes, width, dtype, device
+
+    def build(self, items, batch: AttentionBatch) -> FillStep:
+        """batch: the lower part's layout (one entry per full / lower item, in item order)."""
+        acc = _Parts()
+        lower_k = 0
+        for item in items:
+            if item.kind in ("full", "lower"):
+                lo, hi = batch.query_starts[lower_k], batch.query_starts[lower_k + 1]
+                rows = torch.arange(lo, hi, device=self.device)
+                if item.kind == "lower":
+                    self._lower_item(item, rows, batch.write_slots[rows], acc)
+                else:
+                    self._stay_item(item, rows, batch, lower_k, acc)
+                lower_k += 1
+            else:
+                self._late_item(item, acc)
+        return acc.finish(self.config.split, self.predict, self.width, self.dtype, self.device)
+
+    # -- the three kinds of item ----------------------------------------------------------------
+
+    def _lower_item(self, item, rows, slots, acc: "_Parts") -> None:
         seq = item.seq
-        if seq.fill_boundary and _first_tail(item, config):
-            c = min(config.rescale_rows, item.num_tokens)
-            rescales.append(Rescale(rows=torch.arange(late_starts[-1], late_starts[-1] + c),
-                                    filled_slots=slots_of(seq, 0, seq.fill_boundary),
-                                    values=config.value_rescale, keys=config.key_rescale))
-        late_rows.append(rows)
-        late_starts.append(late_starts[-1] + item.num_tokens)
-        late_ctx.append(item.end)
+        if item.start == 0:  # a new (or restarted) prefill: a fresh stash
+            self.stashes[seq.seq_id] = SplitStash.new(seq.num_tokens, self.width, seq.fill_boundary,
+                                                      self.dtype, self.device)
+        acc.exit_rows.append(rows)
+        if self.predict is not None and seq.fill_arm != "nofill":
+            n_fill = max(0, min(seq.fill_boundary - item.start, item.num_tokens))
+            acc.fill_rows.append(rows[:n_fill])
+            acc.fill_slots.append(slots[:n_fill])
+        if seq.rows.lower_attention:
+            self._window_mass(item, rows, acc)
+
+    def _window_mass(self, item, rows, acc: "_Parts") -> None:
+        """The attention selector's scores: what the last `window` rows the selectors may see
+        pay to each prefix row in the chosen layers below the split."""
+        seq = item.seq
+        end = seq.hide_from if seq.hide_from is not None else seq.num_tokens
+        lo, hi = max(item.start, end - seq.rows.window), min(item.end, end)
+        layers = frozenset(x for x in seq.rows.attention_layers if x < self.config.split)
+        if lo >= hi or not layers:
+            return
+        keys = torch.arange(item.end, device=self.device)
+        pick = rows[lo - item.start:hi - item.start]
+        acc.lower_mass.append(MassRequest(layers, pick, torch.arange(lo, hi, device=self.device),
+                                          self.slots_of(seq, keys), keys, self.stashes[seq.seq_id].attention,
+                                          seq.fill_boundary))
+
+    def _stay_item(self, item, rows, batch: AttentionBatch, k: int, acc: "_Parts") -> None:
+        seq = item.seq
+        read, key_pos = batch.read_slots[k], None
         if seq.fill_boundary and seq.fill_arm == "nofill":
-            # NOTE: no fill: the late layers of this sequence never see its prefix.
-            late_read.append(slots_of(seq, seq.fill_boundary, item.end))
-        else:
-            late_read.append(batch.read_slots[k])
-    cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
-    f_rows, l_rows = cat(fill_rows), cat(late_rows)
-    dev = batch.write_slots.device
-    late_batch = AttentionBatch(query_starts=late_starts, context_lens=late_ctx,
-                                write_slots=batch.write_slots[l_rows.to(dev)], read_slots=late_read)
-    return FillStep(split=config.split, rows=f_rows.to(dev), slots=batch.write_slots[f_rows.to(dev)],
-                    predict=predict, late_rows=l_rows.to(dev), late_batch=late_batch, rescales=rescales)
+            # NOTE: no fill: the late layers never see the prefix rows that were not recomputed.
+            key_pos = torch.tensor(seq.exact_rows + list(range(seq.fill_boundary, item.end)),
+                                   dtype=torch.int64, device=self.device)
+            read = self.slots_of(seq, key_pos)
+        acc.stay_rows.append(rows)
+        acc.add_late(item.num_tokens, batch.write_slots[rows], item.end, read, None, key_pos)
+
+    def _late_item(self, item, acc: "_Parts") -> None:
+        seq = item.seq
+        stash = self.stashes[seq.seq_id]
+        pos = torch.tensor(item.positions, dtype=torch.int64, device=self.device)
+        keys = self._late_keys(item)
+        read = self.slots_of(seq, keys if keys is not None else torch.arange(item.end, device=self.device))
+        start = acc.late_size
+        acc.late_x.append(stash.x[pos])
+        acc.late_pos.append(pos)
+        acc.late_to.append(torch.arange(start, start + item.num_tokens, device=self.device))
+        acc.add_late(item.num_tokens, self.slots_of(seq, pos), read.shape[0], read, pos, keys)
+        rows = torch.arange(start, start + item.num_tokens, device=self.device)
+        if item.kind == "probe":
+            key_pos = keys if keys is not None else torch.arange(item.end, device=self.device)
+            layers = frozenset(range(self.config.split, 1 << 16))
+            acc.late_mass.append(MassRequest(layers, rows, pos, read, key_pos, stash.probe, seq.fill_boundary))
+        elif seq.queue_done == 0 and self._rescales(seq):
+            c = min(self.config.rescale_rows, item.num_tokens)
+            acc.rescales.append(Rescale(rows=rows[:c], values=self.config.value_rescale, keys=self.config.key_rescale,
+                                        filled_slots=self.slots_of(seq, torch.arange(seq.fill_boundary,
+                                                                                     device=self.device))))
+
+    def _late_keys(self, item) -> torch.Tensor | None:
+        """Positions a probe / late item's rows may read (None: every position before its end)."""
+        seq = item.seq
+        filled = seq.fill_arm != "nofill"
+        if item.kind == "probe":
+            # NOTE: tail rows before the probe rows have no late K/V yet: the probe reads the
+            # filled prefix and the probe rows only.
+            prefix = list(range(seq.fill_boundary)) if filled else []
+            return torch.tensor(prefix + list(range(seq.queue[0], item.end)), dtype=torch.int64, device=self.device)
+        if filled:
+            return None
+        done = seq.queue[:seq.queue_done + item.num_tokens]  # exact rows and tail so far, in order
+        return torch.tensor(done, dtype=torch.int64, device=self.device)
+
+    def _rescales(self, seq) -> bool:
+        """The first late rows of a filled sequence measure and apply the rescale."""
+        return seq.fill_arm in ("identity", "ridgefill") and (self.config.value_rescale or self.config.key_rescale)
 
 
-def _first_tail(item, config: FillConfig) -> bool:
-    """The step holding a filled sequence's first tail rows measures and applies the rescale."""
-    return (item.start == item.seq.fill_boundary and item.seq.fill_arm in ("identity", "ridgefill")
-            and (config.value_rescale or config.key_rescale))
+class _Parts:
+    """Accumulates a FillStep's pieces item by item."""
+
+    def __init__(self):
+        self.exit_rows, self.fill_rows, self.fill_slots, self.stay_rows = [], [], [], []
+        self.late_x, self.late_pos, self.late_to = [], [], []
+        self.starts, self.ctx, self.read, self.q_pos, self.k_pos, self.write = [0], [], [], [], [], []
+        self.lower_mass, self.late_mass, self.rescales = [], [], []
+
+    @property
+    def late_size(self) -> int:
+        return self.starts[-1]
+
+    def add_late(self, n, write, ctx, read, q_pos, k_pos) -> None:
+        self.starts.append(self.starts[-1] + n)
+        self.ctx.append(ctx)
+        self.read.append(read)
+        self.q_pos.append(q_pos)
+        self.k_pos.append(k_pos)
+        self.write.append(write)
+
+    def finish(self, split, predict, width, dtype, device) -> FillStep:
+        cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
+        stay_to = [torch.arange(self.starts[k], self.starts[k + 1], device=device)
+                   for k in range(len(self.ctx)) if self.q_pos[k] is None]
+        batch = AttentionBatch(query_starts=self.starts, context_lens=self.ctx, write_slots=cat(self.write),
+                               read_slots=self.read, query_pos=self.q_pos, key_pos=self.k_pos)
+        late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
+        return FillStep(split=split, exit_rows=cat(self.exit_rows), fill_rows=cat(self.fill_rows),
+                        fill_slots=cat(self.fill_slots), predict=predict, stay_rows=cat(self.stay_rows),
+                        stay_to=cat(stay_to), late_x=late_x, late_pos=cat(self.late_pos),
+                        late_to=cat(self.late_to), late_size=self.late_size, late_batch=batch,
+                        lower_mass=self.lower_mass, late_mass=self.late_mass, rescales=self.rescales)

@@ -1,4 +1,5 @@
-"""What one engine step asks of the fill: which rows are filled and how. Built by the runner."""
+"""What one engine step asks of the fill: which rows stop at the split, which are filled, which
+join the late layers from the stash, and what attention to record. Built by the runner."""
 
 from __future__ import annotations
 
@@ -17,18 +18,47 @@ class Rescale:
     """Per-KV-head norm correction (seed 000, §2.3): measured on some exact late rows,
     applied to one sequence's filled slots before anything reads them."""
 
-    rows: torch.Tensor  # [c] indices into FillStep.late_rows: the first tail rows
+    rows: torch.Tensor  # [c] indices into the late part: the sequence's first exact late rows
     filled_slots: torch.Tensor  # [P] the sequence's filled prefix slots
     values: bool
     keys: bool
 
 
 @dataclass
+class MassRequest:
+    """Accumulate the attention some rows pay to a sequence's prefix keys (seed 000, §2.4):
+    at `layers`, rows `rows` of the part (positions q_pos) read keys at key_pos from
+    key_slots; what keys below `boundary` receive is added into out[key position]."""
+
+    layers: frozenset[int]
+    rows: torch.Tensor  # [R] indices into the part's rows
+    q_pos: torch.Tensor  # [R]
+    key_slots: torch.Tensor  # [K]
+    key_pos: torch.Tensor  # [K] sorted
+    out: torch.Tensor  # [boundary] float32, owned by the runner's stash
+    boundary: int
+
+
+@dataclass
 class FillStep:
+    """A step's rows run in two parts. The lower part (ids passed to the model) runs layers
+    below the split; at the split its `exit_rows` stop (their state comes back in exit_state),
+    `fill_rows` among them write predicted late K/V, and `stay_rows` continue. The late part is
+    stay rows plus `late_x` (split states of probe / exact / tail rows from earlier steps)."""
+
     split: int
-    rows: torch.Tensor  # [F] step rows that are filled prefix rows (sorted)
-    slots: torch.Tensor  # [F] their cache slots
-    predict: Predictor | None  # None: the nofill arm writes no late K/V
-    late_rows: torch.Tensor  # [M] step rows that run every layer (sorted)
-    late_batch: AttentionBatch  # attention layout of late_rows in layers >= split
+    exit_rows: torch.Tensor  # [X] lower-part rows that stop at the split
+    fill_rows: torch.Tensor  # [F] lower-part rows whose late K/V are predicted
+    fill_slots: torch.Tensor  # [F]
+    predict: Predictor | None  # None: nofill writes no late K/V
+    stay_rows: torch.Tensor  # [S] lower-part rows that run every layer
+    stay_to: torch.Tensor  # [S] their index in the late part
+    late_x: torch.Tensor  # [M2, d] split states joining at the split
+    late_pos: torch.Tensor  # [M2] their positions
+    late_to: torch.Tensor  # [M2] their index in the late part
+    late_size: int  # M = S + M2
+    late_batch: AttentionBatch  # attention layout of the late part
+    lower_mass: list[MassRequest] = field(default_factory=list)  # rows index the lower part
+    late_mass: list[MassRequest] = field(default_factory=list)  # rows index the late part
     rescales: list[Rescale] = field(default_factory=list)
+    exit_state: torch.Tensor | None = None  # [X, d], set by the model

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..layers.attention import AttentionBatch, paged_attention, paged_attention_rows
+from ..layers.attention import AttentionBatch, key_mass, paged_attention, paged_attention_rows
 from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable, apply_rotary
 from ..ops.rms_norm import rms_norm
@@ -69,13 +69,16 @@ class DenseLM:
         return apply_rotary(k, cos, sin), v
 
     def layer(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-              batch: AttentionBatch, kv, rows: torch.Tensor | None = None, on_kv=None) -> torch.Tensor:
+              batch: AttentionBatch, kv, rows: torch.Tensor | None = None, on_kv=None,
+              on_q=None) -> torch.Tensor:
         """One decoder layer: hidden [N, d] -> [N, d] (or [R, d] for `rows`), writing all
         N rows' K/V to the cache.
 
         NOTE: with `rows`, attention, the output projection and the MLP run only for those
         rows (the final layer, where only some rows need logits). `on_kv(layer, k, v)` sees
-        this layer's fresh K/V before anything attends (the fill's rescale hooks in here).
+        this layer's fresh K/V before anything attends (the fill's rescale hooks in here);
+        `on_q(layer, q)` sees every row's query once the cache holds this layer's K/V (the
+        selectors record attention there).
         """
         w: LayerWeights = self.weights.layers[layer]
         q, k, v = self.qkv(layer, h, rope)
@@ -86,6 +89,8 @@ class DenseLM:
         else:
             attn = paged_attention_rows(q[rows], rows, k, v, kv, layer, batch, self.scale)  # [R, H*D]
             h = h[rows]
+        if on_q is not None:
+            on_q(layer, q)
         h = h + F.linear(attn, w.o)
         x = rms_norm(h, w.post_norm, self.config.rms_norm_eps)
         return h + swiglu_mlp(x, w.gate_up, w.down)
@@ -102,42 +107,73 @@ class DenseLM:
                 kv, logit_rows: torch.Tensor | None = None, fill: FillStep | None = None) -> torch.Tensor:
         """Rows [N] -> logits [R, V] for the sorted `logit_rows` (all rows when None).
 
-        With `fill`, layers below the split run for every row; above it, filled rows only
-        write K/V from their predicted input, and `logit_rows` index `fill.late_rows`.
+        With `fill` (the two-sweep prefill, seed 000 Figure 5), the rows given here run the
+        layers below the split; there `fill.exit_rows` stop (their split state is left in
+        fill.exit_state) and filled rows write their late K/V from the predicted input, while
+        the late part (stay rows plus stashed split states) runs every later layer;
+        `logit_rows` then index the late part.
         """
         h = self.embed(input_ids)
         rope = self.rope(positions)
-        start, on_kv = 0, None
-        if fill is not None:
-            for i in range(fill.split):
-                h = self.layer(i, h, rope, batch, kv)
-            h, rope, batch, on_kv = self._enter_late_layers(h, rope, kv, fill)
-            start = fill.split
         last = self.config.num_layers - 1
-        if h.shape[0] == 0:  # a step of filled rows only: write their late K/V, nothing attends
-            for i in range(start, last + 1):
+        if fill is None:
+            for i in range(last):
+                h = self.layer(i, h, rope, batch, kv)
+            return self.logits(self.layer(last, h, rope, batch, kv, rows=logit_rows))
+        on_q = self._mass_hook(fill.lower_mass, kv)
+        for i in range(fill.split if batch.num_seqs else 0):
+            h = self.layer(i, h, rope, batch, kv, on_q=on_q)
+        fill.exit_state = h[fill.exit_rows]
+        h, rope, on_kv = self._enter_late_layers(h, rope, kv, fill)
+        on_q = self._mass_hook(fill.late_mass, kv)
+        if h.shape[0] == 0:  # only lower rows this step: write their late K/V, nothing attends
+            for i in range(fill.split, last + 1):
                 on_kv(i, None, None)
             return self.logits(h)
-        for i in range(start, last):
-            h = self.layer(i, h, rope, batch, kv, on_kv=on_kv)
-        h = self.layer(last, h, rope, batch, kv, rows=logit_rows, on_kv=on_kv)
+        for i in range(fill.split, last):
+            h = self.layer(i, h, rope, fill.late_batch, kv, on_kv=on_kv, on_q=on_q)
+        h = self.layer(last, h, rope, fill.late_batch, kv, rows=logit_rows, on_kv=on_kv, on_q=on_q)
         return self.logits(h)
 
     def _enter_late_layers(self, h, rope, kv, fill: FillStep):
-        """Split the rows at the split layer: filled rows get a K/V writer for every late layer,
-        the others continue; returns the continuing rows' state and the per-layer hook."""
-        x_split = h[fill.rows]  # [F, d]
-        rope_fill = tuple(t[fill.rows] for t in rope)
-        late = fill.late_rows
-        h_late, rope_late = h[late], tuple(t[late] for t in rope)
+        """Assemble the late part at the split: stay rows from this step, stashed split states of
+        probe / exact / tail rows; filled rows get a K/V writer for every late layer."""
+        x_fill = h[fill.fill_rows]  # [F, d]
+        rope_fill = tuple(t[fill.fill_rows] for t in rope)
+        h_late = h.new_empty(fill.late_size, h.shape[1])  # [M, d]
+        h_late[fill.stay_to] = h[fill.stay_rows]
+        h_late[fill.late_to] = fill.late_x
+        rope_joining = self.rope(fill.late_pos)
+        rope_late = []
+        for t, tj in zip(rope, rope_joining):
+            part = t.new_empty((fill.late_size,) + tuple(t.shape[1:]))
+            part[fill.stay_to] = t[fill.stay_rows]
+            part[fill.late_to] = tj
+            rope_late.append(part)
+        rope_late = tuple(rope_late)
         rescale_inputs = [(r, h_late[r.rows], tuple(t[r.rows] for t in rope_late)) for r in fill.rescales]
 
         def on_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            if fill.predict is not None and len(fill.rows):
-                k_hat, v_hat = self.kv_only(layer, fill.predict(layer, x_split), rope_fill)
-                kv.write(layer, fill.slots, k_hat, v_hat)
+            if fill.predict is not None and len(fill.fill_rows):
+                k_hat, v_hat = self.kv_only(layer, fill.predict(layer, x_fill), rope_fill)
+                kv.write(layer, fill.fill_slots, k_hat, v_hat)
             for r, xs, rp in rescale_inputs:
                 k_pred, v_pred = self.kv_only(layer, fill.predict(layer, xs), rp)
                 rescale_filled(kv, layer, r, k[r.rows], v[r.rows], k_pred, v_pred)
 
-        return h_late, rope_late, fill.late_batch, on_kv
+        return h_late, rope_late, on_kv
+
+    def _mass_hook(self, requests, kv):
+        """on_q hook adding each request's attention received to its accumulator."""
+        if not requests:
+            return None
+
+        def on_q(layer: int, q: torch.Tensor) -> None:
+            for r in requests:
+                if layer in r.layers:
+                    k, _ = kv.read(layer, r.key_slots)  # [K, Hkv, D]
+                    mass = key_mass(q[r.rows], r.q_pos, k, r.key_pos, self.scale)  # [K]
+                    keep = r.key_pos < r.boundary
+                    r.out.index_add_(0, r.key_pos[keep], mass[keep])
+
+        return on_q

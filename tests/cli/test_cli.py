@@ -9,6 +9,9 @@ import sys
 import pytest
 
 from ridgefill_runtime.cli import main
+from ridgefill_runtime.config import SELECTORS, RowsConfig
+from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.fill.settings import SHIPPED_ROWS, fill_for_arm, shipped_unigram
 
 
 @pytest.fixture(autouse=True)
@@ -89,3 +92,77 @@ def test_bad_fill_config_is_one_line_error(tmp_path):
     cfg.write_text("[fill]\nsplitt = 15\n")
     p = run_cli("score", "--text-file", str(f), "--json", "--arm", "identity", "--fill-config", str(cfg))
     assert p.returncode == 1 and "Traceback" not in p.stderr and "fill.splitt" in p.stderr
+
+
+# -- exact prefix rows: [fill.rows] in --fill-config, --selectors ------------------------------
+
+
+def test_fill_rows_table_and_selectors_reach_the_fill_config(tmp_path):
+    # No table: the shipped selection, with the shipped counts on the embedded model.
+    assert fill_for_arm("identity", None).rows == RowsConfig(**{**SHIPPED_ROWS, "unigram": str(shipped_unigram())})
+    assert fill_for_arm("exact", None).rows.unigram is None  # nothing runs the selectors
+    cfg = tmp_path / "fill.toml"
+    cfg.write_text('[fill]\ntail = 40\n[fill.rows]\nselectors = ["special", "attention"]\n'
+                   'attention_share = 0.3\nattention_layers = [2, 4]\nwindow = 16\nprobe_window = 32\n'
+                   'budget_factor = 0.5\nbase_attention_share = 0.1\nprotected_share = 0.4\nlexical_cap = 0.2\n'
+                   'lexical_sentence_rows = 8\nunigram = "/counts.json"\ncontrol = "tail"\nseed = 3\n')
+    fill = fill_for_arm("ridgefill", cfg)
+    assert fill.tail == 40 and fill.rows == RowsConfig(
+        selectors=("special", "attention"), attention_share=0.3, attention_layers=(2, 4), window=16,
+        probe_window=32, budget_factor=0.5, base_attention_share=0.1, protected_share=0.4, lexical_cap=0.2,
+        lexical_sentence_rows=8, unigram="/counts.json", control="tail", seed=3)
+    # --selectors replaces only the selectors.
+    assert fill_for_arm("ridgefill", cfg, selectors=["digits"]).rows == fill.rows.replace(selectors=("digits",))
+    # Another model has no shipped counts: the selectors that read them need its own.
+    with pytest.raises(InputError, match="fill.rows.unigram is required for the probe selector with --model"):
+        fill_for_arm("identity", None, model="/models/other")
+    rows = fill_for_arm("identity", None, model="/models/other", selectors=["special", "lexical"]).rows
+    assert rows.selectors == ("special", "lexical") and rows.unigram is None
+
+
+def test_selectors_flag_reaches_score_and_generate(tmp_path, monkeypatch):
+    seen = []
+
+    class FakeLLM:  # records the config instead of loading the model
+        def __init__(self, config):
+            seen.append(config)
+            raise InputError("stop here")
+
+    monkeypatch.setattr("ridgefill_runtime.llm.LLM", FakeLLM)
+    f = tmp_path / "t.txt"
+    f.write_text("hello")
+    assert main(["score", "--text-file", str(f), "--arm", "identity", "--selectors", "special, digits"]) == 1
+    assert main(["generate", "--prompt", "hi", "--arm", "nofill", "--selectors", "lexical"]) == 1
+    assert main(["generate", "--prompt", "hi"]) == 1
+    assert [c.fill.arm for c in seen] == ["identity", "nofill", "exact"]
+    assert seen[0].fill.rows.selectors == ("special", "digits") and seen[1].fill.rows.selectors == ("lexical",)
+    assert seen[2].fill.rows.selectors == tuple(SHIPPED_ROWS["selectors"])
+
+
+@pytest.mark.parametrize("args, toml, words", [
+    (["--selectors", "special,rare"], None, f"--selectors: unknown selector 'rare' (known: {', '.join(SELECTORS)})"),
+    ([], "[fill.rows]\nwindoww = 3\n", "unknown key fill.rows.windoww (known: attention_layers,"),
+    ([], '[fill.rows]\nselectors = ["rare"]\n', "fill.rows.selectors: unknown selector 'rare'"),
+    ([], '[fill.rows]\nselectors = "special"\n', "fill.rows.selectors must be a list, got str"),
+    ([], '[fill]\nrows = 3\n', "fill.rows must be a table ([fill.rows]), got int"),
+])
+def test_bad_selectors_or_rows_key_is_one_line_error(tmp_path, capsys, args, toml, words):
+    f = tmp_path / "t.txt"
+    f.write_text("hello there " * 20)
+    if toml is not None:
+        cfg = tmp_path / "fill.toml"
+        cfg.write_text(toml)
+        args = [*args, "--fill-config", str(cfg)]
+    for command in (["score", "--text-file", str(f)], ["generate", "--prompt", "hi"]):
+        assert main([*command, "--arm", "identity", *args]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("ridgefill: error: ") and err.count("\n") == 1 and words in err, err
+
+
+def test_generate_with_a_fill_arm_and_selectors(tmp_path, capsys):
+    cfg = tmp_path / "fill.toml"
+    cfg.write_text("[fill]\ntail = 16\n")
+    prompt = "The lighthouse keeper wrote the date 1893 in the log. " * 6 + "What did the keeper write?"
+    assert main(["generate", "--chat", "--prompt", prompt, "--max-tokens", "8", "--arm", "identity",
+                 "--fill-config", str(cfg), "--selectors", "special,digits,lexical", "--threads", "2"]) == 0
+    assert "keeper" in capsys.readouterr().out

@@ -7,10 +7,14 @@ import torch
 
 
 @torch.no_grad()
-def reference_tail_logits(hf, ids: list[int], split: int, tail: int, predict=None, nofill=False):
+def reference_tail_logits(hf, ids: list[int], split: int, tail: int, predict=None, nofill=False, exact_rows=(),
+                          want_mass=False):
     """Logits [tail, V] of the tail rows when prefix rows' late K/V come from predict(layer, x_S)
-    (None with nofill: the late layers see only the tail). Also returns each late layer's
-    filled prefix (k, v) [P, Hkv, D] after RoPE."""
+    (None with nofill: the late layers see only the tail). `exact_rows` (prefix positions) run
+    the late layers exactly, together with the tail, over the filled cache; their K/V replace
+    the filled ones. Also returns each late layer's filled prefix (k, v) [P, Hkv, D] after RoPE,
+    and with want_mass the attention each prefix row receives from the late rows [P] (summed
+    over late layers, heads and rows: what the probe ranks by when the probe rows are the tail)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     m = hf.model
@@ -20,43 +24,51 @@ def reference_tail_logits(hf, ids: list[int], split: int, tail: int, predict=Non
     x_split = hidden[split][0]  # [N, d] input of layer `split`
     pos = torch.arange(n)[None]
     cos, sin = m.rotary_emb(x_split[None], pos)  # [1, N, D]
-    h = x_split[p:]
+    rows = torch.tensor(sorted(exact_rows) + list(range(p, n)))  # [R] positions run exactly
+    r = len(rows)
+    h = x_split[rows]
     filled = {}
+    mass = torch.zeros(p)
     for layer_id in range(split, hf.config.num_hidden_layers):
         layer = m.layers[layer_id]
         at = layer.self_attn
         hd = at.head_dim
 
-        def kv_of(x, lo, hi):
+        def kv_of(x, at_pos):
             xn = layer.input_layernorm(x)
             k = at.k_proj(xn).view(x.shape[0], -1, hd)
             if hasattr(at, "k_norm"):
                 k = at.k_norm(k)
             v = at.v_proj(xn).view(x.shape[0], -1, hd)
             k = k.transpose(0, 1)[None]  # [1, Hkv, L, D]
-            _, k = apply_rotary_pos_emb(k, k, cos[:, lo:hi], sin[:, lo:hi])
+            _, k = apply_rotary_pos_emb(k, k, cos[:, at_pos], sin[:, at_pos])
             return k[0].transpose(0, 1), v  # [L, Hkv, D]
 
         hn = layer.input_layernorm(h)
-        q = at.q_proj(hn).view(tail, -1, hd)
+        q = at.q_proj(hn).view(r, -1, hd)
         if hasattr(at, "q_norm"):
             q = at.q_norm(q)
         qh = q.transpose(0, 1)[None]
-        qh, _ = apply_rotary_pos_emb(qh, qh, cos[:, p:], sin[:, p:])
-        k_t, v_t = kv_of(h, p, n)
+        qh, _ = apply_rotary_pos_emb(qh, qh, cos[:, rows], sin[:, rows])
+        k_t, v_t = kv_of(h, rows)
         if nofill:
-            keys, vals, key_pos = k_t, v_t, torch.arange(p, n)
+            keys, vals, key_pos = k_t, v_t, rows
         else:
-            k_p, v_p = kv_of(predict(layer_id, x_split[:p]), 0, p)
-            filled[layer_id] = (k_p, v_p)
-            keys, vals, key_pos = torch.cat([k_p, k_t]), torch.cat([v_p, v_t]), torch.arange(n)
+            k_p, v_p = kv_of(predict(layer_id, x_split[:p]), torch.arange(p))
+            filled[layer_id] = (k_p.clone(), v_p.clone())
+            keys, vals = torch.cat([k_p, k_t[r - tail:]]), torch.cat([v_p, v_t[r - tail:]])
+            keys[rows[:r - tail]], vals[rows[:r - tail]] = k_t[:r - tail], v_t[:r - tail]
+            key_pos = torch.arange(n)
         groups = qh.shape[1] // keys.shape[1]
         kk = keys.transpose(0, 1).repeat_interleave(groups, 0)  # [H, K, D]
         vv = vals.transpose(0, 1).repeat_interleave(groups, 0)
         scores = qh[0] @ kk.transpose(1, 2) * hd ** -0.5  # [H, T, K]
-        mask = key_pos[None, :] <= torch.arange(p, n)[:, None]  # [T, K]
+        mask = key_pos[None, :] <= rows[:, None]  # [R, K]
         scores = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        out = (scores @ vv).transpose(0, 1).reshape(tail, -1)  # [T, H*D]
+        if not nofill:
+            mass += scores[:, :, :p].sum(dim=(0, 1))
+        out = (scores @ vv).transpose(0, 1).reshape(r, -1)  # [R, H*D]
         h = h + at.o_proj(out)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return hf.lm_head(m.norm(h)).float(), filled
+    logits = hf.lm_head(m.norm(h[r - tail:])).float()
+    return (logits, filled, mass) if want_mass else (logits, filled)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
+from ridgefill_runtime.config import RowsConfig, CacheConfig, EngineConfig, FillConfig, SchedulerConfig
 from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.fill.maps import FillMaps, MapMeta, save_maps
 from ridgefill_runtime.loader.hf import load_hf_folder
@@ -44,6 +44,8 @@ def rel_err(a, b):
 
 
 def fill(arm, **kw):
+    """Plain fill (no exact prefix rows) unless the test names its selectors."""
+    kw.setdefault("rows", RowsConfig(selectors=()))
     return FillConfig(arm=arm, split=SPLIT, tail=TAIL, **kw)
 
 

@@ -1,5 +1,6 @@
-"""RidgeFill through the server: the [fill] config, the per-request exact opt-out, the usage
-`ridgefill` object and the fill counters, against real servers on the embedded SmolLM2.
+"""RidgeFill through the server: the [fill] and [fill.rows] config, the per-request exact
+opt-out and selectors, the usage `ridgefill` object and the fill counters, against real servers
+on the embedded SmolLM2.
 
 Two servers share one loaded model: one with fill plain (tail 64, maps written here for this
 model), one with fill off. The maps are A = I + noise, b = noise: deliberately not the exact
@@ -12,14 +13,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig
+from ridgefill_runtime.config import SELECTORS, CacheConfig, EngineConfig, RowsConfig
 from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.fill.maps import MapMeta, save_maps
+from ridgefill_runtime.fill.settings import SHIPPED_ROWS, shipped_unigram
 from ridgefill_runtime.llm import build_engine, load_fill_maps
 from server.app import create_app
 from server.background import BackgroundServer
@@ -100,18 +103,56 @@ def _complete(url: str, **body) -> dict:
     return r.json()
 
 
+def _check_rows(usage: dict) -> int:
+    """The usage's rows partition the prompt: filled + exact prefix + tail; returns the exact count."""
+    fill = usage["ridgefill"]
+    exact = fill["exact_prefix_rows"]
+    assert 1 <= exact < usage["prompt_tokens"] - TAIL  # position 0 is always exact
+    assert fill == {"filled_rows": usage["prompt_tokens"] - TAIL - exact, "exact_prefix_rows": exact,
+                    "tail_rows": TAIL, "split": SPLIT}
+    return exact
+
+
 def test_filled_request_reports_its_rows_and_moves_the_counters(servers):
     on, _ = servers
     before = _counters(on)
     out = _complete(on)
     n = out["usage"]["prompt_tokens"]
     assert 280 <= n <= 340  # the prompt is really long enough to fill most of it
-    assert out["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
-                                         "tail_rows": TAIL, "split": SPLIT}
+    exact = _check_rows(out["usage"])  # the shipped selectors (SHIPPED_ROWS) chose these
     after = _counters(on)
-    assert after["ridgefill_fill_filled_rows_total"] - before["ridgefill_fill_filled_rows_total"] == n - TAIL
+    assert after["ridgefill_fill_filled_rows_total"] - before["ridgefill_fill_filled_rows_total"] == n - TAIL - exact
     assert after["ridgefill_fill_tail_rows_total"] - before["ridgefill_fill_tail_rows_total"] == TAIL
-    assert after["ridgefill_fill_exact_prefix_rows_total"] == before["ridgefill_fill_exact_prefix_rows_total"]
+    assert after["ridgefill_fill_exact_prefix_rows_total"] - before["ridgefill_fill_exact_prefix_rows_total"] == exact
+
+
+def test_request_selectors_replace_the_servers_while_others_are_served(servers):
+    on, _ = servers
+    # Three requests in flight together: the server's selectors, only "special", and none.
+    with ThreadPoolExecutor(3) as pool:
+        default, special, none = pool.map(lambda fill: _complete(on, **fill), [
+            {}, {"ridgefill": {"selectors": ["special"]}}, {"ridgefill": {"mode": "plain", "selectors": []}}])
+    shipped, first = _check_rows(default["usage"]), _check_rows(special["usage"])
+    assert first <= shipped  # "special" rows are a part of every selection
+    # No selector: no exact prefix row, the whole prefix is filled.
+    n = none["usage"]["prompt_tokens"]
+    assert none["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
+                                          "tail_rows": TAIL, "split": SPLIT}
+
+
+def test_unknown_request_selector_is_400_and_the_server_keeps_serving(servers):
+    on, off = servers
+    for url in (on, off):  # refused whether or not the server fills
+        r = httpx.post(url + "/v1/completions", json={"prompt": LONG, "max_tokens": 2,
+                                                      "ridgefill": {"selectors": ["special", "rare"]}})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "ridgefill.selectors", err
+        assert err["message"] == f"ridgefill.selectors: unknown selector 'rare' (known: {', '.join(SELECTORS)})"
+    r = httpx.post(on + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "max_tokens": 1, "ridgefill": {"selectors": ["digit"]}})
+    assert r.status_code == 400 and "unknown selector 'digit'" in r.json()["error"]["message"]
+    _check_rows(_complete(on)["usage"])
+    assert httpx.get(on + "/health").json() == {"status": "ok"}
 
 
 def test_exact_request_on_a_fill_server_equals_a_fill_off_server(servers):
@@ -138,8 +179,7 @@ def test_streamed_chat_usage_chunk_carries_the_fill(servers):
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     usage = json.loads(events[-2])["usage"]
-    assert usage["ridgefill"] == {"filled_rows": usage["prompt_tokens"] - TAIL, "exact_prefix_rows": 0,
-                                  "tail_rows": TAIL, "split": SPLIT}
+    _check_rows(usage)
 
 
 def test_prompt_within_the_tail_is_not_filled(servers):
@@ -154,6 +194,8 @@ def test_prompt_within_the_tail_is_not_filled(servers):
     ({"mode": "fast"}, "ridgefill.mode must be \"off\" (exact prefill) or \"plain\""),
     ({"mode": "exact"}, "got 'exact'"),  # the runtime's arm names are not request modes
     ({"mode": "off", "split": 3}, "ridgefill"),  # nothing else may be set per request
+    ({"selectors": ["probes"]}, "ridgefill.selectors: unknown selector 'probes'"),
+    ({"selectors": "special"}, "ridgefill"),  # a list of names, not one name
 ])
 def test_bad_request_mode_is_400_naming_the_field(servers, fill, words):
     on, _ = servers
@@ -183,6 +225,45 @@ def test_every_fill_key_reaches_the_fill_config(model_and_maps, tmp_path):
     assert load_config(None)[0].fill.arm == "exact"
 
 
+def test_fill_rows_table_round_trips_into_the_engine_config(model_and_maps, tmp_path):
+    _, maps = model_and_maps
+    from server.config import _SCHEMA
+    assert {k[len("rows."):] for k in _SCHEMA["fill"] if k.startswith("rows.")} == set(RowsConfig.__dataclass_fields__)
+    counts = tmp_path / "counts.json"
+    counts.write_text("{}")  # only its existence is checked at startup
+    f = _config(tmp_path, f'[fill]\nmode = "plain"\nmaps = "{maps[SPLIT]}"\n[fill.rows]\n'
+                          'selectors = ["special", "attention", "digits"]\nattention_share = 0.2\n'
+                          'attention_layers = [1, 5]\nwindow = 32\nprobe_window = 128\nbudget_factor = 2\n'
+                          'base_attention_share = 0.3\nprotected_share = 0.5\nlexical_cap = 0.1\n'
+                          f'lexical_sentence_rows = 40\nunigram = "{counts}"\ncontrol = "random"\nseed = 9\n')
+    rows = load_config(f)[0].fill.rows
+    assert rows == RowsConfig(selectors=("special", "attention", "digits"), attention_share=0.2,
+                              attention_layers=(1, 5), window=32, probe_window=128, budget_factor=2.0,
+                              base_attention_share=0.3, protected_share=0.5, lexical_cap=0.1,
+                              lexical_sentence_rows=40, unigram=str(counts), control="random", seed=9)
+    # A table replaces the shipped selection: keys it leaves out take RowsConfig's defaults, and
+    # the embedded model still gets the shipped counts. Flags override the file.
+    f = _config(tmp_path, f'[fill]\nmode = "plain"\nmaps = "{maps[SPLIT]}"\n[fill.rows]\nwindow = 16\n')
+    rows = load_config(f, {"fill.rows.selectors": ["special", "lexical"]})[0].fill.rows
+    assert rows == RowsConfig(selectors=("special", "lexical"), window=16, unigram=str(shipped_unigram()))
+
+
+def test_plain_without_a_rows_table_takes_the_shipped_rows(model_and_maps):
+    _, maps = model_and_maps
+    rows = load_config(None, {"fill.mode": "plain", "fill.maps": str(maps[SPLIT])})[0].fill.rows
+    assert rows == RowsConfig(**{**SHIPPED_ROWS, "unigram": str(shipped_unigram())})
+    assert shipped_unigram().is_file()
+    # The serve flag sets the selectors only.
+    from ridgefill_runtime.cli import build_parser
+    from server.cli_serve import _FLAG_KEYS
+    args = build_parser().parse_args(["serve", "--fill", "plain", "--fill-maps", str(maps[SPLIT]),
+                                      "--fill-selectors", "special, digits"])
+    rows = load_config(None, {key: getattr(args, dest, None) for dest, key in _FLAG_KEYS.items()})[0].fill.rows
+    assert rows == RowsConfig(selectors=("special", "digits"), unigram=str(shipped_unigram()))
+    # Fill off: the selectors never run, and no counts are loaded.
+    assert load_config(None)[0].fill.rows == RowsConfig()
+
+
 def test_plain_on_the_embedded_model_defaults_to_the_shipped_maps(model_and_maps, monkeypatch):
     _, maps = model_and_maps
     # NOTE: the shipped file is stood in for by this test's maps, so the test does not depend
@@ -206,6 +287,18 @@ def test_plain_on_the_embedded_model_defaults_to_the_shipped_maps(model_and_maps
     ('[fill]\ntail = 0\n', "fill.tail must be >= 1"),
     ('[model]\npath = "/m"\n[fill]\nmode = "plain"\n', "key 'fill.maps' is required when fill.mode = \"plain\" and model.path is set"),
     ('[fill]\nmode = "plain"\nmaps = "/nope.safetensors"\n', "key 'fill.maps': map file /nope.safetensors not found"),
+    ('[fill.rows]\nselector = ["special"]\n', "unknown key 'fill.rows.selector'"),
+    ('[fill.rows]\nselectors = ["special", "rare"]\n',
+     f"key 'fill.rows.selectors': unknown selector 'rare' (known: {', '.join(SELECTORS)})"),
+    ('[fill.rows]\nselectors = "special"\n', "key 'fill.rows.selectors' must be a list of str, got str"),
+    ('[fill.rows]\nattention_layers = [3, "7"]\n', "key 'fill.rows.attention_layers' must be a list of int, got str '7'"),
+    ('[fill.rows]\nwindow = 1.5\n', "key 'fill.rows.window' must be int, got float"),
+    ('[fill.rows]\nprotected_share = 2\n', "fill.rows.protected_share must be in [0, 1], got 2.0"),
+    ('[fill.rows]\ncontrol = "shuffle"\n', "fill.rows.control must be one of none, random, tail"),
+    ('[fill]\nrows = ["special"]\n', "key 'fill.rows' must be"),
+    ('[model]\npath = "/m"\n[fill]\nmode = "plain"\nmaps = "/m.safetensors"\n',
+     "key 'fill.rows.unigram' is required when fill.rows.selectors include probe and model.path is set"),
+    ('[fill]\nmode = "plain"\n[fill.rows]\nunigram = "/nope.json"\n', "key 'fill.rows.unigram': counts file /nope.json not found"),
 ])
 def test_bad_fill_config_names_key_and_file(tmp_path, text, words):
     f = _config(tmp_path, text)

@@ -1,0 +1,123 @@
+"""One prompt's lower sweep, shared by every exact-row selection evaluated on it.
+
+The lower sweep (layers below the split for every row, the prefix's late K/V filled) does not
+depend on which rows are later chosen, so an evaluation runs it once per prompt and split,
+keeps a snapshot, and runs each selection's probe, late sweep and answer from that snapshot.
+The steps are the runner's and the stages' own (stages.py), so what is measured is what the
+server runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.block_manager import BlockManager
+from ..cache.kv_pool import KVPool
+from ..config import FillConfig, RowsConfig
+from ..engine import apply_fill
+from ..fill.select import RowSelector
+from ..runner import Runner
+from ..sequence import SamplingParams, Sequence
+from ..stages import ScheduledSeq, _after_lower, advance, next_item
+
+CHUNK = 2048  # NOTE: big chunks: the CPU's masked-attention path for later chunks is slower
+
+
+@dataclass
+class Outcome:
+    exact_rows: list[int]
+    output_ids: list[int]  # greedy answer (generate mode)
+    tail_logits: torch.Tensor | None  # [T, V] (score mode)
+
+
+class PromptSession:
+    """Lower sweep once (with the lower-layer attention recorded), then any selection."""
+
+    def __init__(self, model, fill: FillConfig, maps, selector: RowSelector, ids: list[int],
+                 hide_from: int | None = None, max_new: int = 0, chunk: int = CHUNK):
+        self.model, self.fill, self.selector, self.chunk = model, fill, selector, chunk
+        cfg, bs = model.config, 16
+        blocks = -(-(len(ids) + max_new) // bs)
+        kv = KVPool(cfg.num_layers, blocks * bs, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
+        self.runner = Runner(model, kv, bs, fill, maps)
+        seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0))
+        # NOTE: the attention selector's scores are recorded whatever the arms are
+        apply_fill(seq, fill, True, fill.rows.replace(selectors=("attention",)), hide_from)
+        seq.start_prefill()
+        BlockManager(blocks, bs).grow(seq.block_table, blocks * bs)
+        self.seq = seq
+        while seq.num_computed < seq.num_tokens:  # NOTE: not advance(): the selection happens per arm
+            item = next_item(seq, chunk, chunk)
+            self.runner.forward([item])
+            seq.num_computed = item.end
+            seq.row_scores.update(self.runner.last_row_scores[0] or {})
+        late = range(fill.split, cfg.num_layers)
+        self._k = {i: kv.k[i].clone() for i in late}
+        self._v = {i: kv.v[i].clone() for i in late}
+        stash = self.runner.stash(seq.seq_id)
+        self._x = stash.x.clone()
+        self._scores = dict(seq.row_scores)
+
+    def run(self, rows: RowsConfig, max_new: int = 0, score: bool = False) -> Outcome:
+        """Restore the snapshot, choose rows with `rows`, run probe + late sweep, then either
+        generate max_new greedy tokens or return the tail rows' logits."""
+        seq, runner = self._restore(rows, score)
+        _after_lower(seq, self.selector)
+        logits = []
+        first = None
+        while seq.stage != "full":
+            item = next_item(seq, self.chunk, self.chunk)
+            if item.samples and not score:
+                result = runner.run([item])
+                first = result.next_tokens[0]
+                advance(item, result.row_scores[0], self.selector)
+                continue
+            out, _ = runner.forward([item])
+            if score and item.kind == "late":
+                logits.append(out)
+            advance(item, runner.last_row_scores[0], self.selector)
+        outputs = [] if first is None else [first]
+        while len(outputs) < max_new:
+            seq.output_ids = list(outputs)
+            item = ScheduledSeq(seq, seq.num_computed, 1)
+            outputs.append(runner.run([item]).next_tokens[0])
+            seq.num_computed += 1
+        seq.output_ids = []
+        return Outcome(list(seq.exact_rows), outputs, torch.cat(logits) if score else None)
+
+    def _restore(self, rows: RowsConfig, score: bool):
+        seq, runner = self.seq, self.runner
+        for i, k in self._k.items():
+            runner.kv.k[i].copy_(k)
+            runner.kv.v[i].copy_(self._v[i])
+        stash = runner.stash(seq.seq_id)
+        if stash is None:  # the last run's late sweep dropped it
+            from ..fill.stash import SplitStash
+            stash = SplitStash.new(seq.num_tokens, self._x.shape[1], seq.fill_boundary, self._x.dtype, self._x.device)
+            runner._stashes[seq.seq_id] = stash
+        stash.x.copy_(self._x)
+        stash.probe.zero_()
+        seq.rows, seq.row_scores = rows, dict(self._scores)
+        seq.num_computed, seq.output_ids = seq.num_tokens, []
+        seq.params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True, prompt_logprobs=score)
+        return seq, runner
+
+
+def exact_answer(model, ids: list[int], max_new: int, chunk: int = CHUNK) -> list[int]:
+    """Greedy tokens of the exact model, through the same runner."""
+    cfg, bs = model.config, 16
+    blocks = -(-(len(ids) + max_new) // bs)
+    kv = KVPool(cfg.num_layers, blocks * bs, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
+    runner = Runner(model, kv, bs, FillConfig(), None)
+    seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True))
+    seq.start_prefill()
+    BlockManager(blocks, bs).grow(seq.block_table, blocks * bs)
+    while len(seq.output_ids) < max_new:
+        item = next_item(seq, chunk, chunk)
+        token = runner.run([item]).next_tokens[0]
+        seq.num_computed = item.end
+        if item.samples:
+            seq.output_ids.append(token)
+    return seq.output_ids

@@ -1,0 +1,22 @@
+"""Per-sequence state the two-sweep prefill carries between steps: every row's split state x_S
+(the late sweep and the probe start from it) and the selectors' attention accumulators."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SplitStash:
+    x: torch.Tensor  # [N, d] split state of each position (rows not yet run are garbage)
+    attention: torch.Tensor  # [boundary] float32 lower-layer attention received
+    probe: torch.Tensor  # [boundary] float32 late-layer attention received from the probe rows
+
+    @classmethod
+    def new(cls, num_rows: int, width: int, boundary: int, dtype, device) -> "SplitStash":
+        # NOTE: x is N x d (9 MB at 4K tokens for SmolLM2; 256 MB at 32K for d = 4096 in bf16),
+        # held only while the sequence is in its prefill.
+        zeros = lambda: torch.zeros(boundary, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(torch.empty(num_rows, width, dtype=dtype, device=device), zeros(), zeros())

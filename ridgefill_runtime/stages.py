@@ -1,0 +1,92 @@
+"""The two-sweep prefill's bookkeeping (seed 000, §2.4 and Figure 5): what a sequence runs next
+and how a step's result moves it on. Plain Python, no tensors; shared by the scheduler and the
+offline driver so both walk the same stages.
+
+  lower  layers below the split for every row, in chunks; the prefix rows' late K/V are filled
+  probe  (when the probe selector is on) the last rows run the exact late layers over the filled
+         cache and every prefix row's late attention is recorded
+  late   the chosen exact prefix rows, then the tail, run the late layers, in position order, in
+         chunks; their K/V overwrite the filled ones. The last chunk samples the first token.
+  full   an ordinary sequence: no fill, or the fill is done (decode)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .sequence import Sequence
+
+Select = Callable[[Sequence], list[int]]  # a sequence past its lower sweep -> exact prefix rows
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step
+    num_tokens: int  # rows computed this step
+    kind: str = "full"  # the sequence's stage: full | lower | probe | late
+    positions: list[int] | None = None  # probe/late: the rows' positions (sorted, maybe scattered)
+
+    @property
+    def end(self) -> int:
+        """One past the last position computed this step."""
+        return self.positions[-1] + 1 if self.positions else self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This step computes the sequence's last known token through every layer, so it yields
+        the next one."""
+        return self.kind in ("full", "late") and self.end == self.seq.num_tokens
+
+
+def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
+    """The sequence's next piece of work, at most min(chunk, budget) rows."""
+    n = min(chunk, budget)
+    if seq.stage in ("full", "lower"):
+        return ScheduledSeq(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, n), seq.stage)
+    pos = seq.queue[seq.queue_done:seq.queue_done + n]
+    return ScheduledSeq(seq, pos[0], len(pos), seq.stage, pos)
+
+
+def advance(item: ScheduledSeq, scores: dict[str, list[float]] | None, select: Select) -> None:
+    """Record that `item` ran; `scores` are the selector scores the step produced, if any."""
+    seq = item.seq
+    if scores:
+        seq.row_scores.update(scores)
+    if item.kind in ("full", "lower"):
+        seq.num_computed = item.end
+        if item.kind == "lower" and item.end == seq.num_tokens:
+            _after_lower(seq, select)
+        return
+    seq.queue_done += item.num_tokens
+    if seq.queue_done < len(seq.queue):
+        return
+    if item.kind == "probe":
+        _enter_late(seq, select)
+    else:
+        seq.stage = "full"
+
+
+def probe_rows(seq: Sequence) -> list[int]:
+    """The probe's rows: the last probe_window rows the selectors may see, never prefix rows
+    (their K/V would overwrite filled slots), so at most the tail."""
+    end = seq.hide_from if seq.hide_from is not None else seq.num_tokens
+    lo = max(seq.fill_boundary, end - seq.rows.probe_window)
+    return list(range(lo, end))
+
+
+def _after_lower(seq: Sequence, select: Select) -> None:
+    rows = probe_rows(seq) if "probe" in seq.rows.selectors else []
+    if rows:
+        seq.stage, seq.queue, seq.queue_done = "probe", rows, 0
+    else:
+        _enter_late(seq, select)
+
+
+def _enter_late(seq: Sequence, select: Select) -> None:
+    seq.exact_rows = sorted(select(seq))
+    # NOTE: position order: every key an exact row or tail row reads below its own position is
+    # then either filled or already recomputed exactly.
+    seq.stage, seq.queue_done = "late", 0
+    seq.queue = seq.exact_rows + list(range(seq.fill_boundary, seq.num_tokens))
