@@ -41,22 +41,29 @@ SELECTOR_SETS = {
     "protected": ("special", "protected"),
     "digits": ("special", "digits"),
 }
-CONTROLLED = ("attention", "probe")  # selectors evaluated with all three controls
-MAX_NEW = 24
+# Question-blind selectors (protected, digits) read no question: their hidden control would be
+# themselves, so it is not run.
+# NOTE: the two candidate defaults get all three controls; the single-rule selectors get the
+# random control (does the rule beat chance at its own count?) to fit the 2-core time budget.
+DEFAULT_ARMS = ("plain,attention,attention/random,attention/tail,attention/hidden,"
+                "probe@0.33,probe@0.33/random,probe@0.33/tail,probe@0.33/hidden,probe@1,"
+                "lexical,lexical/random,protected,protected/random,digits,digits/random")
+MAX_NEW = 32
 
 
 def arm_list(names: list[str]) -> list[tuple[str, str, str]]:
-    """(arm name, selector set, control) with control in none | random | tail | hidden."""
-    arms = []
+    """'selectors[@budget][/control]' -> (arm name, that, control in none | random | tail | hidden)."""
+    out = []
     for name in names:
-        arms.append((name, name, "none"))
-        if name in CONTROLLED:
-            arms += [(f"{name}/{c}", name, c) for c in ("random", "tail", "hidden")]
-    return arms
+        spec, _, control = name.partition("/")
+        out.append((name, spec, control or "none"))
+    return out
 
 
-def rows_for(base: RowsConfig, selectors: str, control: str) -> RowsConfig:
-    return base.replace(selectors=SELECTOR_SETS[selectors], control=control if control in ("random", "tail") else "none")
+def rows_for(base: RowsConfig, spec: str, control: str) -> RowsConfig:
+    selectors, _, budget = spec.partition("@")
+    rows = base.replace(selectors=SELECTOR_SETS[selectors], control=control if control in ("random", "tail") else "none")
+    return rows.replace(budget_factor=float(budget)) if budget else rows
 
 
 def needle_prompts(tok, per_task: int, lengths: list[int], tail: int, seed: int) -> list:
@@ -76,15 +83,18 @@ def needle_prompts(tok, per_task: int, lengths: list[int], tail: int, seed: int)
 def needle_row(model, tok, fill, maps, selector, base, arms, prompt) -> dict:
     ids = list(prompt.ids)
     text = lambda out: tok.decode(out)  # noqa: E731
-    row = {"task": prompt.task, "tokens": len(ids), "exact": solved(prompt, text(exact_answer(model, ids, MAX_NEW)))}
+    eos = set(tok.eos_token_ids)
+    done = lambda out: out[-1] in eos or solved(prompt, text(out))  # noqa: E731
+    row = {"task": prompt.task, "tokens": len(ids), "exact": solved(prompt, text(exact_answer(model, ids, MAX_NEW, done=done)))}
     sessions = {"none": PromptSession(model, fill, maps, selector, ids, max_new=MAX_NEW)}
     for name, sel, control in arms:
         key = "hidden" if control == "hidden" else "none"
         if key not in sessions:
             sessions[key] = PromptSession(model, fill, maps, selector, ids, hide_from=prompt.question_start,
                                           max_new=MAX_NEW)
-        out = sessions[key].run(rows_for(base, sel, control), max_new=MAX_NEW)
+        out = sessions[key].run(rows_for(base, sel, control), max_new=MAX_NEW, done=done)
         row[name] = solved(prompt, text(out.output_ids))
+        row[name + ":text"] = text(out.output_ids)
         row[name + ":rows"] = len(out.exact_rows)
     row["prefix"] = len(ids) - fill.tail
     return row
@@ -152,9 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--split", type=int, default=15)
     ap.add_argument("--tail", type=int, default=1024)
     ap.add_argument("--budget", type=float, default=1.0, help="the probe's budget factor")
-    ap.add_argument("--arms", default="plain,special,attention,probe,lexical,protected,digits")
+    ap.add_argument("--arms", default=DEFAULT_ARMS)
     ap.add_argument("--per-task", type=int, default=14, help="prompts per task (single, multikey, multivalue)")
-    ap.add_argument("--lengths", default="2048,3072,4096,5120,6144,7168")
+    ap.add_argument("--lengths", default="2048,2560,3072,4096,5120,7168")
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--doc-tokens", type=int, default=4096)
     ap.add_argument("--shard", default="0/1", help="k/n: this process takes items k, k+n, ...")
@@ -199,7 +209,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def report(out: Path, arms_arg: str) -> str:
+def report(out: Path, arms_arg: str = DEFAULT_ARMS) -> str:
     """Merge the shards in `out` into summary.json and table.md."""
     needles = sum((json.loads(p.read_text()) for p in sorted(out.glob("needles.*.json"))), [])
     docs = sum((json.loads(p.read_text()) for p in sorted(out.glob("docs.*.json"))), [])

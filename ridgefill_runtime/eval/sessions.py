@@ -60,9 +60,10 @@ class PromptSession:
         self._x = stash.x.clone()
         self._scores = dict(seq.row_scores)
 
-    def run(self, rows: RowsConfig, max_new: int = 0, score: bool = False) -> Outcome:
+    def run(self, rows: RowsConfig, max_new: int = 0, score: bool = False, done=None) -> Outcome:
         """Restore the snapshot, choose rows with `rows`, run probe + late sweep, then either
-        generate max_new greedy tokens or return the tail rows' logits."""
+        generate up to max_new greedy tokens (stopping early once done(tokens) holds) or return
+        the tail rows' logits."""
         seq, runner = self._restore(rows, score)
         _after_lower(seq, self.selector)
         logits = []
@@ -79,7 +80,7 @@ class PromptSession:
                 logits.append(out)
             advance(item, runner.last_row_scores[0], self.selector)
         outputs = [] if first is None else [first]
-        while len(outputs) < max_new:
+        while len(outputs) < max_new and not (done and done(outputs)):
             seq.output_ids = list(outputs)
             item = ScheduledSeq(seq, seq.num_computed, 1)
             outputs.append(runner.run([item]).next_tokens[0])
@@ -105,8 +106,8 @@ class PromptSession:
         return seq, runner
 
 
-def exact_answer(model, ids: list[int], max_new: int, chunk: int = CHUNK) -> list[int]:
-    """Greedy tokens of the exact model, through the same runner."""
+def exact_answer(model, ids: list[int], max_new: int, chunk: int = 8192, done=None) -> list[int]:
+    """Greedy tokens of the exact model, through the same runner (stopping once done(tokens))."""
     cfg, bs = model.config, 16
     blocks = -(-(len(ids) + max_new) // bs)
     kv = KVPool(cfg.num_layers, blocks * bs, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
@@ -114,7 +115,7 @@ def exact_answer(model, ids: list[int], max_new: int, chunk: int = CHUNK) -> lis
     seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True))
     seq.start_prefill()
     BlockManager(blocks, bs).grow(seq.block_table, blocks * bs)
-    while len(seq.output_ids) < max_new:
+    while len(seq.output_ids) < max_new and not (done and seq.output_ids and done(seq.output_ids)):
         item = next_item(seq, chunk, chunk)
         token = runner.run([item]).next_tokens[0]
         seq.num_computed = item.end
