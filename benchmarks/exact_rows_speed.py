@@ -22,11 +22,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # NOTE: reuses prefill.py's real-text helper
 
-CANDIDATES = {  # name -> RowsConfig changes
-    "special": dict(selectors=("special",)),
-    "attention 10%": dict(selectors=("special", "attention")),
-    "probe@0.33+lexical": dict(selectors=("special", "probe", "lexical"), budget_factor=0.33),
-    "probe@1+lexical": dict(selectors=("special", "probe", "lexical"), budget_factor=1.0),
+PROBE = ("special", "probe", "lexical")
+CANDIDATES = {  # name -> (split, tail, RowsConfig changes); None: the command line's split / tail
+    "special": (None, None, dict(selectors=("special",))),
+    "attention 10%": (None, None, dict(selectors=("special", "attention"))),
+    "probe@0.33": (None, None, dict(selectors=PROBE, budget_factor=0.33)),
+    "probe@1": (None, None, dict(selectors=PROBE, budget_factor=1.0)),
+    # the trade-off grid's other split and tail
+    "s11 t1024 special": (11, 1024, dict(selectors=("special",))),
+    "s11 t1024 probe@0.33": (11, 1024, dict(selectors=PROBE, budget_factor=0.33)),
+    "s11 t1024 probe@1": (11, 1024, dict(selectors=PROBE, budget_factor=1.0)),
+    "s15 t512 special": (15, 512, dict(selectors=("special",))),
+    "s15 t512 probe@0.33": (15, 512, dict(selectors=PROBE, budget_factor=0.33)),
+    "s15 t512 probe@1": (15, 512, dict(selectors=PROBE, budget_factor=1.0)),
 }
 
 
@@ -38,6 +46,7 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=15)
     ap.add_argument("--tail", type=int, default=1024)
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--json", type=Path, default=None, help="also write the medians here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -52,8 +61,9 @@ def main() -> None:
     model = llm.engine.model
     base = RowsConfig(selectors=(), unigram=str(shipped_unigram()))
 
-    def fill(tail=args.tail, **rows) -> FillConfig:
-        return FillConfig(arm="ridgefill", split=args.split, tail=tail, maps=str(shipped_maps(args.split)),
+    def fill(tail=None, split=None, **rows) -> FillConfig:
+        split, tail = split or args.split, tail or args.tail
+        return FillConfig(arm="ridgefill", split=split, tail=tail, maps=str(shipped_maps(split)),
                           rows=base.replace(**rows))
 
     def engine(n: int, fill_config: FillConfig, select=None) -> Engine:
@@ -80,12 +90,14 @@ def main() -> None:
           f"tail={T}; time to first token, median of {args.reps}, configurations interleaved")
     warm = ids_all[:T + 512]
     ttft(engine(len(warm), FillConfig()), warm), ttft(engine(len(warm), fill(selectors=("special",))), warm)
+    record = {"threads": args.threads, "split": S, "tail": T, "reps": args.reps, "lengths": {}}
     for n in args.lengths:
         ids = ids_all[:n]
         configs = {"exact": (engine(n, FillConfig()), None), "E=0": (engine(n, fill(selectors=("special",)), lambda s: []), 0)}
         configs.update({f"E={e}": (engine(n, fill(selectors=("special",)), random_rows(e)), e) for e in args.rows})
-        configs[f"tail+512"] = (engine(n, fill(tail=T + 512, selectors=("special",)), lambda s: []), None)
-        configs.update({name: (engine(n, fill(**rows)), None) for name, rows in CANDIDATES.items()})
+        configs["tail+512"] = (engine(n, fill(tail=T + 512, selectors=("special",)), lambda s: []), None)
+        configs.update({name: (engine(n, fill(tail, split, **rows)), None)
+                        for name, (split, tail, rows) in CANDIDATES.items()})
         times = {name: [] for name in configs}
         counts = {}
         for _ in range(args.reps):
@@ -109,6 +121,12 @@ def main() -> None:
               f"tail row = {1e3 * tail_row:.3f} ms, kappa = {sigma / tail_row:.2f}, "
               f"break-even E* = (tau_exact - tau0)/sigma = {(med['exact'] - tau0) / sigma:.0f} rows "
               f"({100 * (med['exact'] - tau0) / sigma / (n - T):.0f}% of the prefix)")
+        record["lengths"][n] = {"ttft": med, "exact_rows": counts, "tau0": tau0, "sigma": sigma,
+                                "tail_row": tail_row, "kappa": sigma / tail_row,
+                                "break_even_rows": (med["exact"] - tau0) / sigma}
+    if args.json:
+        import json
+        args.json.write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

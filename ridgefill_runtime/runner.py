@@ -24,7 +24,7 @@ class Runner:
         self._generators: dict[int, torch.Generator] = {}
         self._stashes: dict[int, SplitStash] = {}  # split states of sequences in a two-sweep prefill
         self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self._stashes,
-                                   model.config.hidden_size, model.dtype, self.device)
+                                   model.config, model.dtype, self.device)
         self.last_row_scores: list[dict | None] = []
 
     def forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -53,6 +53,10 @@ class Runner:
 
     def stash(self, seq_id: int) -> SplitStash | None:
         return self._stashes.get(seq_id)
+
+    def put_stash(self, seq_id: int, stash: SplitStash) -> None:
+        """Evaluation: restart a sequence's late sweep from a saved lower sweep."""
+        self._stashes[seq_id] = stash
 
     def _after_step(self, items, fill) -> list[dict | None]:
         """Keep the split states of this step's lower rows; hand back finished selector scores."""

@@ -57,7 +57,7 @@ def advance(item: ScheduledSeq, scores: dict[str, list[float]] | None, select: S
     if item.kind in ("full", "lower"):
         seq.num_computed = item.end
         if item.kind == "lower" and item.end == seq.num_tokens:
-            _after_lower(seq, select)
+            finish_lower(seq, select)
         return
     seq.queue_done += item.num_tokens
     if seq.queue_done < len(seq.queue):
@@ -76,7 +76,8 @@ def probe_rows(seq: Sequence) -> list[int]:
     return list(range(lo, end))
 
 
-def _after_lower(seq: Sequence, select: Select) -> None:
+def finish_lower(seq: Sequence, select: Select) -> None:
+    """The lower sweep is done: run the probe next, or choose the rows and start the late sweep."""
     rows = probe_rows(seq) if "probe" in seq.rows.selectors else []
     if rows:
         seq.stage, seq.queue, seq.queue_done = "probe", rows, 0

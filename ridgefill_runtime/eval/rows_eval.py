@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import FillConfig, RowsConfig
+from ..engine import token_table
 from ..fill.corpus import evaluation_docs
 from ..fill.maps import FillMaps, check_maps_fit
 from ..fill.select import RowSelector
@@ -181,7 +182,6 @@ def main(argv=None) -> int:
     check_maps_fit(maps.meta, model.identity, model.config, args.split, maps_path)
     base = RowsConfig(budget_factor=args.budget, unigram=str(shipped_unigram()))
     fill = FillConfig(arm="ridgefill", split=args.split, tail=args.tail, maps=maps_path, rows=base)
-    from ..engine import token_table
     selector = RowSelector(token_table(tok, base))
     arms = arm_list(args.arms.split(","))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ from ..engine import apply_fill
 from ..fill.select import RowSelector
 from ..runner import Runner
 from ..sequence import SamplingParams, Sequence
-from ..stages import ScheduledSeq, _after_lower, advance, next_item
+from ..fill.stash import SplitStash
+from ..stages import ScheduledSeq, advance, finish_lower, next_item
 
 CHUNK = 2048  # NOTE: big chunks: the CPU's masked-attention path for later chunks is slower
 
@@ -65,7 +66,7 @@ class PromptSession:
         generate up to max_new greedy tokens (stopping early once done(tokens) holds) or return
         the tail rows' logits."""
         seq, runner = self._restore(rows, score)
-        _after_lower(seq, self.selector)
+        finish_lower(seq, self.selector)
         logits = []
         first = None
         while seq.stage != "full":
@@ -93,13 +94,10 @@ class PromptSession:
         for i, k in self._k.items():
             runner.kv.k[i].copy_(k)
             runner.kv.v[i].copy_(self._v[i])
-        stash = runner.stash(seq.seq_id)
-        if stash is None:  # the last run's late sweep dropped it
-            from ..fill.stash import SplitStash
-            stash = SplitStash.new(seq.num_tokens, self._x.shape[1], seq.fill_boundary, self._x.dtype, self._x.device)
-            runner._stashes[seq.seq_id] = stash
+        # NOTE: the last run's late sweep dropped the stash; put a fresh copy of the snapshot back
+        stash = SplitStash.new(seq.num_tokens, self._x.shape[1], seq.fill_boundary, self._x.dtype, self._x.device)
         stash.x.copy_(self._x)
-        stash.probe.zero_()
+        runner.put_stash(seq.seq_id, stash)
         seq.rows, seq.row_scores = rows, dict(self._scores)
         seq.num_computed, seq.output_ids = seq.num_tokens, []
         seq.params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True, prompt_logprobs=score)

@@ -25,9 +25,10 @@ def needs_fill_step(items) -> bool:
 
 class FillPlanner:
     def __init__(self, config: FillConfig, predict: Predictor | None, slots_of: SlotsOf,
-                 stashes: dict[int, SplitStash], width: int, dtype, device):
+                 stashes: dict[int, SplitStash], model_config, dtype, device):
         self.config, self.predict, self.slots_of = config, predict, slots_of
-        self.stashes, self.width, self.dtype, self.device = stashes, width, dtype, device
+        self.stashes, self.dtype, self.device = stashes, dtype, device
+        self.width, self.num_layers = model_config.hidden_size, model_config.num_layers
 
     def build(self, items, batch: AttentionBatch) -> FillStep:
         """batch: the lower part's layout (one entry per full / lower item, in item order)."""
@@ -101,7 +102,7 @@ class FillPlanner:
         rows = torch.arange(start, start + item.num_tokens, device=self.device)
         if item.kind == "probe":
             key_pos = keys if keys is not None else torch.arange(item.end, device=self.device)
-            layers = frozenset(range(self.config.split, 1 << 16))
+            layers = frozenset(range(self.config.split, self.num_layers))
             acc.late_mass.append(MassRequest(layers, rows, pos, read, key_pos, stash.probe, seq.fill_boundary))
         elif seq.queue_done == 0 and self._rescales(seq):
             c = min(self.config.rescale_rows, item.num_tokens)
