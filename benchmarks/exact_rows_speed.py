@@ -26,13 +26,16 @@ PROBE = ("special", "probe", "lexical")
 CANDIDATES = {  # name -> (split, tail, RowsConfig changes); None: the command line's split / tail
     "special": (None, None, dict(selectors=("special",))),
     "attention 10%": (None, None, dict(selectors=("special", "attention"))),
+    "lexical": (None, None, dict(selectors=("special", "lexical"))),
     "probe@0.33": (None, None, dict(selectors=PROBE, budget_factor=0.33)),
     "probe@1": (None, None, dict(selectors=PROBE, budget_factor=1.0)),
     # the trade-off grid's other split and tail
     "s11 t1024 special": (11, 1024, dict(selectors=("special",))),
+    "s11 t1024 lexical": (11, 1024, dict(selectors=("special", "lexical"))),
     "s11 t1024 probe@0.33": (11, 1024, dict(selectors=PROBE, budget_factor=0.33)),
     "s11 t1024 probe@1": (11, 1024, dict(selectors=PROBE, budget_factor=1.0)),
     "s15 t512 special": (15, 512, dict(selectors=("special",))),
+    "s15 t512 lexical": (15, 512, dict(selectors=("special", "lexical"))),
     "s15 t512 probe@0.33": (15, 512, dict(selectors=PROBE, budget_factor=0.33)),
     "s15 t512 probe@1": (15, 512, dict(selectors=PROBE, budget_factor=1.0)),
 }

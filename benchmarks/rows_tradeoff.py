@@ -15,8 +15,9 @@ import argparse
 import json
 from pathlib import Path
 
-ARMS = ("plain", "attention", "probe@0.33", "probe@1")
-SPEED_NAME = {"plain": "special", "attention": "attention 10%", "probe@0.33": "probe@0.33", "probe@1": "probe@1"}
+ARMS = ("plain", "lexical", "attention", "probe@0.33", "probe@1")
+SPEED_NAME = {"plain": "special", "lexical": "lexical", "attention": "attention 10%", "probe@0.33": "probe@0.33",
+              "probe@1": "probe@1"}
 
 
 def speed_key(split: int, tail: int, arm: str, default: tuple[int, int]) -> str:

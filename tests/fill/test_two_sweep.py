@@ -184,3 +184,14 @@ def test_engine_two_sweep_batched_with_others_equals_alone(tiny):
 def test_special_rows_default_makes_position_zero_exact(tiny):
     seq = generate(engine(tiny, fill("identity")), tiny["ids"], n=1)
     assert seq.exact_rows == [0]
+
+
+@pytest.mark.gpu
+def test_exact_rows_on_cuda_match_the_cpu_run(tiny):
+    """On CUDA the late sweep's scattered rows go through the scattered_rows_attention kernel."""
+    ckpt = tiny["ckpt"]
+    gpu = DenseLM(ckpt.config, ckpt.tensors, device="cuda")
+    cfg = fill("identity", selectors=("special",))
+    cpu_logits = PromptLogits(tiny["model"], cfg, chunk=23, selector=fixed(EXACT))(tiny["ids"])[1]
+    gpu_logits = PromptLogits(gpu, cfg, chunk=23, selector=fixed(EXACT))(tiny["ids"])[1]
+    assert rel_err(gpu_logits.cpu(), cpu_logits) < 1e-3
