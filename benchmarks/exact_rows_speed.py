@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=1024)
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--json", type=Path, default=None, help="also write the medians here")
+    ap.add_argument("--no-grid", action="store_true", help="only the command line's split and tail")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -100,7 +101,7 @@ def main() -> None:
         configs.update({f"E={e}": (engine(n, fill(selectors=("special",)), random_rows(e)), e) for e in args.rows})
         configs["tail+512"] = (engine(n, fill(tail=T + 512, selectors=("special",)), lambda s: []), None)
         configs.update({name: (engine(n, fill(tail, split, **rows)), None)
-                        for name, (split, tail, rows) in CANDIDATES.items()})
+                        for name, (split, tail, rows) in CANDIDATES.items() if not (args.no_grid and split)})
         times = {name: [] for name in configs}
         counts = {}
         for _ in range(args.reps):
