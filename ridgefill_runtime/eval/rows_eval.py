@@ -81,12 +81,15 @@ def needle_prompts(tok, per_task: int, lengths: list[int], tail: int, seed: int)
     return out
 
 
-def needle_row(model, tok, fill, maps, selector, base, arms, prompt) -> dict:
+def needle_row(model, tok, fill, maps, selector, base, arms, prompt, exact: bool | None = None) -> dict:
+    """exact: exact's result from an earlier run on the same prompt (None: run it here)."""
     ids = list(prompt.ids)
     text = lambda out: tok.decode(out)  # noqa: E731
     eos = set(tok.eos_token_ids)
     done = lambda out: out[-1] in eos or solved(prompt, text(out))  # noqa: E731
-    row = {"task": prompt.task, "tokens": len(ids), "exact": solved(prompt, text(exact_answer(model, ids, MAX_NEW, done=done)))}
+    if exact is None:
+        exact = solved(prompt, text(exact_answer(model, ids, MAX_NEW, done=done)))
+    row = {"task": prompt.task, "tokens": len(ids), "exact": exact}
     sessions = {"none": PromptSession(model, fill, maps, selector, ids, max_new=MAX_NEW)}
     for name, sel, control in arms:
         key = "hidden" if control == "hidden" else "none"
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--exact-from", type=Path, default=None,
+                    help="a finished run on the same prompts: reuse its exact answers (more arms later)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     k, n_shards = (int(x) for x in args.shard.split("/"))
@@ -187,11 +192,20 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     prompts = needle_prompts(tok, args.per_task, [int(x) for x in args.lengths.split(",")], args.tail, args.seed)
+    earlier = {}
+    if args.exact_from:
+        for f in args.exact_from.glob("needles.*.json"):
+            for r in json.loads(f.read_text()):
+                earlier[r["index"]] = r
     needles = []
     for i, p in enumerate(prompts):
         if i % n_shards != k:
             continue
-        needles.append(needle_row(model, tok, fill, maps, selector, base, arms, p))
+        if earlier and earlier[i]["tokens"] != len(p.ids):
+            raise SystemExit(f"--exact-from: prompt {i} differs from the earlier run's")
+        needles.append(needle_row(model, tok, fill, maps, selector, base, arms, p,
+                                  earlier[i]["exact"] if earlier else None))
+        needles[-1]["index"] = i
         (args.out / f"needles.{k}.json").write_text(json.dumps(needles, indent=1))
         print(f"rows_eval: prompt {i + 1}/{len(prompts)} {p.task} {len(p.ids)} tokens "
               f"exact={needles[-1]['exact']} {time.time() - t0:.0f}s", flush=True)

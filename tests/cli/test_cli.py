@@ -115,7 +115,7 @@ def test_fill_rows_table_and_selectors_reach_the_fill_config(tmp_path):
     assert fill_for_arm("ridgefill", cfg, selectors=["digits"]).rows == fill.rows.replace(selectors=("digits",))
     # Another model has no shipped counts: the selectors that read them need its own.
     with pytest.raises(InputError, match="fill.rows.unigram is required for the probe selector with --model"):
-        fill_for_arm("identity", None, model="/models/other")
+        fill_for_arm("identity", None, model="/models/other", selectors=["special", "probe"])
     rows = fill_for_arm("identity", None, model="/models/other", selectors=["special", "lexical"]).rows
     assert rows.selectors == ("special", "lexical") and rows.unigram is None
 

@@ -296,7 +296,7 @@ def test_plain_on_the_embedded_model_defaults_to_the_shipped_maps(model_and_maps
     ('[fill.rows]\nprotected_share = 2\n', "fill.rows.protected_share must be in [0, 1], got 2.0"),
     ('[fill.rows]\ncontrol = "shuffle"\n', "fill.rows.control must be one of none, random, tail"),
     ('[fill]\nrows = ["special"]\n', "key 'fill.rows' must be"),
-    ('[model]\npath = "/m"\n[fill]\nmode = "plain"\nmaps = "/m.safetensors"\n',
+    ('[model]\npath = "/m"\n[fill]\nmode = "plain"\nmaps = "/m.safetensors"\n[fill.rows]\nselectors = ["probe"]\n',
      "key 'fill.rows.unigram' is required when fill.rows.selectors include probe and model.path is set"),
     ('[fill]\nmode = "plain"\n[fill.rows]\nunigram = "/nope.json"\n', "key 'fill.rows.unigram': counts file /nope.json not found"),
 ])
