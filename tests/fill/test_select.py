@@ -81,17 +81,12 @@ def test_probe_count_is_budget_times_base_rules_and_probe_ranking_fills_it():
         assert rows == SPECIAL_ROWS | set(expect)
 
 
-def test_lexical_rows_are_reserved_inside_the_probe_budget():
+def test_lexical_rows_are_reserved_inside_the_probe_budget(monkeypatch):
     seq = seq_with(RowsConfig(selectors=("special", "probe", "lexical")))
-    sel = RowSelector(TABLE)
     lexical = {3, 4, 5}
-    import ridgefill_runtime.fill.select as select_mod
-    original = select_mod.rules.lexical_rows
-    select_mod.rules.lexical_rows = lambda *a, **k: sorted(lexical)
-    try:
-        with_lex = set(sel(seq))
-    finally:
-        select_mod.rules.lexical_rows = original
+    monkeypatch.setattr(rules, "lexical_rows", lambda *a, **k: sorted(lexical))
+    with_lex = set(RowSelector(TABLE)(seq))
+    monkeypatch.undo()
     without = set(RowSelector(TABLE)(seq_with(RowsConfig(selectors=("special", "probe")))))
     assert lexical <= with_lex
     assert len(with_lex) == len(without)  # the count is the probe's; lexical rows take part of it
