@@ -29,26 +29,11 @@ WITH_TESTS=0
 for arg in "$@"; do
     case "$arg" in
         --test) WITH_TESTS=1 ;;
-        *) echo "install: unknown argument '$arg' (known: --test)"; exit 2 ;;
+        *) echo "install: unknown argument '$arg' (known: --test)" >&2; exit 2 ;;
     esac
 done
 
-fail() {  # fail STEP "what the user can do"
-    echo "install: step '$1' failed: $2" >&2
-    exit 1
-}
-
-# run STEP "remedy" CMD...: run CMD with its output in the step's log; one line either way.
-run() {
-    local step="$1" remedy="$2" start=$SECONDS
-    shift 2
-    mkdir -p "$LOGS"
-    if "$@" >"$LOGS/$step.log" 2>&1; then
-        echo "install: $step: done in $((SECONDS - start)) s"
-    else
-        fail "$step" "$remedy (log: $LOGS/$step.log, last line: $(tail -n 1 "$LOGS/$step.log"))"
-    fi
-}
+source scripts/install_steps.sh  # fail, run
 
 # -- what must be there before anything installs ----------------------------------------------
 
