@@ -69,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # NOTE: `serve` gets a parser of its own: the full one imports the eval and fit commands,
+    # hence torch, and a bad serve flag must fail in well under a second.
+    parser = _serve_parser() if argv[:1] == ["serve"] else build_parser()
+    args = parser.parse_args(argv)
     try:
         return _run(args)
     except RidgefillError as e:
@@ -77,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from server.cli_serve import add_serve_parser
+
+    parser = argparse.ArgumentParser(prog="ridgefill", description="RidgeFill LLM inference")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
 def _run(args) -> int:

@@ -36,6 +36,10 @@ class TextTracker:
             self._emitted.pop(seq.seq_id, None)
         return delta, hit
 
+    def forget(self, seq_id: int) -> None:
+        """Drop a sequence that ended without a final update (aborted)."""
+        self._emitted.pop(seq_id, None)
+
 
 def _safe_length(text: str, stops: tuple[str, ...]) -> int:
     n = len(text)

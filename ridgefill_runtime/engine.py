@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,11 @@ from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A step that finds nothing to run while work exists is a scheduler bug; sleeping this long
+# keeps the loop from burning a core until the work ends (abort, timeout) or the bug is fixed.
+IDLE_BACKOFF_S = 0.01
+
+log = logging.getLogger("ridgefill.engine")
 
 
 @dataclass
@@ -26,6 +33,38 @@ class RequestOutput:
     delta_text: str
     new_token_ids: list[int]
     finished: bool
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One consistent reading of the engine's gauges and counters (Engine.stats)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    preemptions_total: int
+    aborts_total: int
+    timeouts_total: int
+    steps_total: int  # steps that ran the model
+    idle_spins_total: int  # steps that found nothing to run while work existed (a bug)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
+            raise ValueError(f"kv blocks used {self.kv_blocks_used} outside 0..{self.kv_blocks_total}")
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class _Counts:
+    aborts: int = 0
+    timeouts: int = 0
+    steps: int = 0
+    idle_spins: int = 0
 
 
 class Engine:
@@ -46,16 +85,19 @@ class Engine:
         self.text = TextTracker(tokenizer)
         self.max_model_len = min(cfg.max_position_embeddings, num_blocks * bs)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.counts = _Counts()
 
     # -- requests ----------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
-                    rows: RowsConfig | None = None, hide_from: int | None = None) -> Sequence:
+                    rows: RowsConfig | None = None, hide_from: int | None = None,
+                    deadline: float | None = None) -> Sequence:
         """Queue a request. `fill=False` asks for an exact prefill even when the fill is on;
         `rows` overrides the configured exact-row selectors for this request; `hide_from`
-        (evaluation: the question-hidden control) shows the selectors only positions before it."""
+        (evaluation: the question-hidden control) shows the selectors only positions before it;
+        past `deadline` (time.monotonic() seconds) it ends with finish_reason "timeout"."""
         self.validate(prompt_ids, params)
-        seq = Sequence(prompt_ids=list(prompt_ids), params=params)
+        seq = Sequence(prompt_ids=list(prompt_ids), params=params, deadline=deadline)
         apply_fill(seq, self.fill, fill, rows, hide_from)
         self.scheduler.add(seq)
         return seq
@@ -67,6 +109,8 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InputError(f"prompt token id {bad} is outside the vocabulary (size {vocab})")
+        # NOTE: this bound is what keeps the scheduler live: a request alone always fits the
+        # pool (it never holds more than prompt + max_tokens - 1 positions, fill stages included).
         need = len(prompt_ids) + params.max_tokens
         if need > self.max_model_len:
             raise InputError(
@@ -74,30 +118,69 @@ class Engine:
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq, "abort")
-        self.runner.forget(seq.seq_id)
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        """End seq now, wherever it is, and drop everything kept for it."""
+        if seq.finished:
+            return
+        self.scheduler.finish(seq, reason)
+        self._forget(seq)
+        if reason == "abort":
+            self.counts.aborts += 1
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> EngineStats:
+        c = self.counts
+        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                           kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free,
+                           kv_blocks_total=self.blocks.num_blocks,
+                           preemptions_total=self.scheduler.num_preemptions, aborts_total=c.aborts,
+                           timeouts_total=c.timeouts, steps_total=c.steps, idle_spins_total=c.idle_spins)
+
     # -- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; the sequences that gained text or finished (timeouts included)."""
+        expired = self._expire()
+        preemptions = self.scheduler.num_preemptions
         items = self.scheduler.schedule()
         if not items:
-            return []
+            # NOTE: a step that preempted freed blocks: only a partial view of the sequences
+            # (fault isolation) can leave it empty, which is no bug.
+            if self.scheduler.has_work() and self.scheduler.num_preemptions == preemptions:
+                self._idle_spin()
+            return expired
         before = {id(it.seq): len(it.seq.output_ids) for it in items}
         result = self.runner.run(items)
+        self.counts.steps += 1
         touched = self.scheduler.postprocess(items, result, self.eos_ids)
-        return [self._output(seq, before[id(seq)]) for seq in touched]
+        return expired + [self._output(seq, before[id(seq)]) for seq in touched]
+
+    def _expire(self) -> list[RequestOutput]:
+        expired = self.scheduler.expire(time.monotonic())
+        self.counts.timeouts += len(expired)
+        return [self._output(seq, len(seq.output_ids)) for seq in expired]
+
+    def _idle_spin(self) -> None:
+        self.counts.idle_spins += 1
+        if self.counts.idle_spins == 1:
+            log.error("the scheduler found nothing to run with %d running and %d waiting sequences "
+                      "(%d of %d KV blocks free); backing off %.0f ms per step (counted in idle spins)",
+                      len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_free,
+                      self.blocks.num_blocks, IDLE_BACKOFF_S * 1000)
+        time.sleep(IDLE_BACKOFF_S)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.runner.forget(seq.seq_id)
+        self.text.forget(seq.seq_id)
 
     def _output(self, seq: Sequence, had: int) -> RequestOutput:
         delta, hit_stop = self.text.update(seq)
         if hit_stop and not seq.finished:
             self.scheduler.finish(seq, "stop")  # NOTE: update() already emitted the cut text
         if seq.finished:
-            self.runner.forget(seq.seq_id)
+            self._forget(seq)
         return RequestOutput(seq=seq, delta_text=delta, new_token_ids=seq.output_ids[had:],
                              finished=seq.finished)
 

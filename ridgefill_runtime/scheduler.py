@@ -1,4 +1,5 @@
-"""Decides what runs each step: continuous batching under a token budget, chunked prefill.
+"""Decides what runs each step: continuous batching under a token budget, chunked prefill,
+preemption (recompute) of the newest sequences when the KV blocks run out.
 
 Plain Python over Sequence objects and block ids; no tensors, no model code.
 """
@@ -6,7 +7,7 @@ Plain Python over Sequence objects and block ids; no tensors, no model code.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cache.block_manager import BlockManager
 from .config import SchedulerConfig
@@ -30,12 +31,18 @@ def _no_selection(seq: Sequence) -> list[int]:
 
 
 class Scheduler:
+    """Liveness by construction: a running sequence that cannot grow preempts the newest running
+    ones (never an older one), and one request alone always fits (Engine.validate bounds
+    prompt + max_tokens by the pool). So the oldest running sequence never loses its work, and
+    every step schedules something while there is work."""
+
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, select: Select = _no_selection):
         self.config = config
         self.blocks = blocks
         self.select = select  # chooses a filled sequence's exact prefix rows after its lower sweep
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # oldest first: the order of admission
+        self.num_preemptions = 0
 
     # -- admission and removal ------------------------------------------------------------
 
@@ -54,64 +61,85 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
+    def expire(self, now: float) -> list[Sequence]:
+        """End every sequence whose deadline is at or before `now` ("timeout"); returns them."""
+        late = [s for s in (*self.running, *self.waiting) if s.deadline is not None and s.deadline <= now]
+        for seq in late:
+            self.finish(seq, "timeout")
+        return late
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # -- one step ------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledSeq]:
-        budget = self.config.max_num_batched_tokens
-        items: list[ScheduledSeq] = []
+        """This step's items. Never empty while there is work and one request fits the pool."""
+        step = _Step(self.config.max_num_batched_tokens)
         # NOTE: decodes first, so a long prompt never delays running users by more than
         # the chunk it is given in the same step.
         for seq in [s for s in self.running if _decoding(s)]:
-            if budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop to make room for an older one
-            if not self._reserve(seq, 1):
-                continue  # seq was preempted to make room
-            items.append(ScheduledSeq(seq, seq.num_computed, 1))
-            budget -= 1
+            if self._may_run(step, seq):
+                self._run(step, ScheduledSeq(seq, seq.num_computed, 1))
         for seq in [s for s in self.running if not _decoding(s)]:
-            if budget == 0:
-                break
-            item = next_item(seq, budget, self.config.chunk_size)
-            if not self.blocks.can_grow(seq.block_table, item.end):
-                break
-            self.blocks.grow(seq.block_table, item.end)
-            items.append(item)
-            budget -= item.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self._may_run(step, seq):
+                self._run(step, next_item(seq, step.budget, self.config.chunk_size))
+        # NOTE: a step that had to preempt is short of blocks: admitting now would only take
+        # blocks an older sequence asks back next step (wasted prefill).
+        if not step.preempted:
+            self._admit(step)
+        return step.items
+
+    @staticmethod
+    def _may_run(step: _Step, seq: Sequence) -> bool:
+        # NOTE: seq may have been preempted earlier in this step to make room for an older one.
+        return step.budget > 0 and seq.status is SeqStatus.RUNNING
+
+    def _run(self, step: _Step, item: ScheduledSeq) -> None:
+        if self._make_room(item.seq, item.end, step):
+            step.add(item)
+
+    def _make_room(self, seq: Sequence, end: int, step: _Step) -> bool:
+        """Grow seq's table to cover `end` positions, preempting the newest running sequences
+        until it fits; False when seq was the newest left and gave way itself."""
+        while not self.blocks.can_grow(seq.block_table, end):
+            victim = self.running[-1]  # at or after seq in admission order: never an older one
+            self._preempt(victim)
+            step.drop(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq.block_table, end)
+        return True
+
+    def _admit(self, step: _Step) -> None:
+        """Start waiting sequences (oldest first) while the pool holds their whole known tokens
+        on top of what the running ones still need, so prefills never fight over blocks."""
+        while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            item = next_item(seq, budget, self.config.chunk_size)
-            if not self.blocks.can_grow(seq.block_table, item.end):
+            spare = self.blocks.num_free - self._blocks_owed()
+            if self.blocks.blocks_needed(seq.block_table, seq.num_tokens) > spare:
                 break
+            item = next_item(seq, step.budget, self.config.chunk_size)
             self.waiting.popleft()
             self.blocks.grow(seq.block_table, item.end)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            items.append(item)
-            budget -= item.num_tokens
-        return items
+            step.add(item)
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
-        """Make room for n more positions of a running seq, preempting the newest others."""
-        while not self.blocks.can_grow(seq.block_table, seq.num_computed + n):
-            victim = self.running[-1]
-            self._preempt(victim)
-            if victim is seq:
-                return False
-        self.blocks.grow(seq.block_table, seq.num_computed + n)
-        return True
+    def _blocks_owed(self) -> int:
+        """Blocks the running sequences still need to hold every token they know of."""
+        return sum(self.blocks.blocks_needed(s.block_table, s.num_tokens) for s in self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         # NOTE: recompute, not swap: its tokens are kept, its K/V are rebuilt by a new prefill.
+        # It goes to the front of the queue; victims are taken newest first, so the queue
+        # keeps admission order.
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.start_prefill()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def postprocess(self, items: list[ScheduledSeq], result: StepResult,
                     eos_ids: tuple[int, ...]) -> list[Sequence]:
@@ -136,6 +164,26 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
         return touched
+
+
+@dataclass
+class _Step:
+    """The step being built: its items and the token budget they leave."""
+
+    budget: int
+    items: list[ScheduledSeq] = field(default_factory=list)
+    preempted: bool = False
+
+    def add(self, item: ScheduledSeq) -> None:
+        self.items.append(item)
+        self.budget -= item.num_tokens
+
+    def drop(self, seq: Sequence) -> None:
+        """seq was preempted: take back any item it already has in this step."""
+        self.preempted = True
+        kept = [it for it in self.items if it.seq is not seq]
+        self.budget += sum(it.num_tokens for it in self.items) - sum(it.num_tokens for it in kept)
+        self.items = kept
 
 
 def _decoding(seq: Sequence) -> bool:

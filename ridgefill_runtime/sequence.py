@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
 from .config import RowsConfig
 from .errors import InputError
 
+# Temperatures below this sample greedily (vLLM's rule): dividing float32 logits by a smaller one
+# overflows them to inf, and the softmax of inf - inf is NaN. Such a temperature means argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# What torch.Generator.manual_seed accepts (a negative seed is taken modulo 2**64).
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
     seed: int | None = None
@@ -26,18 +33,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
             raise InputError(f"max_tokens must be >= 0, got {self.max_tokens}")
-        if not self.temperature >= 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise InputError("stop strings must be non-empty")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise InputError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 class SeqStatus(enum.Enum):
@@ -58,8 +67,9 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
     arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() after which it ends with "timeout"
     # RidgeFill: prompt rows [0, fill_boundary) are filled with `fill_arm`; 0 means no fill
     fill_boundary: int = 0
     fill_arm: str = "exact"

@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     except RidgefillError as e:
         print(f"ridgefill: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl+C before the server took over the signal (e.g. during imports)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,6 +2,11 @@
 
 The model loads in a background thread after the server starts listening, so /health can
 say 503 ("loading") and then 200. Routes that need the model answer 503 until it is ready.
+Shutdown (ServerState.begin_shutdown, from the SIGTERM handler or the lifespan's end) stops
+admission at once and gives running requests server.shutdown_grace_s, then aborts them.
+
+With an API key, /v1/*, /tokenize and /metrics (unless server.metrics_public) need it; /health
+stays open for supervisors, and /docs, /redoc and /openapi.json are not served at all.
 """
 
 from __future__ import annotations
@@ -9,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,12 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ridgefill_runtime.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
 from ridgefill_runtime.config import EngineConfig
 from ridgefill_runtime.engine import Engine
-from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.errors import InputError, RidgefillError
 
 from . import requests as rq
+from .access import HostAllowList, RequestContext, deadline_for, note_usage
 from .config import FillSettings, ServerConfig
-from .errors import HTTPError, error_body, error_response
-from .limits import BodySizeLimit
+from .connections import SHUTDOWN_BACKSTOP_S
+from .errors import HTTPError, describe_invalid, error_body, error_response
+from .limits import BodyReadTimeout, BodySizeLimit
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
@@ -42,6 +51,10 @@ class ServerState:
     metrics: ServerMetrics
     engine: AsyncEngine | None = None  # None while loading
     load_error: str | None = None
+    draining: bool = False  # shutdown began: no new requests, /health says "draining"
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopper: threading.Thread | None = None  # runs AsyncEngine.stop(grace) off the event loop
+    _stop_by: float | None = None  # monotonic time the shutdown stops waiting for the engine
 
     def ready(self) -> AsyncEngine:
         if self.engine is None:
@@ -49,10 +62,44 @@ class ServerState:
             raise HTTPError(503, why, headers={"Retry-After": str(self.config.retry_after_s)})
         return self.engine
 
+    def adopt(self, engine: AsyncEngine) -> bool:
+        """Start serving a freshly loaded engine, unless shutdown began while it loaded."""
+        with self._lock:
+            if self.draining:
+                return False
+            engine.start()
+            self.engine = engine
+            return True
+
+    def begin_shutdown(self) -> None:
+        """Stop admission now and let running requests finish for shutdown_grace_s, then abort
+        them; returns at once (safe in a signal handler). Idempotent."""
+        with self._lock:
+            if self.draining:
+                return
+            self.draining = True
+            grace = self.config.shutdown_grace_s
+            self._stop_by = time.monotonic() + grace + SHUTDOWN_BACKSTOP_S
+            if self.engine is not None:
+                self.engine.begin_drain()
+                self._stopper = threading.Thread(target=self.engine.stop, args=(grace,),
+                                                 name="ridgefill-drain", daemon=True)
+                self._stopper.start()
+
+    async def finish_shutdown(self) -> None:
+        """The lifespan's end: wait for the drain, never past the grace plus the backstop (a
+        step that hangs must not keep the process alive)."""
+        self.begin_shutdown()
+        if self._stopper is not None:
+            await asyncio.to_thread(self._stopper.join, max(0.0, self._stop_by - time.monotonic()))
+
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: FillSettings,
-               build: Callable[[], Engine] | None = None) -> FastAPI:
-    """`build`: makes the Engine (tests share one model); None loads it from engine_config."""
+               build: Callable[[], Engine] | None = None,
+               on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
+    """`build`: makes the Engine (tests share one model); None loads it from engine_config.
+    `on_load_failure(cause)`: called (on the loading thread) when the model cannot load, e.g.
+    to end the process; None keeps serving 503 with the cause on /health."""
     state = ServerState(server_config, ServerMetrics())
 
     def load() -> None:
@@ -60,24 +107,36 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
             from ridgefill_runtime.llm import build_engine
             built = build() if build is not None else build_engine(engine_config)
             async_engine = AsyncEngine(built, server_config.max_queued_requests, state.metrics)
-            async_engine.start()
-            state.engine = async_engine
+        except Exception as e:  # noqa: BLE001 - any failure to load is reported, not raised
+            state.load_error = str(e) if isinstance(e, RidgefillError) else f"{type(e).__name__}: {e}"
+            log.debug("model load failed", exc_info=True)
+            if on_load_failure is not None:
+                on_load_failure(state.load_error)
+            else:
+                log.error("model load failed: %s", state.load_error)
+            return
+        if state.adopt(async_engine):
             log.info("model ready (max_model_len=%d)", built.max_model_len)
-        except Exception as e:  # noqa: BLE001 - reported by /health, the process keeps serving 503
-            log.exception("model load failed")
-            state.load_error = str(e)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        loading = asyncio.get_running_loop().run_in_executor(None, load)
+        # NOTE: a daemon thread, not the default executor: a shutdown during a long load must
+        # not wait for it (asyncio.run joins executor threads at exit).
+        threading.Thread(target=load, name="ridgefill-load", daemon=True).start()
         yield
-        await loading
-        if state.engine is not None:
-            state.engine.stop()
+        await state.finish_shutdown()
 
-    app = FastAPI(title="ridgefill", lifespan=lifespan)
+    keyed = server_config.api_key is not None
+    # NOTE: with a key, the schema and docs are not served: they would list the API to anyone.
+    app = FastAPI(title="ridgefill", lifespan=lifespan, openapi_url=None if keyed else "/openapi.json")
     app.state.ridgefill = state
+    # NOTE: the last added runs first: request id and access log see every answer, including
+    # the Host refusal (421), the stalled body (408) and the oversized body (413).
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_body_bytes)
+    app.add_middleware(BodyReadTimeout, timeout_s=server_config.body_timeout_s, draining=lambda: state.draining)
+    app.add_middleware(HostAllowList, allowed=server_config.allowed_hosts)
+    app.add_middleware(RequestContext, on_done=lambda route, status: state.metrics.http_requests.labels(
+        route=route, status=str(status)).inc())
     _install_error_handlers(app)
 
     async def require_key(request: Request) -> None:
@@ -98,10 +157,12 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         tok = eng.engine.tokenizer
         return rq.request_rows(body, eng.engine.fill.rows, tok is not None and hasattr(tok, "token_type"))
 
-    def submit(prompt_ids, params, fill: bool, rows):
+    def submit(request: Request, body, prompt_ids, params, fill: bool, rows):
         eng = state.ready()
+        deadline = deadline_for(body.timeout, server_config.request_timeout_s)
+        note_usage(request, len(prompt_ids))
         try:
-            return eng.submit(prompt_ids, params, fill, rows)
+            return eng.submit(prompt_ids, params, fill, rows, deadline=deadline)
         except InputError as e:
             raise HTTPError(400, str(e), "prompt") from None
         except (EngineOverloaded, EngineStopped) as e:
@@ -109,12 +170,21 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
 
     @app.get("/health")
     async def health():
-        if state.engine is None or not state.engine.alive:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if state.engine is None:
             status = "error" if state.load_error else "loading"
             return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+        engine_health = state.engine.health()
+        if engine_health.status != "ok":  # "stalled": no step finished for a while with work in flight
+            return JSONResponse({"status": engine_health.status, "detail": (
+                f"no engine progress for {engine_health.seconds_since_progress:.0f} s with "
+                f"{engine_health.in_flight} requests in flight")}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    metrics_guard = [] if server_config.metrics_public else [Depends(require_key)]
+
+    @app.get("/metrics", dependencies=metrics_guard)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
@@ -131,10 +201,13 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         tok = eng.engine.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError(400, "send exactly one of 'prompt' or 'messages'", "prompt")
+        # NOTE: tokenizing megabytes takes seconds; a worker thread keeps the loop serving.
         if body.messages is not None:
-            ids = rq.chat_prompt(ChatCompletionRequest(messages=body.messages), tok)
+            rq.check_messages(body.messages)
+            ids = await asyncio.to_thread(rq.chat_prompt, body.messages, tok)
         else:
-            ids = rq._encode(tok, body.prompt, body.add_special_tokens)
+            rq.check_text(body.prompt, "prompt")
+            ids = await asyncio.to_thread(rq.tokenize_text, tok, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=eng.engine.max_model_len)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
@@ -146,14 +219,17 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
             raise HTTPError(400, "echo is not supported", "echo")
         eng = state.ready()
         rows = rows_for(body, eng)
-        prompt = rq.completion_prompt(body, eng.engine.tokenizer)
-        params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS)
-        handle = submit(prompt, params, fill, rows)
+        rq.check_completion_prompt(body, eng.engine.max_model_len)
+        params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, server_config.max_stop_strings)
+        # NOTE: every cheap check is done; tokenizing may take seconds, in a worker thread.
+        prompt = await asyncio.to_thread(rq.completion_prompt, body, eng.engine.tokenizer)
+        handle = submit(request, body, prompt, params, fill, rows)
         rid, model = new_id("cmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(stream_completion(eng, handle, rid, model, usage))
+            return _sse_response(request, handle, stream_completion(eng, handle, rid, model, usage))
         out = await collect(eng, handle, request)
+        note_usage(request, handle.num_prompt_tokens, handle.num_output_tokens)
         _raise_if_failed(out)
         return CompletionResponse(id=rid, model=model,
                                   choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
@@ -166,17 +242,18 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         fill = rq.wants_fill(body)
         eng = state.ready()
         rows = rows_for(body, eng)
-        prompt = rq.chat_prompt(body, eng.engine.tokenizer)
-        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        # NOTE: like OpenAI, an unset limit means "up to the context length".
-        default = max(eng.engine.max_model_len - len(prompt), 0)
-        params = rq.sampling_params(body, asked, default)
-        handle = submit(prompt, params, fill, rows)
+        rq.check_messages(body.messages)
+        params = rq.chat_sampling_params(body, server_config.default_chat_max_tokens, server_config.max_stop_strings)
+        # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
+        prompt = await asyncio.to_thread(rq.chat_prompt, body.messages, eng.engine.tokenizer)
+        params = rq.fit_default_limit(body, params, len(prompt), eng.engine.max_model_len)
+        handle = submit(request, body, prompt, params, fill, rows)
         rid, model = new_id("chatcmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(stream_chat(eng, handle, rid, model, usage))
+            return _sse_response(request, handle, stream_chat(eng, handle, rid, model, usage))
         out = await collect(eng, handle, request)
+        note_usage(request, handle.num_prompt_tokens, handle.num_output_tokens)
         _raise_if_failed(out)
         return ChatCompletionResponse(
             id=rid, model=model,
@@ -191,8 +268,15 @@ def _raise_if_failed(out) -> None:
         raise HTTPError(500, out.error)
 
 
-def _sse_response(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream",
+def _sse_response(request: Request, handle, chunks) -> StreamingResponse:
+    async def counted():
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:  # NOTE: before the access log line, which is written when the response ends
+            note_usage(request, handle.num_prompt_tokens, handle.num_output_tokens)
+
+    return StreamingResponse(counted(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -207,11 +291,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError):
-        first = err.errors()[0] if err.errors() else {}
-        # NOTE: keep the field name only; pydantic appends union branch names ("prompt.str").
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+        message, param = describe_invalid(list(err.errors()), err.body)
         return JSONResponse(error_body(400, message, param), status_code=400)
 
     @app.exception_handler(Exception)

@@ -12,6 +12,8 @@ import time
 
 import uvicorn
 
+from .connections import uvicorn_config
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,7 +26,10 @@ class BackgroundServer:
         self.app = app
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        # NOTE: the same protocol, timeouts and connection cap as `ridgefill serve`.
+        config = uvicorn_config(app, app.state.ridgefill.config, app.state.ridgefill.config.max_connections,
+                                log_level="warning", port=self.port)
+        self.connections = config.connection_guard
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 

@@ -1,11 +1,19 @@
-"""`ridgefill serve`: flags, config file, logging, uvicorn."""
+"""`ridgefill serve`: flags, config file, logging, uvicorn.
+
+Startup checks what it can before the slow parts, so an operator error is one line within a
+second: the config (no torch import), then the listening socket (bound here, before the
+model loads), then the device (imports torch only for cuda). A model that cannot load ends
+the process with status 1; SIGTERM/SIGINT drain within server.shutdown_grace_s and exit 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 
-from .config import effective_config_text, load_config
+from .config import ConfigError, check_device, effective_config_text, load_config
 
 # flag dest -> dotted config key; a flag left at None does not override the file.
 _FLAG_KEYS = {
@@ -15,9 +23,14 @@ _FLAG_KEYS = {
     "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
     "fill_tail": "fill.tail", "fill_maps": "fill.maps", "fill_placement": "fill.placement",
     "fill_selectors": "fill.rows.selectors",
-    "host": "server.host", "port": "server.port", "api_key": "server.api_key",
+    "host": "server.host", "port": "server.port", "api_key": "server.api_key", "api_key_file": "server.api_key_file",
     "served_model_name": "server.served_model_name", "max_queued_requests": "server.max_queued_requests",
     "max_body_bytes": "server.max_body_bytes", "threads": "server.threads", "log_level": "server.log_level",
+    "default_chat_max_tokens": "server.default_chat_max_tokens", "max_stop_strings": "server.max_stop_strings",
+    "request_timeout_s": "server.request_timeout_s", "shutdown_grace_s": "server.shutdown_grace_s",
+    "header_timeout_s": "server.header_timeout_s", "body_timeout_s": "server.body_timeout_s",
+    "keep_alive_s": "server.keep_alive_s", "max_connections": "server.max_connections",
+    "allowed_hosts": "server.allowed_hosts", "metrics_public": "server.metrics_public",
 }
 
 
@@ -45,11 +58,25 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "the other fill.rows keys take their defaults unless the config file gives them)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int)
-    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes and /tokenize")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and /metrics "
+                                     "(visible in `ps`: prefer $RIDGEFILL_API_KEY or --api-key-file)")
+    p.add_argument("--api-key-file", help="file holding the API key")
     p.add_argument("--served-model-name")
     p.add_argument("--max-queued-requests", type=int, help="queued beyond the running ones; more get 503")
     p.add_argument("--max-body-bytes", type=int)
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--default-chat-max-tokens", type=int, help="chat completions that give no max_tokens")
+    p.add_argument("--max-stop-strings", type=int, help="most stop strings one request may give")
+    p.add_argument("--request-timeout-s", type=float, help="server-wide cap on one request's duration")
+    p.add_argument("--shutdown-grace-s", type=float, help="SIGTERM: let running requests finish this long")
+    p.add_argument("--header-timeout-s", type=float, help="close connections that send no request head in time")
+    p.add_argument("--body-timeout-s", type=float, help="408 when a request body part does not arrive in time")
+    p.add_argument("--keep-alive-s", type=float, help="close idle keep-alive connections after this")
+    p.add_argument("--max-connections", type=int, help="open connections (lowered to fit the open-files limit)")
+    p.add_argument("--allowed-hosts", type=_comma_list, metavar="A,B",
+                   help="Host header allow-list (\"*\": any; default: loopback names when bound to loopback)")
+    p.add_argument("--metrics-public", action="store_true", default=None,
+                   help="serve /metrics without the API key")
     return p
 
 
@@ -58,19 +85,71 @@ def _comma_list(text: str) -> list[str]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import torch
-    import uvicorn
-
-    from .app import create_app
-
     overrides = {key: getattr(args, dest, None) for dest, key in _FLAG_KEYS.items()}
     engine_cfg, server_cfg, fill = load_config(args.config, overrides)
+    sock = _listen(server_cfg.host, server_cfg.port)
+    try:
+        check_device(engine_cfg)
+        return _serve(sock, engine_cfg, server_cfg, fill)
+    finally:
+        sock.close()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind the listening socket before the model loads, so a port in use or a bad host fails
+    at once, naming the flag (uvicorn would find it only after the load)."""
+    try:
+        return _bind(host, port)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host / server.host {host!r}: cannot resolve it ({e.strerror})") from None
+    except OSError as e:
+        flag = "--port / server.port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "--host / server.host"
+        raise ConfigError(f"{flag}: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # NOTE: as uvicorn: TIME_WAIT is no conflict
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve(sock: socket.socket, engine_cfg, server_cfg, fill) -> int:
+    # NOTE: imported only now: torch (through the app) costs seconds; every check above is done.
+    import torch
+
+    from ridgefill_runtime.errors import ModelLoadError
+
+    from .app import create_app
+    from .connections import (DrainingServer, connection_cap, quiet_connection_errors,
+                              raise_open_files_limit, uvicorn_config)
+
     logging.basicConfig(level=server_cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("ridgefill.server")
     if server_cfg.threads:
         torch.set_num_threads(server_cfg.threads)
-    log = logging.getLogger("ridgefill.server")
+    cap = connection_cap(server_cfg.max_connections, raise_open_files_limit())
     log.info("effective config (torch threads: %d):\n%s", torch.get_num_threads(),
              effective_config_text(engine_cfg, server_cfg, fill))
-    app = create_app(engine_cfg, server_cfg, fill)
-    uvicorn.run(app, host=server_cfg.host, port=server_cfg.port, log_level=server_cfg.log_level)
+    failure: list[str] = []
+    server: DrainingServer | None = None
+
+    def fail(cause: str) -> None:
+        failure.append(cause)
+        server.should_exit = True  # NOTE: read by uvicorn's main loop every 0.1 s
+
+    app = create_app(engine_cfg, server_cfg, fill, on_load_failure=fail)
+    config = uvicorn_config(app, server_cfg, cap, log_level=server_cfg.log_level)  # listens on `sock`
+    server = DrainingServer(config, on_signal=app.state.ridgefill.begin_shutdown)
+    quiet_connection_errors()
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    server.run(sockets=[sock])
+    if failure:
+        raise ModelLoadError(f"cannot load the model ({engine_cfg.model or 'embedded default'}): {failure[0]}")
     return 0

@@ -1,14 +1,30 @@
-"""ASGI middleware: refuse request bodies over a size limit with 413, before parsing them."""
+"""ASGI middleware: refuse request bodies over a size limit with 413, before parsing them, and
+bodies that stall with 408."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from collections.abc import Callable
 
+from starlette.exceptions import HTTPException
+
+from .access import send_json_error
 from .errors import error_body
 
 
-class _TooLarge(Exception):
-    pass
+def _too_large(max_bytes: int) -> str:
+    return f"request body exceeds the limit of {max_bytes} bytes"
+
+
+class _TooLarge(HTTPException):
+    """Raised from the app's receive once a body outgrows the limit. An HTTPException because
+    FastAPI's body reader re-raises those but turns any other error into a 400 ("error parsing
+    the body"); the app's HTTPException handler then answers 413."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, _too_large(max_bytes))
 
 
 class BodySizeLimit:
@@ -31,7 +47,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    raise _TooLarge(self.max_bytes)
             return message
 
         async def tracking_send(message):
@@ -47,8 +63,72 @@ class BodySizeLimit:
                 await self._refuse(send)
 
     async def _refuse(self, send):
-        body = json.dumps(error_body(413, f"request body exceeds the limit of {self.max_bytes} bytes")).encode()
+        body = json.dumps(error_body(413, _too_large(self.max_bytes))).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+
+class BodyReadTimeout:
+    """408 when a request body stalls: each part of the body must arrive within timeout_s.
+    Without it a client that declares more bytes than it sends holds its request (and its
+    connection) open forever. Once `draining()` is true (shutdown), a body still awaited gets
+    503 at once instead, so it cannot hold up the exit. The answer goes out from here, with
+    Connection: close; the app then sees a disconnect, and whatever it answers is dropped."""
+
+    POLL_S = 0.25  # how often a wait for the body looks at draining()
+
+    def __init__(self, app, timeout_s: float, draining: Callable[[], bool] = lambda: False):
+        self.app, self.timeout_s, self.draining = app, timeout_s, draining
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body_done = answered = started = False
+
+        async def timed_receive():
+            nonlocal body_done, answered
+            if answered:
+                return {"type": "http.disconnect"}
+            if body_done:  # NOTE: later receives wait for a disconnect; they must not time out
+                return await receive()
+            message = await self._next_part(receive)
+            if message is None:
+                answered = True
+                if not started:
+                    await self._refuse(send)
+                return {"type": "http.disconnect"}
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if answered:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, timed_receive, guarded_send)
+
+    async def _next_part(self, receive):
+        """The next receive() message, or None past the timeout or once draining."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.draining():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                # NOTE: cancelling uvicorn's receive() mid-wait loses nothing; wait_for returns
+                # a message that arrives while it cancels.
+                return await asyncio.wait_for(receive(), min(left, self.POLL_S))
+            except TimeoutError:
+                continue
+        return None
+
+    async def _refuse(self, send):
+        if self.draining():
+            await send_json_error(send, 503, "the server is shutting down", close=True)
+        else:
+            await send_json_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                             f"(server.body_timeout_s)", close=True)

@@ -1,16 +1,26 @@
-"""Prometheus metrics, fed by the engine thread through EngineObserver hooks.
+"""Prometheus metrics: latencies and token counts fed by the engine thread through
+EngineObserver hooks; gauges and engine counters read from the AsyncEngine's stats snapshot at
+scrape time, so a scrape never shows values older than the last step or command.
 
 Each server gets its own CollectorRegistry, so tests can run several apps in one process.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from collections.abc import Callable, Iterator
 
-from ridgefill_runtime.async_engine import EngineObserver, RequestHandle
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ridgefill_runtime.async_engine import EngineObserver, RequestHandle, ServingStats
+from ridgefill_runtime.engine import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# What the snapshot-backed metrics read before an engine is bound (the model is loading).
+_UNBOUND = ServingStats(EngineStats(running=0, waiting=0, kv_blocks_used=0, kv_blocks_total=0, preemptions_total=0,
+                                    aborts_total=0, timeouts_total=0, steps_total=0, idle_spins_total=0),
+                        inbox=0, in_flight=0)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -25,9 +35,8 @@ class ServerMetrics(EngineObserver):
         self.prefill_time = h("ridgefill_request_prefill_time_seconds", "First scheduled step to first token")
         self.decode_time = h("ridgefill_request_decode_time_seconds", "First token to last token")
         self.step_time = h("ridgefill_engine_step_seconds", "Wall time of one engine step")
-        self.running = Gauge("ridgefill_num_requests_running", "Sequences in the running batch", registry=r)
-        self.waiting = Gauge("ridgefill_num_requests_waiting", "Requests queued, not yet running", registry=r)
-        self.kv_usage = Gauge("ridgefill_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self._snapshot = _SnapshotCollector()
+        r.register(self._snapshot)
         self.prompt_tokens = Counter("ridgefill_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("ridgefill_generation_tokens", "Generated tokens", registry=r)
         self.finished = Counter("ridgefill_request_finished", "Finished requests by reason",
@@ -39,13 +48,18 @@ class ServerMetrics(EngineObserver):
         self.http_requests = Counter("ridgefill_http_requests", "HTTP requests by route and status",
                                      ["route", "status"], registry=r)
 
+    def bind(self, stats: Callable[[], ServingStats]) -> None:
+        """Read the gauges (running, waiting, KV usage) and the engine counters (preemptions,
+        aborts, timeouts, idle spins) from `stats` at every scrape, e.g.
+        `metrics.bind(async_engine.stats)`; it must be safe to call from any thread.
+        AsyncEngine binds its observer when it is built, so binding again is harmless.
+        Until bound, those metrics read 0."""
+        self._snapshot.read = stats
+
     # -- EngineObserver (engine thread) -------------------------------------------------------
 
     def on_step(self, engine, num_waiting: int, step_seconds: float) -> None:
         self.step_time.observe(step_seconds)
-        self.running.set(len(engine.scheduler.running))
-        self.waiting.set(len(engine.scheduler.waiting) + num_waiting)
-        self.kv_usage.set(engine.blocks.usage())
 
     def on_tokens(self, handle: RequestHandle, count: int, now: float, prev: float | None) -> None:
         if prev is None:
@@ -73,3 +87,36 @@ class ServerMetrics(EngineObserver):
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SnapshotCollector:
+    """Yields the snapshot-backed metrics when the registry is scraped."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], ServingStats] | None = None
+
+    def describe(self) -> Iterator:
+        return _families(None)
+
+    def collect(self) -> Iterator:
+        return _families(self.read() if self.read is not None else None)
+
+
+def _families(s: ServingStats | None) -> Iterator:
+    s = s if s is not None else _UNBOUND
+    e = s.engine
+    yield GaugeMetricFamily("ridgefill_num_requests_running", "Sequences in the running batch", value=e.running)
+    yield GaugeMetricFamily("ridgefill_num_requests_waiting", "Requests queued, not yet running",
+                            value=e.waiting + s.inbox)
+    yield GaugeMetricFamily("ridgefill_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=e.kv_usage)
+    yield GaugeMetricFamily("ridgefill_kv_cache_blocks_used", "KV blocks in use", value=e.kv_blocks_used)
+    yield GaugeMetricFamily("ridgefill_kv_cache_blocks_total", "KV blocks in the pool", value=e.kv_blocks_total)
+    yield CounterMetricFamily("ridgefill_preemptions", "Sequences preempted (recomputed) to free KV blocks",
+                              value=e.preemptions_total)
+    yield CounterMetricFamily("ridgefill_request_aborts", "Requests aborted (client gone, shutdown)",
+                              value=e.aborts_total)
+    yield CounterMetricFamily("ridgefill_request_timeouts", "Requests ended at their deadline",
+                              value=e.timeouts_total)
+    yield CounterMetricFamily("ridgefill_engine_idle_spins",
+                              "Engine steps that found nothing to run while work existed (a scheduler bug)",
+                              value=e.idle_spins_total)

@@ -31,7 +31,9 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # NOTE: Python's JSON parser accepts Infinity and NaN; no sampling setting means anything
+    # with them, so every float field refuses them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -45,6 +47,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     logprobs: int | bool | None = None
+    timeout: float | None = None  # extension: seconds until the request ends ("timeout"); capped by the server
     ridgefill: RidgefillOptions | None = None
 
 
@@ -53,10 +56,21 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
+
+
+class ContentPart(BaseModel):
+    """One OpenAI content part; only "text" parts are served (checked in `server/requests.py`)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict] | None = None
+    role: ChatRole
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ridgefill_runtime.config import SELECTORS, RowsConfig
 from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.fill.settings import needs_counts
@@ -11,6 +13,10 @@ from .errors import HTTPError
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Every generated token is checked against every stop string: long ones, like many ones
+# (server.max_stop_strings), slow the whole batch, everyone's latency included.
+MAX_STOP_CHARS = 256
+MAX_MESSAGES = 2048  # OpenAI's limit; each message is rendered by the chat template
 
 
 def check_common(req: _SamplingFields) -> None:
@@ -49,8 +55,12 @@ def request_rows(req: _SamplingFields, configured: RowsConfig, has_token_table: 
     return configured.replace(selectors=tuple(selectors))
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int) -> SamplingParams:
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int, max_stop_strings: int,
+                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+    """`max_tokens_field` names the field `max_tokens` came from, for the error."""
+    if max_tokens is not None and max_tokens < 0:
+        raise HTTPError(400, f"{max_tokens_field} must be >= 0, got {max_tokens}", max_tokens_field)
+    stop = _stop_strings(req.stop, max_stop_strings)
     try:
         return SamplingParams(
             max_tokens=default_max if max_tokens is None else max_tokens,
@@ -65,35 +75,136 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: i
         raise HTTPError(400, str(e), _param_of(str(e))) from None
 
 
+def chat_sampling_params(req: ChatCompletionRequest, default_max: int, max_stop_strings: int) -> SamplingParams:
+    """The chat request's settings. An unset limit is `default_max` (server.default_chat_max_tokens,
+    so a forgotten limit cannot hold a slot for a whole context) until `fit_default_limit`
+    knows the prompt's length."""
+    if req.max_completion_tokens is not None:
+        return sampling_params(req, req.max_completion_tokens, 0, max_stop_strings, "max_completion_tokens")
+    return sampling_params(req, req.max_tokens, default_max, max_stop_strings)
+
+
+def fit_default_limit(req: ChatCompletionRequest, params: SamplingParams, prompt_len: int,
+                      max_model_len: int) -> SamplingParams:
+    """Clip an unset chat limit to the context the prompt leaves; a limit the client asked
+    for stays, so a too-long request is refused by name instead of silently cut."""
+    if req.max_completion_tokens is not None or req.max_tokens is not None:
+        return params
+    room = max(max_model_len - prompt_len, 0)
+    return params if params.max_tokens <= room else dataclasses.replace(params, max_tokens=room)
+
+
+def _stop_strings(stop: str | list[str] | None, max_strings: int) -> tuple[str, ...]:
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(strings) > max_strings:
+        raise HTTPError(400, f"stop holds {len(strings)} strings; at most {max_strings} are allowed "
+                             f"(server.max_stop_strings)", "stop")
+    for s in strings:
+        if len(s) > MAX_STOP_CHARS:
+            raise HTTPError(400, f"stop strings must be at most {MAX_STOP_CHARS} characters, "
+                                 f"got one of {len(s)}", "stop")
+        check_text(s, "stop")
+    return strings
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse a lone UTF-16 surrogate ("\\ud800" sent as a JSON escape): it is no character,
+    cannot be tokenized or written back as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise HTTPError(400, f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(text[e.start]):04x}) "
+                             f"at character {e.start}: send valid Unicode text", param) from None
+
+
+# -- prompts: the check_* functions are cheap and run first; the tokenizing ones are slow on long
+# -- text, and the app runs them in a worker thread.
+
+
+def check_completion_prompt(req: CompletionRequest, max_model_len: int) -> None:
+    p = req.prompt
+    if isinstance(p, str):
+        check_text(p, "prompt")
+        return
+    if not p:
+        raise HTTPError(400, "prompt is empty", "prompt")
+    if all(isinstance(t, int) for t in p):
+        _check_id_count(len(p), max_model_len)
+        return
+    if len(p) != 1:
+        raise HTTPError(400, "prompt must be one string or one list of token ids (batches are not supported)",
+                        "prompt")
+    if isinstance(p[0], str):  # a batch of one: ["text"], or [[ids]]
+        check_text(p[0], "prompt[0]")
+    else:
+        _check_id_count(len(p[0]), max_model_len)
+
+
+def _check_id_count(count: int, max_model_len: int) -> None:
+    # NOTE: refused here, before the ids are copied and each is checked against the vocabulary.
+    if count > max_model_len:
+        raise HTTPError(400, f"prompt ({count} token ids) exceeds the context length of {max_model_len} tokens",
+                        "prompt")
+
+
 def completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
+    """Token ids of a prompt `check_completion_prompt` accepted."""
     p = req.prompt
     if isinstance(p, str):
         return _encode(tokenizer, p)
-    if p and all(isinstance(t, int) for t in p):
+    if all(isinstance(t, int) for t in p):
         return list(p)
-    if len(p) == 1:  # a batch of one: ["text"] or [[ids]]
-        one = p[0]
-        return _encode(tokenizer, one) if isinstance(one, str) else list(one)
-    raise HTTPError(400, "prompt must be one string or one list of token ids (batches are not supported)", "prompt")
+    one = p[0]  # a batch of one: ["text"] or [[ids]]
+    return _encode(tokenizer, one) if isinstance(one, str) else list(one)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
-    messages = [_message_dict(m) for m in req.messages]
+def check_messages(messages: list[ChatMessage]) -> None:
+    if not messages:
+        raise HTTPError(400, "messages is empty: send at least one message", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise HTTPError(400, f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are allowed",
+                        "messages")
+    for i, m in enumerate(messages):
+        _message_text(m, i)  # refuses bad content now, before any slow work
+
+
+def chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:
+    """Token ids of the conversation `check_messages` accepted, rendered by the chat template."""
+    if tokenizer is None:
+        raise HTTPError(400, "this model has no tokenizer: send a completion prompt as token ids", "messages")
+    rendered = [_message_dict(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
     except InputError as e:
         raise HTTPError(400, str(e), "messages") from None
     # NOTE: the template already writes any BOS it wants; do not add another.
     return _encode(tokenizer, text, add_special_tokens=False)
 
 
-def _message_dict(m: ChatMessage) -> dict:
+def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """/tokenize's prompt: `check_text` first, then this in a worker thread."""
+    return _encode(tokenizer, text, add_special_tokens)
+
+
+def _message_dict(m: ChatMessage, index: int) -> dict:
+    # NOTE: "developer" is OpenAI's newer name for the system role; templates know only "system".
+    role = "system" if m.role == "developer" else m.role
+    return {"role": role, "content": _message_text(m, index)}
+
+
+def _message_text(m: ChatMessage, index: int) -> str:
     content = m.content
-    if isinstance(content, list):  # OpenAI content parts: keep only the text ones
-        if any(part.get("type") != "text" for part in content):
-            raise HTTPError(400, "only text content parts are supported", "messages")
-        content = "".join(part.get("text", "") for part in content)
-    return {"role": m.role, "content": content or ""}
+    if isinstance(content, list):  # OpenAI content parts: text ones only
+        for j, part in enumerate(content):
+            if part.type != "text":
+                raise HTTPError(400, f"messages[{index}].content[{j}].type: only \"text\" content parts "
+                                     f"are supported, got {part.type!r}", f"messages[{index}].content[{j}].type")
+            if part.text is None:
+                raise HTTPError(400, f"messages[{index}].content[{j}].text is required for a text part",
+                                f"messages[{index}].content[{j}].text")
+        content = "".join(part.text for part in content)
+    check_text(content or "", f"messages[{index}].content")
+    return content or ""
 
 
 def _encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -103,7 +214,7 @@ def _encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
 
 
 def _param_of(message: str) -> str | None:
-    for name in ("max_tokens", "temperature", "top_k", "top_p", "stop"):
+    for name in ("max_tokens", "temperature", "top_k", "top_p", "stop", "seed"):
         if message.startswith(name):
             return name
     return None

@@ -272,7 +272,9 @@ class Tokenizer:
         ids; `add_special_tokens` adds what the model wants around a text (for example BOS)."""
         if not isinstance(text, str):
             raise InputError(f"text to encode must be a string, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: encode_batch releases the GIL while it works and encode does not; a server
+        # tokenizing a long prompt in a worker thread must not stall its event loop.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         ids = list(ids)

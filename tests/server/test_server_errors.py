@@ -101,7 +101,8 @@ def test_api_key_is_enforced(keyed):
             _assert_error(httpx.request(method, url + path, json=body, headers=headers), 401, "API key")
     assert keyed.get("/v1/models").status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # probes need no key
-    assert httpx.get(url + "/metrics").status_code == 200
+    # NOTE: with a key, /metrics needs it too unless server.metrics_public (test_server_ops.py)
+    assert httpx.get(url + "/metrics").status_code == 401 and keyed.get("/metrics").status_code == 200
 
 
 def test_unknown_route_has_openai_error_body(keyed):

@@ -1,0 +1,93 @@
+"""Per-request deadlines over HTTP: a request's `timeout` (capped by server.request_timeout_s)
+ends it with finish_reason "timeout" and frees its blocks; the access log line carries the
+request's token counts, streamed or not."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import httpx
+import pytest
+import torch
+
+from ridgefill_runtime.config import CacheConfig, EngineConfig
+from ridgefill_runtime.llm import build_engine
+from server.app import create_app
+from server.background import BackgroundServer
+from server.config import load_config
+
+LONG = {"prompt": "Count slowly:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
+    torch.set_num_threads(2)
+    yield build_engine(EngineConfig(cache=CacheConfig(num_blocks=512)))
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    engine_cfg, server_cfg, fill = load_config(None, {"server.request_timeout_s": 3.0})
+    with BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=lambda: engine)) as srv:
+        srv.wait_ready()
+        srv.engine = engine
+        yield srv
+
+
+def _wait_free(engine, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while engine.blocks.num_free != engine.blocks.num_blocks and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_a_request_past_its_timeout_ends_with_finish_reason_timeout(served):
+    t0 = time.monotonic()
+    r = httpx.post(served.url + "/v1/completions", json={**LONG, "timeout": 0.5}, timeout=60)
+    took = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert reply["choices"][0]["finish_reason"] == "timeout"
+    assert 0 < reply["usage"]["completion_tokens"] < 4000
+    assert took < 3.0  # its own timeout, well before the server's cap
+    assert _wait_free(served.engine)
+
+
+def test_the_server_cap_bounds_a_request_without_timeout_and_a_stream(served):
+    finish = None
+    with httpx.stream("POST", served.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+    assert finish == "timeout"
+    assert _wait_free(served.engine)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_timeout_that_is_not_positive_is_400(served, value):
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "hi", "timeout": value}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_access_line_has_the_token_counts(served, caplog, stream):
+    caplog.set_level(logging.INFO, logger="ridgefill.access")
+    body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    r = httpx.post(served.url + "/v1/completions", json=body, headers={"x-request-id": f"counts-{stream}"},
+                   timeout=60)
+    assert r.status_code == 200
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [rec for rec in caplog.records if getattr(rec, "access", {}).get("request_id") == f"counts-{stream}"]
+        if lines:
+            break
+        time.sleep(0.02)
+    assert len(lines) == 1
+    fields = lines[0].access
+    assert fields["prompt_tokens"] == 5 and fields["completion_tokens"] == 5 and fields["status"] == 200
