@@ -15,9 +15,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # NOTE: drop a token when the mass strictly before it already reaches top_p,
-        # so the most likely token always survives.
+        # NOTE: drop a token when the mass strictly before it already reaches top_p. The most
+        # likely token always survives, also when top_p underflows float32 to 0 (a top_p of
+        # 1e-308 would otherwise drop every token and leave NaN probabilities).
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -50,7 +50,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     extra = ["--fill", args.fill, "--fill-tail", str(args.fill_tail)] if args.fill == "plain" else []
-    with serve("--threads", str(args.threads), *extra) as srv:
+    # NOTE: every stream is admitted (the queue holds them all): the storm is about cuts, not 503s.
+    with serve("--threads", str(args.threads), "--max-queued-requests", str(args.streams), *extra) as srv:
         before = run(stream_text(httpx.AsyncClient(base_url=srv.url, timeout=120), REFERENCE))
         t0 = time.monotonic()
         cut, completed = run(storm(srv.url, args.streams, args.words, args.seed))

@@ -52,3 +52,13 @@ def test_invalid_params_raise_one_clear_error(kw):
     with pytest.raises(InputError) as e:
         SamplingParams(**kw)
     assert list(kw)[0] in str(e.value) or "stop" in str(e.value)
+
+
+@pytest.mark.parametrize("top_p", [2.2250738585072014e-308, 5e-324, 1e-50])
+def test_a_top_p_below_float32_keeps_the_most_likely_token(top_p):
+    # The fuzz run's 500: a top_p that rounds to 0 in float32 dropped every token (NaN probs).
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    filtered = filter_logits(logits, 0, top_p)
+    assert torch.isfinite(filtered).tolist() == [False, True, False, False]
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    assert sample_token(logits, params, torch.Generator().manual_seed(0)) == 1
