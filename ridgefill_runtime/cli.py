@@ -1,4 +1,9 @@
-"""`ridgefill generate | score`: the command line. Errors print as one line, not a traceback."""
+"""`ridgefill generate | score | fit | eval`: the runtime's commands. Errors print as one line,
+not a traceback.
+
+The `ridgefill` console command is server/main.py, which adds `serve` through `extra_commands`
+and hands every other command here; the runtime never imports the server.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .errors import RidgefillError
 
@@ -21,16 +28,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _fill_args(p: argparse.ArgumentParser, arm_help: str) -> None:
-    p.add_argument("--arm", default="exact", choices=ARMS, help=arm_help)
+    p.add_argument("--arm", default=None, choices=ARMS, help=arm_help + "; replaces the config's fill.mode")
     p.add_argument("--fill-config", type=Path, default=None,
-                   help="TOML with a [fill] table (split, tail, maps) and an optional [fill.rows] table "
-                        "(exact prefix rows); default: the shipped maps and selectors")
+                   help="TOML whose [fill] table is read as `ridgefill serve --config` reads it (mode, split, "
+                        "tail, maps, [fill.corrections], [fill.rows]; see examples/ridgefill.toml); "
+                        "default: the shipped maps and selectors")
     p.add_argument("--selectors", default=None, metavar="A,B,C",
                    help="exact prefix row selectors, comma-separated (special, attention, probe, lexical, "
                         "protected, digits); replaces the config's selectors")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Called with the parser's subparsers to add commands; each sets a `handler` default
+# (args -> exit status), which `main` runs instead of the runtime's own commands.
+ExtraCommands = Callable[[Any], None]
+
+
+def build_parser(extra_commands: ExtraCommands | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ridgefill", description="RidgeFill LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -63,38 +76,29 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.cli import add_eval_parser
     add_eval_parser(sub, _engine_args)
 
-    from server.cli_serve import add_serve_parser
-    add_serve_parser(sub)
+    if extra_commands is not None:
+        extra_commands(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra_commands: ExtraCommands | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # NOTE: `serve` gets a parser of its own: the full one imports the eval and fit commands,
-    # hence torch, and a bad serve flag must fail in well under a second.
-    parser = _serve_parser() if argv[:1] == ["serve"] else build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser(extra_commands).parse_args(argv)
+    return run_reporting_errors(getattr(args, "handler", _run), args)
+
+
+def run_reporting_errors(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """handler(args), with a RidgefillError printed as one line (status 1), not a traceback."""
     try:
-        return _run(args)
+        return handler(args)
     except RidgefillError as e:
         print(f"ridgefill: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl+C before anything took over the signal (e.g. during imports)
         return 130
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    from server.cli_serve import add_serve_parser
-
-    parser = argparse.ArgumentParser(prog="ridgefill", description="RidgeFill LLM inference")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def _run(args) -> int:
-    if args.command == "serve":
-        from server.cli_serve import run_serve
-        return run_serve(args)
     import torch
 
     from .config import EngineConfig

@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .errors import ModelLoadError, UnsupportedError
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+from .errors import ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -24,7 +22,7 @@ class RopeScaling:
 class ModelConfig:
     """What the model math needs; filled from config.json or GGUF metadata."""
 
-    architecture: str  # "llama" | "qwen3"
+    architecture: str  # a registered model family (models/registry.py): "llama" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -43,11 +41,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedError(
-                f"unsupported architecture {self.architecture!r} "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        # NOTE: imported here, not at the top: the registry imports the model classes (torch),
+        # and this module must stay torch-free (server/config.py checks a config file first).
+        from .models.registry import family
+
+        family(self.architecture)  # an unknown architecture is refused, naming the supported ones
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:

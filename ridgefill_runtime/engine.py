@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache.block_manager import BlockManager
-from .cache.kv_pool import KVPool
+from .cache.build import CacheBudget, build_caches
+from .cache.spec import spec_of
 from .config import EngineConfig, RowsConfig
 from .detokenize import TextTracker
 from .errors import InputError
@@ -48,10 +48,15 @@ class EngineStats:
     timeouts_total: int
     steps_total: int  # steps that ran the model
     idle_spins_total: int  # steps that found nothing to run while work existed (a bug)
+    state_slots_used: int = 0  # per-sequence state slots held (recurrent states, stashes)
+    state_slots_total: int = 0
+    stash_bytes: int = 0  # split-state stashes held by two-sweep prefills
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
             raise ValueError(f"kv blocks used {self.kv_blocks_used} outside 0..{self.kv_blocks_total}")
+        if not 0 <= self.state_slots_used <= self.state_slots_total:
+            raise ValueError(f"state slots used {self.state_slots_used} outside 0..{self.state_slots_total}")
 
     @property
     def kv_usage(self) -> float:
@@ -71,19 +76,17 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        kv_dtype = model.dtype
-        bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dtype.itemsize
-        bs = config.cache.block_size
-        num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_gib * 2**30) // (bytes_per_token * bs))
-        self.kv = KVPool(cfg.num_layers, num_blocks * bs, cfg.num_kv_heads, cfg.head_dim, kv_dtype, model.device)
-        self.blocks = BlockManager(num_blocks, bs)
+        self.caches = build_caches(spec_of(model), engine_budget(config, cfg.max_position_embeddings), model.device)
+        self.kv = self.caches.kv
+        manager = self.caches.manager()  # the scheduler owns it; freeing a slot clears the pools
+        self.blocks = manager.blocks
         self.fill = config.fill
-        self.scheduler = Scheduler(config.scheduler, self.blocks, RowSelector(token_table(tokenizer, self.fill.rows)))
+        self.scheduler = Scheduler(config.scheduler, manager, RowSelector(token_table(tokenizer, self.fill.rows)))
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
-        self.runner = Runner(model, self.kv, bs, self.fill, fill_maps)
+        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps)
         self.text = TextTracker(tokenizer)
-        self.max_model_len = min(cfg.max_position_embeddings, num_blocks * bs)
+        self.max_model_len = min(cfg.max_position_embeddings, self.caches.num_blocks * self.caches.block_size)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.counts = _Counts()
 
@@ -131,12 +134,13 @@ class Engine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        c = self.counts
+        c, held = self.counts, self.scheduler.caches.stats()
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                           kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free,
-                           kv_blocks_total=self.blocks.num_blocks,
+                           kv_blocks_used=held.kv_blocks_used, kv_blocks_total=held.kv_blocks_total,
                            preemptions_total=self.scheduler.num_preemptions, aborts_total=c.aborts,
-                           timeouts_total=c.timeouts, steps_total=c.steps, idle_spins_total=c.idle_spins)
+                           timeouts_total=c.timeouts, steps_total=c.steps, idle_spins_total=c.idle_spins,
+                           state_slots_used=held.state_slots_used, state_slots_total=held.state_slots_total,
+                           stash_bytes=held.stash_bytes)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -183,6 +187,14 @@ class Engine:
             self._forget(seq)
         return RequestOutput(seq=seq, delta_text=delta, new_token_ids=seq.output_ids[had:],
                              finished=seq.finished)
+
+
+def engine_budget(config: EngineConfig, max_positions: int) -> CacheBudget:
+    """The engine's caches: the configured KV pool, one state slot per sequence that may run
+    (admission never waits on a slot, so liveness rests on the blocks alone)."""
+    c = config.cache
+    return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib,
+                       state_slots=config.scheduler.max_num_seqs, max_positions=max_positions)
 
 
 def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,

@@ -5,6 +5,10 @@ class RidgefillError(Exception):
     """Base class: the message names the cause (file, key, value) in one line."""
 
 
+class ConfigError(RidgefillError):
+    """A settings file or flag that cannot be used; the message names the key and its source."""
+
+
 class ModelLoadError(RidgefillError):
     """A checkpoint is missing, corrupt, or describes something we do not support."""
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from .config import EngineConfig
 from .engine import _DTYPES, Engine
 from .errors import InputError
 from .fill.maps import FillMaps, check_maps_fit
 from .loader.load import load_checkpoint
-from .models.dense import DenseLM
+from .models.registry import family
 from .sequence import SamplingParams
 
 
@@ -24,7 +23,9 @@ class Completion:
 
 def build_engine(config: EngineConfig) -> Engine:
     ckpt = load_checkpoint(config.model)
-    model = DenseLM(ckpt.config, ckpt.tensors, dtype=_DTYPES[config.dtype], device=config.device)
+    # The checkpoint's family (models/registry.py) says which model class runs it.
+    model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors,
+                                                          dtype=_DTYPES[config.dtype], device=config.device)
     model.identity = ckpt.identity
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
     return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache.block_manager import BlockManager
-from .cache.kv_pool import KVPool
+from .cache.build import CacheBudget, build_caches
+from .cache.spec import spec_of
 from .config import FillConfig, RowsConfig
 from .engine import apply_fill
 from .fill.select import RowSelector
@@ -35,13 +35,11 @@ class PromptLogits:
         Logits start at the fill boundary, or at `logits_from` (whichever is later).
         after_fill(runner, seq), if given, runs once the prefix is filled and before any late
         layer reads it (the splice measurements edit the filled cache there)."""
-        cfg = self.model.config
-        blocks = -(-len(ids) // self.block_size)
-        kv = KVPool(cfg.num_layers, blocks * self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                    self.model.dtype, self.model.device)
-        runner = Runner(self.model, kv, self.block_size, self.fill, self.maps)
+        caches = build_caches(spec_of(self.model), CacheBudget.for_tokens(len(ids), self.block_size), self.model.device)
+        runner = Runner(self.model, caches, self.block_size, self.fill, self.maps)
+        held = caches.manager()
         seq = self.new_sequence(ids, rows, hide_from)
-        BlockManager(blocks, self.block_size).grow(seq.block_table, len(ids))
+        held.allocate(seq, len(ids))
         first = max(seq.fill_boundary, logits_from)
         scoring, silent = seq.params, SamplingParams(max_tokens=0)
         parts, hooked = [], after_fill is None or seq.fill_boundary == 0
@@ -55,6 +53,7 @@ class PromptLogits:
             seq.params = scoring if item.end > first else silent
             logits, _ = runner.forward([item])
             advance(item, runner.last_row_scores[0], self.select)
+            held.settle(seq)  # NOTE: as the scheduler does: the stash goes when the prefill ends
             if item.kind in ("full", "late") and item.end > first:
                 parts.append(logits[max(0, logits.shape[0] - (item.end - first)):])
         seq.params = scoring

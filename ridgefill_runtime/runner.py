@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .cache.build import ModelCaches
 from .cache.kv_pool import KVPool
+from .cache.spec import spec_of
+from .cache.state_pool import StatePool
 from .config import FillConfig
 from .fill.plan import FillPlanner, needs_fill_step
 from .fill.stash import SplitStash
@@ -14,16 +17,20 @@ from .scheduler import ScheduledSeq, StepResult
 
 
 class Runner:
-    def __init__(self, model, kv: KVPool, block_size: int, fill: FillConfig | None = None, maps=None):
+    def __init__(self, model, caches: ModelCaches | KVPool, block_size: int, fill: FillConfig | None = None,
+                 maps=None):
+        """`caches`: what build_caches made for this model (a bare KVPool gets a one-slot state
+        pool: the tests that drive the model's tensors by hand)."""
         self.model = model
-        self.kv = kv
+        self.caches = caches if isinstance(caches, ModelCaches) else _around(model, caches, block_size)
+        self.kv = self.caches.kv
+        self.states = self.caches.states  # recurrent states and split-state stashes, by state slot
         self.block_size = block_size
         self.device = model.device
         self.fill_config = fill or FillConfig()
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
-        self._stashes: dict[int, SplitStash] = {}  # split states of sequences in a two-sweep prefill
-        self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self._stashes,
+        self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self.states,
                                    model.config, model.dtype, self.device)
         self.last_row_scores: list[dict | None] = []
 
@@ -33,7 +40,7 @@ class Runner:
         ids, positions, batch = self._prepare([it for it in items if it.kind in ("full", "lower")])
         fill = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items, fill)
-        logits = self.model.forward(ids, positions, batch, self.kv, rows, fill)
+        logits = self.model.forward(ids, positions, batch, self.caches, rows, fill)
         self.last_row_scores = self._after_step(items, fill)
         return logits, owners
 
@@ -48,23 +55,26 @@ class Runner:
         return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=self.last_row_scores)
 
     def forget(self, seq_id: int) -> None:
+        """NOTE: only the sampler's state: what the caches keep goes with the sequence's state
+        slot, which the scheduler's cache manager frees."""
         self._generators.pop(seq_id, None)
-        self._stashes.pop(seq_id, None)
 
-    def stash(self, seq_id: int) -> SplitStash | None:
-        return self._stashes.get(seq_id)
+    def stash(self, seq) -> SplitStash | None:
+        return self.states.stash(seq.state_slot)
 
-    def put_stash(self, seq_id: int, stash: SplitStash) -> None:
+    def put_stash(self, seq, stash: SplitStash) -> None:
         """Evaluation: restart a sequence's late sweep from a saved lower sweep."""
-        self._stashes[seq_id] = stash
+        self.states.put_stash(seq.state_slot, stash)
 
     def _after_step(self, items, fill) -> list[dict | None]:
-        """Keep the split states of this step's lower rows; hand back finished selector scores."""
+        """Keep the split states of this step's lower rows; hand back finished selector scores.
+        NOTE: the stash outlives the prefill's last step here; the cache manager's settle()
+        frees it once the step's results are in."""
         out: list[dict | None] = []
         offset = 0
         for item in items:
             seq, scores = item.seq, None
-            stash = self._stashes.get(seq.seq_id)
+            stash = self.states.stash(seq.state_slot)
             if item.kind == "lower":
                 stash.x[item.start:item.end] = fill.exit_state[offset:offset + item.num_tokens]
                 offset += item.num_tokens
@@ -72,8 +82,6 @@ class Runner:
                     scores = {"attention": stash.attention.tolist()}
             elif item.kind == "probe" and seq.queue_done + item.num_tokens == len(seq.queue):
                 scores = {"probe": stash.probe.tolist()}
-            elif item.kind == "late" and item.end == seq.num_tokens:
-                self._stashes.pop(seq.seq_id, None)  # the prefill is done
             out.append(scores)
         return out
 
@@ -97,7 +105,8 @@ class Runner:
         dev = self.device
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
         batch = AttentionBatch(query_starts=starts, context_lens=[it.end for it in items],
-                               write_slots=cat(write).to(dev), read_slots=read)
+                               write_slots=cat(write).to(dev), read_slots=read,
+                               state_slots=[it.seq.state_slot for it in items])
         return torch.tensor(ids, dtype=torch.int64, device=dev), cat(pos).to(dev), batch
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -178,6 +187,12 @@ def _first_scored(item: ScheduledSeq) -> int:
     if item.positions is None:
         return max(0, item.seq.fill_boundary - item.start)
     return sum(p < item.seq.fill_boundary for p in item.positions)
+
+
+def _around(model, kv: KVPool, block_size: int) -> ModelCaches:
+    """A bare KV pool inside ModelCaches, with a one-slot state pool beside it."""
+    spec = spec_of(model)
+    return ModelCaches(spec, kv, StatePool(spec, 1, model.device), block_size, kv.num_slots // block_size)
 
 
 def _predictor(arm: str, maps):

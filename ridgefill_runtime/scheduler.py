@@ -1,7 +1,8 @@
 """Decides what runs each step: continuous batching under a token budget, chunked prefill,
 preemption (recompute) of the newest sequences when the KV blocks run out.
 
-Plain Python over Sequence objects and block ids; no tensors, no model code.
+Plain Python over Sequence objects and cache ids (blocks, state slots) kept by the cache
+manager it owns; no tensors, no model code.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .cache.block_manager import BlockManager
+from .cache.manager import CacheManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .stages import ScheduledSeq, Select, advance, next_item
@@ -36,9 +38,15 @@ class Scheduler:
     prompt + max_tokens by the pool). So the oldest running sequence never loses its work, and
     every step schedules something while there is work."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, select: Select = _no_selection):
+    def __init__(self, config: SchedulerConfig, caches: CacheManager | BlockManager,
+                 select: Select = _no_selection):
+        """`caches`: the manager of every cache's ids; a bare BlockManager gets one state slot
+        per sequence that may run (no pool behind them: the fake-runner tests)."""
         self.config = config
-        self.blocks = blocks
+        if isinstance(caches, BlockManager):
+            caches = CacheManager(caches, config.max_num_seqs)
+        self.caches = caches
+        self.blocks = caches.blocks
         self.select = select  # chooses a filled sequence's exact prefix rows after its lower sweep
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first: the order of admission
@@ -51,14 +59,14 @@ class Scheduler:
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence wherever it is and give its blocks back."""
+        """End a sequence wherever it is and give back everything it holds."""
         if seq.finished:
             return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.block_table)
+        self.caches.free(seq)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
 
     def expire(self, now: float) -> list[Sequence]:
@@ -102,13 +110,13 @@ class Scheduler:
     def _make_room(self, seq: Sequence, end: int, step: _Step) -> bool:
         """Grow seq's table to cover `end` positions, preempting the newest running sequences
         until it fits; False when seq was the newest left and gave way itself."""
-        while not self.blocks.can_grow(seq.block_table, end):
+        while not self.caches.can_grow(seq, end):
             victim = self.running[-1]  # at or after seq in admission order: never an older one
             self._preempt(victim)
             step.drop(victim)
             if victim is seq:
                 return False
-        self.blocks.grow(seq.block_table, end)
+        self.caches.grow(seq, end)
         return True
 
     def _admit(self, step: _Step) -> None:
@@ -116,26 +124,25 @@ class Scheduler:
         on top of what the running ones still need, so prefills never fight over blocks."""
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            spare = self.blocks.num_free - self._blocks_owed()
-            if self.blocks.blocks_needed(seq.block_table, seq.num_tokens) > spare:
+            if not self.caches.can_allocate(seq, seq.num_tokens, reserved_blocks=self._blocks_owed()):
                 break
             item = next_item(seq, step.budget, self.config.chunk_size)
             self.waiting.popleft()
-            self.blocks.grow(seq.block_table, item.end)
+            self.caches.allocate(seq, item.end)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             step.add(item)
 
     def _blocks_owed(self) -> int:
         """Blocks the running sequences still need to hold every token they know of."""
-        return sum(self.blocks.blocks_needed(s.block_table, s.num_tokens) for s in self.running)
+        return sum(self.caches.blocks_needed(s, s.num_tokens) for s in self.running)
 
     def _preempt(self, seq: Sequence) -> None:
-        # NOTE: recompute, not swap: its tokens are kept, its K/V are rebuilt by a new prefill.
-        # It goes to the front of the queue; victims are taken newest first, so the queue
-        # keeps admission order.
+        # NOTE: recompute, not swap: its tokens are kept, its K/V, states and stash are given
+        # back now (memory is short) and rebuilt by a new prefill. It goes to the front of the
+        # queue; victims are taken newest first, so the queue keeps admission order.
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
+        self.caches.preempt(seq)
         seq.start_prefill()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -151,6 +158,7 @@ class Scheduler:
             if seq.finished:  # aborted while the step ran
                 continue
             advance(item, rs, self.select)
+            self.caches.settle(seq)
             if scored is not None:
                 _record_prompt_scores(seq, *scored)
             if not item.samples:

@@ -66,6 +66,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # its row in the state pool (recurrent states, stash) while it runs
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
     arrival_time: float = field(default_factory=time.monotonic)

@@ -77,6 +77,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="Host header allow-list (\"*\": any; default: loopback names when bound to loopback)")
     p.add_argument("--metrics-public", action="store_true", default=None,
                    help="serve /metrics without the API key")
+    p.set_defaults(handler=run_serve)  # what ridgefill_runtime.cli.main runs for this command
     return p
 
 

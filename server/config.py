@@ -2,30 +2,30 @@
 
 `load_config(path, overrides)` is the one place a setting is read: the file first, then CLI
 overrides on top (dotted keys such as "server.port"; None means "not given"). An unknown key
-or a value of the wrong type stops startup with one error naming the key and the file.
+or a value of the wrong type stops startup with one error naming the key and the file. The
+[fill] table's schema and defaults are the runtime's (ridgefill_runtime/fill/settings.py), which
+`ridgefill generate/score --fill-config` read too; the reading and type checks are
+ridgefill_runtime/settings_file.py.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 # NOTE: nothing here may import torch at module level (ridgefill_runtime.fill.maps does): a
 # bad flag or file must fail in well under a second, not after a 4-8 s torch import.
-from ridgefill_runtime.config import SELECTORS, CacheConfig, EngineConfig, FillConfig, RowsConfig, SchedulerConfig
-from ridgefill_runtime.errors import ModelLoadError, RidgefillError
-from ridgefill_runtime.fill.settings import NEEDS_COUNTS, needs_counts, shipped_maps, shipped_rows, shipped_unigram
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
+from ridgefill_runtime.errors import ConfigError, ModelLoadError
+from ridgefill_runtime.fill.settings import (FILL_KEYS, FillSettings, new_fill_values, put_fill_value,
+                                             resolve_fill, rows_origin)
+from ridgefill_runtime.settings_file import Key, checked_key, flatten, read_toml, store
 
 API_KEY_ENV = "RIDGEFILL_API_KEY"  # read only by load_config, between the file and the flags
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-class ConfigError(RidgefillError):
-    """A config file or flag the server cannot start with; the message names key and source."""
 
 
 @dataclass(frozen=True)
@@ -95,90 +95,50 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# Operator names for the prefill: "plain" is RidgeFill with the configured maps; "nofill" and
-# "identity" are the paper's ablation arms, accepted for evaluation runs.
-FILL_MODES = {"off": "exact", "plain": "ridgefill", "nofill": "nofill", "identity": "identity"}
-CORRECTIONS = ("value_rescale", "key_rescale")  # the boolean corrections a list may name
-
-
-@dataclass(frozen=True)
-class FillSettings:
-    """The operator's fill mode; everything else about the fill lives in EngineConfig.fill."""
-
-    mode: str = "off"
-
-    def __post_init__(self) -> None:
-        if self.mode not in FILL_MODES:
-            raise ValueError(f"fill.mode must be one of {', '.join(FILL_MODES)}, got {self.mode!r}")
-
-    @property
-    def arm(self) -> str:
-        return FILL_MODES[self.mode]
-
-
-# [fill.rows]: every RowsConfig field (a list holds the element type named in _LIST_ITEMS);
-# tests/server/test_server_fill.py checks that no field is missing.
-_ROWS_TYPES: dict[str, tuple[type, ...]] = {
-    "selectors": (list,), "attention_share": (int, float), "attention_layers": (list,), "window": (int,),
-    "probe_window": (int,), "budget_factor": (int, float), "base_attention_share": (int, float),
-    "protected_share": (int, float), "lexical_cap": (int, float), "lexical_sentence_rows": (int,),
-    "unigram": (str,), "control": (str,), "seed": (int,),
+# [server]: ServerConfig fields and their TOML types (allowed_hosts is a list of str).
+_SERVER_TYPES: dict[str, tuple[type, ...]] = {
+    "host": (str,), "port": (int,), "api_key": (str,), "api_key_file": (str,), "served_model_name": (str,),
+    "max_queued_requests": (int,), "max_body_bytes": (int,), "retry_after_s": (int,),
+    "threads": (int,), "log_level": (str,), "default_chat_max_tokens": (int,), "max_stop_strings": (int,),
+    "request_timeout_s": (int, float), "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
+    "body_timeout_s": (int, float), "keep_alive_s": (int, float), "max_connections": (int,),
+    "allowed_hosts": (list,), "metrics_public": (bool,),
 }
-_LIST_ITEMS = {"fill.rows.selectors": str, "fill.rows.attention_layers": int, "server.allowed_hosts": str}
 
-# section -> key -> (accepted Python types, where it goes, field name). "engine", "cache",
-# "scheduler", "server" name the dataclass a value is passed to; "fill" collects FillConfig
-# fields plus "mode" (FillSettings); "rows" collects RowsConfig fields ([fill.rows]). Nested
-# tables flatten to dotted keys ("corrections.key_rescale", "rows.selectors").
-_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], str, str]]] = {
+# section -> key -> Key (accepted types, the dataclass the value is passed to, its field).
+# "engine", "cache", "scheduler", "server" name that dataclass; [fill] is the runtime's schema
+# (FILL_KEYS), whose nested tables flatten to dotted keys ("corrections.key_rescale", "rows.selectors").
+_SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
-        "path": ((str,), "engine", "model"),
-        "dtype": ((str,), "engine", "dtype"),
-        "device": ((str,), "engine", "device"),
+        "path": Key((str,), "engine", "model"),
+        "dtype": Key((str,), "engine", "dtype"),
+        "device": Key((str,), "engine", "device"),
     },
     "cache": {
-        "block_size": ((int,), "cache", "block_size"),
-        "kv_cache_gib": ((int, float), "cache", "kv_cache_gib"),
-        "num_blocks": ((int,), "cache", "num_blocks"),
+        "block_size": Key((int,), "cache", "block_size"),
+        "kv_cache_gib": Key((int, float), "cache", "kv_cache_gib"),
+        "num_blocks": Key((int,), "cache", "num_blocks"),
     },
     "scheduler": {
-        "max_num_batched_tokens": ((int,), "scheduler", "max_num_batched_tokens"),
-        "max_num_seqs": ((int,), "scheduler", "max_num_seqs"),
-        "chunk_size": ((int,), "scheduler", "chunk_size"),
+        "max_num_batched_tokens": Key((int,), "scheduler", "max_num_batched_tokens"),
+        "max_num_seqs": Key((int,), "scheduler", "max_num_seqs"),
+        "chunk_size": Key((int,), "scheduler", "chunk_size"),
     },
-    "fill": {
-        "mode": ((str,), "fill", "mode"),
-        "split": ((int,), "fill", "split"),
-        "tail": ((int,), "fill", "tail"),
-        "maps": ((str,), "fill", "maps"),
-        "placement": ((str,), "fill", "placement"),
-        # `corrections = ["value_rescale"]` (a list of names to switch on) or a table:
-        "corrections": ((list,), "fill", "corrections"),
-        "corrections.value_rescale": ((bool,), "fill", "value_rescale"),
-        "corrections.key_rescale": ((bool,), "fill", "key_rescale"),
-        "corrections.rescale_rows": ((int,), "fill", "rescale_rows"),
-        **{f"rows.{name}": (types, "rows", name) for name, types in _ROWS_TYPES.items()},
-    },
-    "server": {name: (types, "server", name) for name, types in {
-        "host": (str,), "port": (int,), "api_key": (str,), "api_key_file": (str,), "served_model_name": (str,),
-        "max_queued_requests": (int,), "max_body_bytes": (int,), "retry_after_s": (int,),
-        "threads": (int,), "log_level": (str,), "default_chat_max_tokens": (int,), "max_stop_strings": (int,),
-        "request_timeout_s": (int, float), "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
-        "body_timeout_s": (int, float), "keep_alive_s": (int, float), "max_connections": (int,),
-        "allowed_hosts": (list,), "metrics_public": (bool,),
-    }.items()},
+    "fill": FILL_KEYS,
+    "server": {name: Key(types, "server", name, items=str if list in types else None)
+               for name, types in _SERVER_TYPES.items()},
 }
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
                 ) -> tuple[EngineConfig, ServerConfig, FillSettings]:
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
-    values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, "fill": {}, "rows": {},
+    values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, **new_fill_values(),
                                          "server": {}}
     origin: dict[str, str] = {}  # dotted key -> where its value came from, for errors found later
     source = str(path) if path else "command line"
     if path:
-        for dotted, value in _flatten(_read_toml(Path(path))):
+        for dotted, value in flatten(read_toml(Path(path))):
             _put(values, origin, dotted, value, source)
     if API_KEY_ENV in os.environ:  # NOTE: above the file, below the flags
         _put(values, origin, "server.api_key", os.environ[API_KEY_ENV], f"${API_KEY_ENV}")
@@ -186,22 +146,16 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         if value is not None:
             _put(values, origin, dotted, value, "command line")
     _read_api_key_file(values["server"], origin)
-    try:
-        fill_settings = FillSettings(values["fill"].pop("mode", "off"))
-    except ValueError as e:
-        raise ConfigError(f"{origin['fill.mode']}: {e}") from None
-    fill_kwargs = {"arm": fill_settings.arm, **values["fill"]}
-    if fill_settings.arm == "ridgefill":
-        fill_kwargs["maps"] = _maps_path(values["engine"].get("model"), fill_kwargs, origin)
-    rows = _rows(values["engine"].get("model"), fill_settings, values["rows"], origin, source)
+    fill_settings, fill = resolve_fill(values, origin, model=values["engine"].get("model"), source=source)
     try:
         cache = CacheConfig(**values["cache"])
         scheduler = SchedulerConfig(**values["scheduler"])
-        fill = FillConfig(rows=rows, **fill_kwargs)
         engine = EngineConfig(cache=cache, scheduler=scheduler, fill=fill, **values["engine"])
         server = ServerConfig(**values["server"])
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
+    if fill.enabled and "unigram" in values["rows"]:
+        _check_unigram_file(fill.rows.unigram, origin.get("fill.rows.unigram", rows_origin(origin, source)))
     if fill.arm == "ridgefill":
         _check_maps_header(fill, origin.get("fill.maps", origin["fill.mode"]))
     _check_model_path(engine.model, origin)
@@ -259,44 +213,10 @@ def check_device(engine: EngineConfig) -> None:
                           f"CUDA device(s) are visible")
 
 
-def _maps_path(model: str | None, fill_kwargs: dict, origin: dict[str, str]) -> str:
-    """The map file for mode = "plain": the configured one, else the maps shipped for the
-    embedded default model (they fit no other model, so a model path needs its own maps)."""
-    if fill_kwargs.get("maps"):
-        return fill_kwargs["maps"]
-    if model is not None:
-        raise ConfigError(f"{origin['fill.mode']}: key 'fill.maps' is required when fill.mode = \"plain\" "
-                          f"and model.path is set (the shipped maps fit only the embedded default model)")
-    return str(shipped_maps(fill_kwargs.get("split", FillConfig().split)))
-
-
-def _rows(model: str | None, fill: FillSettings, given: dict[str, Any], origin: dict[str, str],
-          source: str) -> RowsConfig:
-    """The exact-row selection: the [fill.rows] keys given (others take RowsConfig's defaults),
-    else SHIPPED_ROWS when fill.mode = "plain". With the fill on and no fill.rows.unigram, the
-    embedded default model gets the shipped counts; another model must name its own when a
-    selector reads them."""
-    rows = dict(given) if given else (shipped_rows() if fill.mode == "plain" else {})
-    where = next((origin[k] for k in origin if k.startswith("fill.rows.")), origin.get("fill.mode", source))
-    try:
-        config = RowsConfig(**rows)
-    except ValueError as e:
-        raise ConfigError(f"{where}: {e}") from None
-    if fill.arm == "exact":
-        return config
-    if config.unigram is None:
-        wanted = needs_counts(config.selectors)
-        if model is None:
-            return config.replace(unigram=str(shipped_unigram()))
-        if wanted:
-            raise ConfigError(
-                f"{where}: key 'fill.rows.unigram' is required when fill.rows.selectors include "
-                f"{' or '.join(wanted)} and model.path is set (the shipped counts fit only the embedded "
-                f"default model; or choose selectors without {' or '.join(NEEDS_COUNTS)})")
-    elif not Path(config.unigram).is_file():
-        raise ConfigError(f"{origin.get('fill.rows.unigram', where)}: key 'fill.rows.unigram': "
-                          f"counts file {config.unigram} not found")
-    return config
+def _check_unigram_file(path: str, where: str) -> None:
+    """A counts file that does not exist is refused at startup, not when the first request needs it."""
+    if not Path(path).is_file():
+        raise ConfigError(f"{where}: key 'fill.rows.unigram': counts file {path} not found")
 
 
 def _check_maps_header(fill: FillConfig, where: str) -> None:
@@ -320,69 +240,11 @@ def _check_maps_header(fill: FillConfig, where: str) -> None:
                           f"but fill.split is {fill.split}")
 
 
-def _read_toml(path: Path) -> dict:
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: cannot read config: not UTF-8 text (byte {e.object[e.start]:#04x} "
-                          f"at offset {e.start})") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read config: {e}") from None
-
-
-def _flatten(doc: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    """Nested tables become dotted keys; a top-level scalar stays bare (reported as unknown)."""
-    out = []
-    for key, body in doc.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(body, dict):
-            out.extend(_flatten(body, dotted + "."))
-        else:
-            out.append((dotted, body))
-    return out
-
-
 def _put(values: dict, origin: dict, dotted: str, value: Any, source: str) -> None:
-    section, _, key = dotted.partition(".")
-    spec = _SCHEMA.get(section, {}).get(key)
-    if spec is None:
-        if any(known.startswith(key + ".") for known in _SCHEMA.get(section, {})):
-            raise ConfigError(f"{source}: key '{dotted}' must be a table ([{dotted}]), got {type(value).__name__}")
-        raise ConfigError(f"{source}: unknown key '{dotted}'")
-    types, target, name = spec
-    # NOTE: bool is an int subclass in Python; `port = true` must still be refused.
-    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-        if dotted == "fill.corrections":
-            want = "list or table"
-        elif dotted in _LIST_ITEMS:
-            want = f"a list of {_LIST_ITEMS[dotted].__name__}"
-        else:
-            want = " or ".join(t.__name__ for t in types)
-        raise ConfigError(f"{source}: key '{dotted}' must be {want}, got {type(value).__name__} {value!r}")
-    if dotted in _LIST_ITEMS:
-        item_type = _LIST_ITEMS[dotted]
-        bad = [v for v in value if isinstance(v, bool) or not isinstance(v, item_type)]
-        if bad:
-            raise ConfigError(f"{source}: key '{dotted}' must be a list of {item_type.__name__}, "
-                              f"got {type(bad[0]).__name__} {bad[0]!r} in it")
-    if dotted == "fill.rows.selectors":
-        for item in value:
-            if item not in SELECTORS:
-                raise ConfigError(f"{source}: key 'fill.rows.selectors': unknown selector {item!r} "
-                                  f"(known: {', '.join(SELECTORS)})")
-    if dotted == "fill.corrections":
-        for item in value:
-            if item not in CORRECTIONS:
-                raise ConfigError(f"{source}: key 'fill.corrections': unknown correction {item!r} "
-                                  f"(known: {', '.join(CORRECTIONS)}; rescale_rows needs the table form)")
-            values["fill"][item] = True
-            origin[f"fill.{item}"] = source
+    if dotted.partition(".")[0] == "fill":
+        put_fill_value(values, origin, dotted, value, source)  # the runtime's [fill] schema
         return
-    values[target][name] = float(value) if float in types else value
-    origin[dotted] = source
+    store(values, origin, checked_key(_SCHEMA, dotted, value, source), dotted, value, source)
 
 
 def effective_config_text(engine: EngineConfig, server: ServerConfig, fill: FillSettings) -> str:

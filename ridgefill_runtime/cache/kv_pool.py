@@ -1,18 +1,28 @@
-"""The paged KV cache's storage: one K and one V slab per layer, addressed by slot."""
+"""The paged KV cache's storage: one K and one V slab per attention layer, addressed by slot."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 
 
 class KVPool:
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+    def __init__(self, layers: int | Iterable[int], num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
+        """`layers`: the attention layers' indices (an int n means layers 0..n-1). k[i], v[i] are
+        layer i's slabs; a layer without attention (a recurrent one) has none."""
+        ids = range(layers) if isinstance(layers, int) else tuple(layers)
         shape = (num_slots, num_kv_heads, head_dim)
         # NOTE: empty, not zeros: a slot is always written before it is read, and a
         # GiB-sized memset would cost every start-up about a second.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
+        self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
+        self.num_slots = num_slots
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.k)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, Hkv, D] at slots [N]."""
@@ -24,7 +34,9 @@ class KVPool:
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
     def bytes_per_token(self) -> int:
-        k = self.k[0]
+        if not self.k:
+            return 0
+        k = next(iter(self.k.values()))
         return 2 * len(self.k) * k.shape[1] * k.shape[2] * k.element_size()
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.block_manager import BlockManager
-from ..cache.kv_pool import KVPool
+from ..cache.build import CacheBudget, build_caches
+from ..cache.spec import spec_of
 from ..config import FillConfig, RowsConfig
 from ..engine import apply_fill
 from ..fill.select import RowSelector
@@ -40,14 +40,14 @@ class PromptSession:
                  hide_from: int | None = None, max_new: int = 0, chunk: int = CHUNK):
         self.model, self.fill, self.selector, self.chunk = model, fill, selector, chunk
         cfg, bs = model.config, 16
-        blocks = -(-(len(ids) + max_new) // bs)
-        kv = KVPool(cfg.num_layers, blocks * bs, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
-        self.runner = Runner(model, kv, bs, fill, maps)
+        caches = build_caches(spec_of(model), CacheBudget.for_tokens(len(ids) + max_new, bs), model.device)
+        kv = caches.kv
+        self.runner = Runner(model, caches, bs, fill, maps)
         seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0))
         # NOTE: the attention selector's scores are recorded whatever the arms are
         apply_fill(seq, fill, True, fill.rows.replace(selectors=("attention",)), hide_from)
         seq.start_prefill()
-        BlockManager(blocks, bs).grow(seq.block_table, blocks * bs)
+        caches.manager().allocate(seq, caches.num_blocks * bs)
         self.seq = seq
         while seq.num_computed < seq.num_tokens:  # NOTE: not advance(): the selection happens per arm
             item = next_item(seq, chunk, chunk)
@@ -57,7 +57,7 @@ class PromptSession:
         late = range(fill.split, cfg.num_layers)
         self._k = {i: kv.k[i].clone() for i in late}
         self._v = {i: kv.v[i].clone() for i in late}
-        stash = self.runner.stash(seq.seq_id)
+        stash = self.runner.stash(seq)
         self._x = stash.x.clone()
         self._scores = dict(seq.row_scores)
 
@@ -80,6 +80,7 @@ class PromptSession:
             if score and item.kind == "late":
                 logits.append(out)
             advance(item, runner.last_row_scores[0], self.selector)
+        runner.states.drop_stash(seq.state_slot)  # NOTE: the late sweep is over, as in the engine
         outputs = [] if first is None else [first]
         while len(outputs) < max_new and not (done and done(outputs)):
             seq.output_ids = list(outputs)
@@ -97,7 +98,7 @@ class PromptSession:
         # NOTE: the last run's late sweep dropped the stash; put a fresh copy of the snapshot back
         stash = SplitStash.new(seq.num_tokens, self._x.shape[1], seq.fill_boundary, self._x.dtype, self._x.device)
         stash.x.copy_(self._x)
-        runner.put_stash(seq.seq_id, stash)
+        runner.put_stash(seq, stash)
         seq.rows, seq.row_scores = rows, dict(self._scores)
         seq.num_computed, seq.output_ids = seq.num_tokens, []
         seq.params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True, prompt_logprobs=score)
@@ -106,13 +107,12 @@ class PromptSession:
 
 def exact_answer(model, ids: list[int], max_new: int, chunk: int = 8192, done=None) -> list[int]:
     """Greedy tokens of the exact model, through the same runner (stopping once done(tokens))."""
-    cfg, bs = model.config, 16
-    blocks = -(-(len(ids) + max_new) // bs)
-    kv = KVPool(cfg.num_layers, blocks * bs, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
-    runner = Runner(model, kv, bs, FillConfig(), None)
+    bs = 16
+    caches = build_caches(spec_of(model), CacheBudget.for_tokens(len(ids) + max_new, bs), model.device)
+    runner = Runner(model, caches, bs, FillConfig(), None)
     seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True))
     seq.start_prefill()
-    BlockManager(blocks, bs).grow(seq.block_table, blocks * bs)
+    caches.manager().allocate(seq, caches.num_blocks * bs)
     while len(seq.output_ids) < max_new and not (done and seq.output_ids and done(seq.output_ids)):
         item = next_item(seq, chunk, chunk)
         token = runner.run([item]).next_tokens[0]

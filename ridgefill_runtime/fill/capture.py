@@ -6,7 +6,8 @@ from typing import Callable
 
 import torch
 
-from ..cache.kv_pool import KVPool
+from ..cache.build import CacheBudget, build_caches
+from ..cache.spec import spec_of
 from ..layers.attention import AttentionBatch
 
 
@@ -18,7 +19,9 @@ def run_layer_inputs(model, ids: list[int], consume: Callable[[int, torch.Tensor
     cfg = model.config
     n = len(ids)
     upto = cfg.num_layers - 1 if upto is None else upto
-    kv = KVPool(upto + 1, n, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
+    # NOTE: one block of n slots, so slot p holds position p; only the layers run get a cache
+    kv = build_caches(spec_of(model).first_layers(upto + 1), CacheBudget(block_size=n, num_blocks=1),
+                      model.device).kv
     positions = torch.arange(n, device=model.device)
     batch = AttentionBatch(query_starts=[0, n], context_lens=[n], write_slots=positions, read_slots=[None])
     h = model.embed(torch.tensor(ids, device=model.device))

@@ -13,7 +13,6 @@ import torch
 
 from ..config import FillConfig
 from ..layers.attention import AttentionBatch
-from .stash import SplitStash
 from .step import FillStep, MassRequest, Predictor, Rescale
 
 SlotsOf = Callable[[object, torch.Tensor], torch.Tensor]  # (seq, positions [n]) -> cache slots [n]
@@ -25,9 +24,10 @@ def needs_fill_step(items) -> bool:
 
 class FillPlanner:
     def __init__(self, config: FillConfig, predict: Predictor | None, slots_of: SlotsOf,
-                 stashes: dict[int, SplitStash], model_config, dtype, device):
+                 states, model_config, dtype, device):
+        """states: the StatePool whose slots hold each sequence's split-state stash."""
         self.config, self.predict, self.slots_of = config, predict, slots_of
-        self.stashes, self.dtype, self.device = stashes, dtype, device
+        self.states, self.dtype, self.device = states, dtype, device
         self.width, self.num_layers = model_config.hidden_size, model_config.num_layers
 
     def build(self, items, batch: AttentionBatch) -> FillStep:
@@ -52,8 +52,7 @@ class FillPlanner:
     def _lower_item(self, item, rows, slots, acc: "_Parts") -> None:
         seq = item.seq
         if item.start == 0:  # a new (or restarted) prefill: a fresh stash
-            self.stashes[seq.seq_id] = SplitStash.new(seq.num_tokens, self.width, seq.fill_boundary,
-                                                      self.dtype, self.device)
+            self.states.new_stash(seq.state_slot, seq.num_tokens, seq.fill_boundary)
         acc.exit_rows.append(rows)
         if self.predict is not None and seq.fill_arm != "nofill":
             n_fill = max(0, min(seq.fill_boundary - item.start, item.num_tokens))
@@ -74,7 +73,7 @@ class FillPlanner:
         keys = torch.arange(item.end, device=self.device)
         pick = rows[lo - item.start:hi - item.start]
         acc.lower_mass.append(MassRequest(layers, pick, torch.arange(lo, hi, device=self.device),
-                                          self.slots_of(seq, keys), keys, self.stashes[seq.seq_id].attention,
+                                          self.slots_of(seq, keys), keys, self.states.stash(seq.state_slot).attention,
                                           seq.fill_boundary))
 
     def _stay_item(self, item, rows, batch: AttentionBatch, k: int, acc: "_Parts") -> None:
@@ -90,7 +89,7 @@ class FillPlanner:
 
     def _late_item(self, item, acc: "_Parts") -> None:
         seq = item.seq
-        stash = self.stashes[seq.seq_id]
+        stash = self.states.stash(seq.state_slot)
         pos = torch.tensor(item.positions, dtype=torch.int64, device=self.device)
         keys = self._late_keys(item)
         read = self.slots_of(seq, keys if keys is not None else torch.arange(item.end, device=self.device))

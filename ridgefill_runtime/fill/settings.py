@@ -1,17 +1,26 @@
-"""Where fill settings come from when the user names only an arm: a TOML [fill] table, or the
-maps, exact-row selectors and unigram counts shipped for the embedded default model."""
+"""The [fill] settings: one schema for `ridgefill serve --config` and for `--fill-config`
+(generate, score), and the maps, exact-row selectors and unigram counts shipped for the
+embedded default model, which fill the settings a file leaves out.
+
+The keys (examples/ridgefill.toml documents each): fill.mode, split, tail, maps, placement,
+[fill.corrections] (value_rescale, key_rescale, rescale_rows; or `corrections = [names]`) and
+[fill.rows] (every RowsConfig field). `put_fill_value` checks one key as it is given (file or
+flag); `resolve_fill` turns what was given into the FillConfig, adding the shipped defaults.
+"""
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ..config import FillConfig, RowsConfig
-from ..errors import InputError
+from ..config import SELECTORS, FillConfig, RowsConfig
+from ..errors import ConfigError
+from ..settings_file import Key, checked_key, flatten, read_toml, store
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "maps"
-SHIPPED_SPLIT, SHIPPED_TAIL = 15, 1024
+SHIPPED_SPLIT = 15
 # The exact-row selection used when the user gives no [fill.rows] table (RowsConfig fields;
 # keys left out take RowsConfig's defaults). Read only by `shipped_rows`.
 # NOTE: the best point measured on SmolLM2 (benchmarks/rows_tradeoff.md): special + lexical
@@ -36,64 +45,186 @@ def shipped_rows() -> dict:
     return {k: list(v) if isinstance(v, list) else v for k, v in SHIPPED_ROWS.items()}
 
 
-def fill_from_toml(path: Path) -> dict:
-    try:
-        table = tomllib.loads(path.read_text()).get("fill", {})
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise InputError(f"{path}: cannot read fill config ({e})") from None
-    known = set(FillConfig.__dataclass_fields__)
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise InputError(f"{path}: unknown key fill.{unknown[0]} (known: {', '.join(sorted(known))})")
-    if "rows" in table:
-        table["rows"] = _rows_table(path, table["rows"])
-    return table
-
-
-def _rows_table(path: Path, rows) -> dict:
-    if not isinstance(rows, dict):
-        raise InputError(f"{path}: fill.rows must be a table ([fill.rows]), got {type(rows).__name__}")
-    known = set(RowsConfig.__dataclass_fields__)
-    unknown = sorted(set(rows) - known)
-    if unknown:
-        raise InputError(f"{path}: unknown key fill.rows.{unknown[0]} (known: {', '.join(sorted(known))})")
-    for name in ("selectors", "attention_layers"):
-        if name in rows and not isinstance(rows[name], list):
-            raise InputError(f"{path}: fill.rows.{name} must be a list, got {type(rows[name]).__name__}")
-    return rows
-
-
 def needs_counts(selectors: Sequence[str]) -> list[str]:
     return [s for s in NEEDS_COUNTS if s in selectors]
 
 
-def fill_for_arm(arm: str, config_file: Path | None, *, model: str | None = None,
-                 selectors: Sequence[str] | None = None) -> FillConfig:
-    """The FillConfig for `arm`: the file's [fill] table, else the shipped split, tail and maps;
-    its [fill.rows] table, else SHIPPED_ROWS. `selectors` (e.g. from --selectors) replaces the
-    selectors either gives. `model` None is the embedded default model: only it gets the
-    shipped unigram counts when no fill.rows.unigram is given."""
-    settings = {"split": SHIPPED_SPLIT, "tail": SHIPPED_TAIL}
-    if config_file is not None:
-        settings.update(fill_from_toml(config_file))
-    settings["arm"] = arm
-    if arm == "ridgefill" and not settings.get("maps"):
-        settings["maps"] = str(shipped_maps(settings["split"]))
-    rows = dict(settings["rows"]) if "rows" in settings else shipped_rows()
-    if selectors is not None:
-        rows["selectors"] = list(selectors)
-    wanted = needs_counts(rows.get("selectors", RowsConfig().selectors))
-    if arm != "exact" and not rows.get("unigram"):
-        if model is None:
-            rows["unigram"] = str(shipped_unigram())
-        elif wanted:
-            raise InputError(
-                f"fill.rows.unigram is required for the {' and '.join(wanted)} "
-                f"selector with --model (the shipped counts fit only the embedded default model): "
-                f"give it in a --fill-config [fill.rows] table, or choose --selectors without "
-                f"{' or '.join(NEEDS_COUNTS)}")
-    settings["rows"] = rows
+# -- The schema ----------------------------------------------------------------------------------
+
+# Operator names for the prefill: "plain" is RidgeFill with the configured maps; "nofill" and
+# "identity" are the paper's ablation arms, accepted for evaluation runs.
+FILL_MODES = {"off": "exact", "plain": "ridgefill", "nofill": "nofill", "identity": "identity"}
+MODE_OF_ARM = {arm: mode for mode, arm in FILL_MODES.items()}
+CORRECTIONS = ("value_rescale", "key_rescale")  # the boolean corrections a list may name
+
+
+@dataclass(frozen=True)
+class FillSettings:
+    """fill.mode, the operator's name for the arm; everything else about the fill is FillConfig."""
+
+    mode: str = "off"
+
+    def __post_init__(self) -> None:
+        if self.mode not in FILL_MODES:
+            raise ValueError(f"fill.mode must be one of {', '.join(FILL_MODES)}, got {self.mode!r}")
+
+    @property
+    def arm(self) -> str:
+        return FILL_MODES[self.mode]
+
+
+# [fill.rows]: every RowsConfig field; tests/server/test_server_fill.py checks none is missing.
+_ROWS_KEYS = {
+    "selectors": Key((list,), "rows", "selectors", items=str),
+    "attention_share": Key((int, float), "rows", "attention_share"),
+    "attention_layers": Key((list,), "rows", "attention_layers", items=int),
+    "window": Key((int,), "rows", "window"),
+    "probe_window": Key((int,), "rows", "probe_window"),
+    "budget_factor": Key((int, float), "rows", "budget_factor"),
+    "base_attention_share": Key((int, float), "rows", "base_attention_share"),
+    "protected_share": Key((int, float), "rows", "protected_share"),
+    "lexical_cap": Key((int, float), "rows", "lexical_cap"),
+    "lexical_sentence_rows": Key((int,), "rows", "lexical_sentence_rows"),
+    "unigram": Key((str,), "rows", "unigram"),
+    "control": Key((str,), "rows", "control"),
+    "seed": Key((int,), "rows", "seed"),
+}
+
+# Keys inside [fill] (nested tables dotted). Target "fill" collects FillConfig fields plus "mode"
+# (FillSettings); "rows" collects RowsConfig fields.
+FILL_KEYS: dict[str, Key] = {
+    "mode": Key((str,), "fill", "mode"),
+    "split": Key((int,), "fill", "split"),
+    "tail": Key((int,), "fill", "tail"),
+    "maps": Key((str,), "fill", "maps"),
+    "placement": Key((str,), "fill", "placement"),
+    # `corrections = ["value_rescale"]` (a list of names to switch on) or a table:
+    "corrections": Key((list,), "fill", "corrections", want="list or table"),
+    "corrections.value_rescale": Key((bool,), "fill", "value_rescale"),
+    "corrections.key_rescale": Key((bool,), "fill", "key_rescale"),
+    "corrections.rescale_rows": Key((int,), "fill", "rescale_rows"),
+    **{f"rows.{name}": key for name, key in _ROWS_KEYS.items()},
+}
+_FILL_SCHEMA = {"fill": FILL_KEYS}
+
+# Spellings --fill-config once took (FillConfig's field names); named in the unknown-key error.
+_RENAMED = {
+    "fill.arm": "fill.mode: off, plain, nofill or identity",
+    "fill.value_rescale": "fill.corrections.value_rescale",
+    "fill.key_rescale": "fill.corrections.key_rescale",
+    "fill.rescale_rows": "fill.corrections.rescale_rows",
+}
+
+
+def new_fill_values() -> dict[str, dict[str, Any]]:
+    """Where put_fill_value collects: "fill" (FillConfig fields and mode) and "rows"."""
+    return {"fill": {}, "rows": {}}
+
+
+def put_fill_value(values: dict[str, dict[str, Any]], origin: dict[str, str], dotted: str, value: Any,
+                   source: str) -> None:
+    """Check one [fill] key ("fill.split", "fill.rows.window", ...) and collect its value;
+    `origin` records where each came from, for errors found later. Raises ConfigError."""
+    if dotted in _RENAMED:
+        raise ConfigError(f"{source}: unknown key '{dotted}' (use {_RENAMED[dotted]})")
+    spec = checked_key(_FILL_SCHEMA, dotted, value, source)
+    if dotted == "fill.rows.selectors":
+        for item in value:
+            if item not in SELECTORS:
+                raise ConfigError(f"{source}: key 'fill.rows.selectors': unknown selector {item!r} "
+                                  f"(known: {', '.join(SELECTORS)})")
+    if dotted == "fill.corrections":
+        for item in value:
+            if item not in CORRECTIONS:
+                raise ConfigError(f"{source}: key 'fill.corrections': unknown correction {item!r} "
+                                  f"(known: {', '.join(CORRECTIONS)}; rescale_rows needs the table form)")
+            values["fill"][item] = True
+            origin[f"fill.{item}"] = source
+        return
+    store(values, origin, spec, dotted, value, source)
+
+
+# -- From what was given to a FillConfig -----------------------------------------------------------
+
+
+def resolve_fill(values: dict[str, dict[str, Any]], origin: dict[str, str], *, model: str | None,
+                 source: str) -> tuple[FillSettings, FillConfig]:
+    """The mode and FillConfig of the collected values. `model` None is the embedded default
+    model: only it gets the shipped maps and unigram counts when none are given. `source` names
+    the file (or "command line") in errors no single key explains."""
+    given = dict(values["fill"])
     try:
-        return FillConfig(**settings)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"fill settings: {e}") from None
+        settings = FillSettings(given.pop("mode", "off"))
+    except ValueError as e:
+        raise ConfigError(f"{origin['fill.mode']}: {e}") from None
+    if settings.arm == "ridgefill":
+        given["maps"] = _maps_path(model, given, origin)
+    rows = _rows(model, settings, values["rows"], origin, source)
+    try:
+        return settings, FillConfig(arm=settings.arm, rows=rows, **given)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _maps_path(model: str | None, given: dict, origin: dict[str, str]) -> str:
+    """The map file for mode = "plain": the configured one, else the maps shipped for the
+    embedded default model (they fit no other model, so a model path needs its own maps)."""
+    if given.get("maps"):
+        return given["maps"]
+    if model is not None:
+        raise ConfigError(f"{origin['fill.mode']}: key 'fill.maps' is required when fill.mode = \"plain\" "
+                          f"and model.path is set (the shipped maps fit only the embedded default model)")
+    return str(shipped_maps(given.get("split", FillConfig().split)))
+
+
+def rows_origin(origin: dict[str, str], source: str) -> str:
+    """Where the [fill.rows] settings came from (the first key given), for errors about them."""
+    return next((origin[k] for k in origin if k.startswith("fill.rows.")), origin.get("fill.mode", source))
+
+
+def _rows(model: str | None, settings: FillSettings, given: dict[str, Any], origin: dict[str, str],
+          source: str) -> RowsConfig:
+    """The exact-row selection: the [fill.rows] keys given (others take RowsConfig's defaults),
+    else SHIPPED_ROWS when the fill is on. With the fill on and no fill.rows.unigram, the
+    embedded default model gets the shipped counts; another model must name its own when a
+    selector reads them."""
+    fill_on = settings.arm != "exact"
+    rows = dict(given) if given else (shipped_rows() if fill_on else {})
+    where = rows_origin(origin, source)
+    try:
+        config = RowsConfig(**rows)
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if not fill_on or config.unigram is not None:
+        return config
+    if model is None:
+        return config.replace(unigram=str(shipped_unigram()))
+    wanted = needs_counts(config.selectors)
+    if wanted:
+        raise ConfigError(
+            f"{where}: key 'fill.rows.unigram' is required when fill.rows.selectors include "
+            f"{' or '.join(wanted)} and model.path is set (the shipped counts fit only the embedded "
+            f"default model; or choose selectors without {' or '.join(NEEDS_COUNTS)})")
+    return config
+
+
+# -- --fill-config (generate, score) ---------------------------------------------------------------
+
+
+def fill_for_arm(arm: str | None, config_file: Path | None, *, model: str | None = None,
+                 selectors: Sequence[str] | None = None) -> FillConfig:
+    """The FillConfig of `--fill-config`'s [fill] table (the keys of the server's [fill]; the
+    file's other tables are not read), with `arm` (--arm, when given) replacing fill.mode and
+    `selectors` (--selectors) replacing fill.rows.selectors. `model` None is the embedded
+    default model (see resolve_fill)."""
+    values, origin = new_fill_values(), {}
+    if config_file is not None:
+        for dotted, value in flatten(read_toml(config_file)):
+            if dotted.partition(".")[0] == "fill":
+                put_fill_value(values, origin, dotted, value, str(config_file))
+    if arm is not None:
+        put_fill_value(values, origin, "fill.mode", MODE_OF_ARM.get(arm, arm), "command line")
+    if selectors is not None:
+        put_fill_value(values, origin, "fill.rows.selectors", list(selectors), "command line")
+    source = str(config_file) if config_file is not None else "command line"
+    return resolve_fill(values, origin, model=model, source=source)[1]

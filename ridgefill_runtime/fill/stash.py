@@ -1,5 +1,8 @@
 """Per-sequence state the two-sweep prefill carries between steps: every row's split state x_S
-(the late sweep and the probe start from it) and the selectors' attention accumulators."""
+(the late sweep and the probe start from it) and the selectors' attention accumulators.
+
+Stashes live in the state pool (cache/state_pool.py), one per state slot, and the cache
+manager frees them with the slot: at the end of the prefill, at a preemption, at the end."""
 
 from __future__ import annotations
 
@@ -20,3 +23,6 @@ class SplitStash:
         # held only while the sequence is in its prefill.
         zeros = lambda: torch.zeros(boundary, dtype=torch.float32, device=device)  # noqa: E731
         return cls(torch.empty(num_rows, width, dtype=dtype, device=device), zeros(), zeros())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x, self.attention, self.probe))

@@ -27,6 +27,9 @@ class AttentionBatch:
     # at positions <= its own. None: the rows are the last positions and keys are 0..ctx-1.
     query_pos: list[torch.Tensor | None] | None = None
     key_pos: list[torch.Tensor | None] | None = None
+    # Per sequence, its row in the state pool (layers that keep a recurrent state read it);
+    # None where the step's rows keep no per-sequence state.
+    state_slots: list[int | None] | None = None
 
     @property
     def num_seqs(self) -> int:

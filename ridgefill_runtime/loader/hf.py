@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..config import ModelConfig, RopeScaling
-from ..errors import ModelLoadError, UnsupportedError
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..models.registry import family_for_model_type
 from .checkpoint import Checkpoint
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -35,66 +36,9 @@ def load_hf_folder(folder: str | os.PathLike) -> Checkpoint:
 
 
 def config_from_hf(raw: dict, generation: dict, where: str = "config.json") -> ModelConfig:
-    """Map a transformers config.json (v4 or v5 layout) onto ModelConfig, refusing what we lack."""
-    arch = raw.get("model_type")
-    if arch not in ("llama", "qwen3"):
-        raise UnsupportedError(f"{where}: unsupported architecture model_type={arch!r} (supported: llama, qwen3)")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise UnsupportedError(f"{where}: unsupported hidden_act {raw['hidden_act']!r}")
-    if raw.get("mlp_bias"):
-        raise UnsupportedError(f"{where}: mlp_bias=true is not supported")
-    if raw.get("use_sliding_window"):
-        raise UnsupportedError(f"{where}: use_sliding_window=true is not supported")
-    try:
-        hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        theta, scaling = _rope(raw, where)
-        eos = generation.get("eos_token_id", raw.get("eos_token_id"))
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qk_norm=arch == "qwen3",
-            attention_bias=bool(raw.get("attention_bias", False)),
-            bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
-            eos_token_ids=_as_tuple(eos),
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"{where}: missing key {e.args[0]!r}") from None
-
-
-def _rope(raw: dict, where: str) -> tuple[float, RopeScaling | None]:
-    # NOTE: transformers v5 nests theta and scaling in `rope_parameters`; v4 has
-    # top-level `rope_theta` and an optional `rope_scaling` dict.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or params
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise UnsupportedError(f"{where}: unsupported rope scaling type {kind!r} (supported: llama3)")
-    return theta, RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
-
-
-def _as_tuple(x) -> tuple[int, ...]:
-    if x is None:
-        return ()
-    return tuple(int(i) for i in x) if isinstance(x, (list, tuple)) else (int(x),)
+    """The model family named by `model_type` (models/registry.py) parses the rest."""
+    family = family_for_model_type(raw.get("model_type"), where)
+    return family.config_from_hf(raw, generation, where)
 
 
 def _read_json(path: Path) -> dict:

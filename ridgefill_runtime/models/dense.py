@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..cache.build import kv_pool_of
+from ..cache.spec import CacheSpec
 from ..config import ModelConfig
 from ..layers.attention import AttentionBatch, key_mass, paged_attention, paged_attention_rows
 from ..layers.mlp import swiglu_mlp
@@ -27,6 +29,10 @@ class DenseLM:
         self.weights: DenseWeights = build_weights(config, tensors, dtype, self.device)
         self.rotary = RotaryTable(config, self.device)
         self.scale = config.head_dim ** -0.5
+
+    def cache_spec(self) -> CacheSpec:
+        """Every layer keeps paged K/V; the fill's stash keeps hidden-size split states."""
+        return CacheSpec.dense(self.config, self.dtype)
 
     # -- pieces (RidgeFill runs some of them on their own) ---------------------------------
 
@@ -111,8 +117,9 @@ class DenseLM:
         layers below the split; there `fill.exit_rows` stop (their split state is left in
         fill.exit_state) and filled rows write their late K/V from the predicted input, while
         the late part (stay rows plus stashed split states) runs every later layer;
-        `logit_rows` then index the late part.
+        `logit_rows` then index the late part. `kv`: the runner's ModelCaches, or a bare KVPool.
         """
+        kv = kv_pool_of(kv)
         h = self.embed(input_ids)
         rope = self.rope(positions)
         last = self.config.num_layers - 1

@@ -85,6 +85,10 @@ def main() -> None:
           f"RSS after {args.warmup_minutes:g} min warm-up {first:.0f} MiB -> end {last:.0f} MiB "
           f"(growth {last - first:+.1f} MiB, peak {peak:.0f}); idle after: {idle is not None}")
     print("soak: statuses " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())))
+    per_minute = {}
+    for t, rss in samples:
+        per_minute.setdefault(int(t // 60), rss)
+    print("soak: RSS at each minute (MiB) " + " ".join(f"{m}:{rss:.0f}" for m, rss in sorted(per_minute.items())))
     ok = fivexx == 0 and errors == 0 and idle is not None
     raise SystemExit(0 if ok else 1)
 

@@ -10,7 +10,7 @@ import pytest
 
 from ridgefill_runtime.cli import main
 from ridgefill_runtime.config import SELECTORS, RowsConfig
-from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.errors import ConfigError, InputError
 from ridgefill_runtime.fill.settings import SHIPPED_ROWS, fill_for_arm, shipped_unigram
 
 
@@ -114,7 +114,7 @@ def test_fill_rows_table_and_selectors_reach_the_fill_config(tmp_path):
     # --selectors replaces only the selectors.
     assert fill_for_arm("ridgefill", cfg, selectors=["digits"]).rows == fill.rows.replace(selectors=("digits",))
     # Another model has no shipped counts: the selectors that read them need its own.
-    with pytest.raises(InputError, match="fill.rows.unigram is required for the probe selector with --model"):
+    with pytest.raises(ConfigError, match="key 'fill.rows.unigram' is required when fill.rows.selectors include probe"):
         fill_for_arm("identity", None, model="/models/other", selectors=["special", "probe"])
     rows = fill_for_arm("identity", None, model="/models/other", selectors=["special", "lexical"]).rows
     assert rows.selectors == ("special", "lexical") and rows.unigram is None
@@ -136,15 +136,17 @@ def test_selectors_flag_reaches_score_and_generate(tmp_path, monkeypatch):
     assert main(["generate", "--prompt", "hi"]) == 1
     assert [c.fill.arm for c in seen] == ["identity", "nofill", "exact"]
     assert seen[0].fill.rows.selectors == ("special", "digits") and seen[1].fill.rows.selectors == ("lexical",)
-    assert seen[2].fill.rows.selectors == tuple(SHIPPED_ROWS["selectors"])
+    assert seen[2].fill.rows == RowsConfig()  # fill off: no selection, as `serve` with fill.mode = "off"
 
 
 @pytest.mark.parametrize("args, toml, words", [
     (["--selectors", "special,rare"], None, f"--selectors: unknown selector 'rare' (known: {', '.join(SELECTORS)})"),
-    ([], "[fill.rows]\nwindoww = 3\n", "unknown key fill.rows.windoww (known: attention_layers,"),
-    ([], '[fill.rows]\nselectors = ["rare"]\n', "fill.rows.selectors: unknown selector 'rare'"),
-    ([], '[fill.rows]\nselectors = "special"\n', "fill.rows.selectors must be a list, got str"),
-    ([], '[fill]\nrows = 3\n', "fill.rows must be a table ([fill.rows]), got int"),
+    # --fill-config is read with the server's [fill] schema, so the words are `serve --config`'s.
+    ([], "[fill.rows]\nwindoww = 3\n", "unknown key 'fill.rows.windoww'"),
+    ([], '[fill.rows]\nselectors = ["rare"]\n', "key 'fill.rows.selectors': unknown selector 'rare'"),
+    ([], '[fill.rows]\nselectors = "special"\n', "key 'fill.rows.selectors' must be a list of str, got str"),
+    ([], '[fill]\nrows = 3\n', "key 'fill.rows' must be a table ([fill.rows]), got int"),
+    ([], '[fill]\nvalue_rescale = true\n', "unknown key 'fill.value_rescale' (use fill.corrections.value_rescale)"),
 ])
 def test_bad_selectors_or_rows_key_is_one_line_error(tmp_path, capsys, args, toml, words):
     f = tmp_path / "t.txt"
@@ -166,3 +168,76 @@ def test_generate_with_a_fill_arm_and_selectors(tmp_path, capsys):
     assert main(["generate", "--chat", "--prompt", prompt, "--max-tokens", "8", "--arm", "identity",
                  "--fill-config", str(cfg), "--selectors", "special,digits,lexical", "--threads", "2"]) == 0
     assert "keeper" in capsys.readouterr().out
+
+
+# -- one [fill] schema: --fill-config reads what `serve --config` reads -------------------------
+
+
+def test_fill_config_takes_the_server_keys(tmp_path):
+    cfg = tmp_path / "fill.toml"
+    cfg.write_text('[fill]\nmode = "plain"\ntail = 40\nplacement = "streamed"\n'
+                   '[fill.corrections]\nvalue_rescale = true\nrescale_rows = 8\n[server]\nport = 1\n')
+    fill = fill_for_arm(None, cfg)  # no --arm: the file's mode
+    assert (fill.arm, fill.tail, fill.placement, fill.value_rescale, fill.key_rescale, fill.rescale_rows) == (
+        "ridgefill", 40, "streamed", True, False, 8)
+    assert fill.maps is not None and fill.rows.selectors == tuple(SHIPPED_ROWS["selectors"])
+    assert fill_for_arm("identity", cfg).arm == "identity"  # --arm replaces fill.mode
+    cfg.write_text('[fill]\ncorrections = ["key_rescale"]\n')
+    assert fill_for_arm("nofill", cfg).key_rescale and fill_for_arm(None, cfg).arm == "exact"
+
+
+def test_fill_config_and_serve_config_give_the_same_fill(tmp_path):
+    from server.config import load_config
+
+    counts = tmp_path / "counts.json"
+    counts.write_text("{}")
+    cfg = tmp_path / "rf.toml"
+    cfg.write_text(f'[fill]\nmode = "identity"\nsplit = 11\ntail = 64\ncorrections = ["value_rescale"]\n'
+                   f'[fill.rows]\nselectors = ["special", "probe"]\nwindow = 32\nunigram = "{counts}"\n')
+    assert load_config(cfg)[0].fill == fill_for_arm(None, cfg)
+    for mode, arm in (("off", "exact"), ("nofill", "nofill")):
+        cfg.write_text(f'[fill]\nmode = "{mode}"\n')
+        assert load_config(cfg)[0].fill == fill_for_arm(None, cfg) == fill_for_arm(arm, None)
+
+
+def test_fill_config_refusals_name_the_file(tmp_path):
+    cfg = tmp_path / "fill.toml"
+    cfg.write_text('[fill]\narm = "identity"\n')
+    with pytest.raises(ConfigError, match=rf"^{cfg}: unknown key 'fill.arm' \(use fill.mode"):
+        fill_for_arm(None, cfg)
+    cfg.write_text('[fill]\nmode = "plain"\n')
+    with pytest.raises(ConfigError, match="key 'fill.maps' is required when fill.mode = \"plain\" and model.path is set"):
+        fill_for_arm(None, cfg, model="/models/other")
+    with pytest.raises(ConfigError, match="nope.toml: config file not found"):
+        fill_for_arm("identity", tmp_path / "nope.toml")
+
+
+# -- the console command: server/main.py dispatches, the runtime never imports the server -------
+
+
+def test_the_runtime_imports_no_server_module():
+    code = ("import sys, ridgefill_runtime.cli, ridgefill_runtime.llm, ridgefill_runtime.fill.settings; "
+            "bad = [m for m in sys.modules if m == 'server' or m.startswith('server.')]; "
+            "assert not bad, bad; ridgefill_runtime.cli.build_parser()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "ridgefill_runtime"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            assert not any(n == "server" or n.startswith("server.") for n in names), f"{path} imports {names}"
+
+
+def test_the_ridgefill_command_lists_and_dispatches_every_command(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and all(c in p.stdout for c in ("generate", "score", "fit", "eval", "serve")), p.stdout
+    p = subprocess.run([sys.executable, "-m", "server", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and p.stderr.strip() == f"ridgefill: error: {tmp_path / 'nope'}: model path not found"
+    p = subprocess.run([sys.executable, "-m", "server", "serve", "--port", "0"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "server.port must be in 1..65535" in p.stderr and "Traceback" not in p.stderr

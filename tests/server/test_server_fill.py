@@ -254,8 +254,8 @@ def test_plain_without_a_rows_table_takes_the_shipped_rows(model_and_maps):
     assert rows == RowsConfig(**{**SHIPPED_ROWS, "unigram": str(shipped_unigram())})
     assert shipped_unigram().is_file()
     # The serve flag sets the selectors only.
-    from ridgefill_runtime.cli import build_parser
     from server.cli_serve import _FLAG_KEYS
+    from server.main import build_parser
     args = build_parser().parse_args(["serve", "--fill", "plain", "--fill-maps", str(maps[SPLIT]),
                                       "--fill-selectors", "special, digits"])
     rows = load_config(None, {key: getattr(args, dest, None) for dest, key in _FLAG_KEYS.items()})[0].fill.rows
@@ -268,7 +268,7 @@ def test_plain_on_the_embedded_model_defaults_to_the_shipped_maps(model_and_maps
     _, maps = model_and_maps
     # NOTE: the shipped file is stood in for by this test's maps, so the test does not depend
     # on which map files the checkout holds; what is tested is that the split picks the file.
-    monkeypatch.setattr("server.config.shipped_maps", lambda split: maps[split])
+    monkeypatch.setattr("ridgefill_runtime.fill.settings.shipped_maps", lambda split: maps[split])
     assert load_config(None, {"fill.mode": "plain"})[0].fill.maps == str(maps[SPLIT])
     assert load_config(None, {"fill.mode": "plain", "fill.split": 11})[0].fill.maps == str(maps[11])
 

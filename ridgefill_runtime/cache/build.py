@@ -1,0 +1,85 @@
+"""The one cache factory: a model's CacheSpec and a budget -> the pools its layers use and the
+manager that hands their ids out. Every engine, offline driver and evaluation builds here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager
+from .kv_pool import KVPool
+from .manager import CacheManager
+from .spec import CacheSpec
+from .state_pool import StatePool
+
+
+@dataclass(frozen=True)
+class CacheBudget:
+    """How big to make the caches: KV blocks (explicit, or what fits in kv_cache_gib once the
+    per-sequence states are set aside) and one state slot per sequence that may run at once."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # overrides kv_cache_gib
+    kv_cache_gib: float = 1.0
+    state_slots: int = 1
+    max_positions: int = 4096  # a model with no attention still needs blocks to count positions
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be positive, got {self.kv_cache_gib}")
+        if self.state_slots <= 0:
+            raise ValueError(f"state_slots must be positive, got {self.state_slots}")
+        if self.max_positions <= 0:
+            raise ValueError(f"max_positions must be positive, got {self.max_positions}")
+
+    @classmethod
+    def for_tokens(cls, num_tokens: int, block_size: int = 16) -> "CacheBudget":
+        """Room for one sequence of `num_tokens` positions (the offline drivers)."""
+        return cls(block_size=block_size, num_blocks=max(1, -(-num_tokens // block_size)), state_slots=1,
+                   max_positions=max(1, num_tokens))
+
+
+@dataclass(frozen=True)
+class ModelCaches:
+    """What build_caches made: the tensor pools (the runner and model use them) and their size."""
+
+    spec: CacheSpec
+    kv: KVPool  # K/V slabs of the attention layers, keyed by layer
+    states: StatePool  # per-slot recurrent states and split-state stashes
+    block_size: int
+    num_blocks: int
+
+    def manager(self) -> CacheManager:
+        """A manager of these pools' ids; freeing a slot clears what the pools keep in it."""
+        return CacheManager(BlockManager(self.num_blocks, self.block_size), self.states.num_slots,
+                            self.spec.stash_bytes_per_row(), on_free_slot=self.states.free_slot,
+                            on_stash_done=self.states.drop_stash)
+
+
+def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
+    """The K/V pool inside what the runner hands a model (a bare pool passes through)."""
+    return caches.kv if isinstance(caches, ModelCaches) else caches
+
+
+def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | str) -> ModelCaches:
+    num_blocks = _num_blocks(spec, budget)
+    att = spec.attention
+    heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)
+    kv = KVPool(spec.attention_layers, num_blocks * budget.block_size, heads, dim, spec.dtype, device)
+    states = StatePool(spec, budget.state_slots, device)
+    return ModelCaches(spec, kv, states, budget.block_size, num_blocks)
+
+
+def _num_blocks(spec: CacheSpec, budget: CacheBudget) -> int:
+    if budget.num_blocks is not None:
+        return budget.num_blocks
+    per_block = spec.kv_bytes_per_token() * budget.block_size
+    if per_block == 0:  # NOTE: no attention: blocks only count positions, room for every slot at full length
+        return budget.state_slots * -(-budget.max_positions // budget.block_size)
+    room = int(budget.kv_cache_gib * 2**30) - spec.state_bytes_per_sequence() * budget.state_slots
+    return max(1, room // per_block)

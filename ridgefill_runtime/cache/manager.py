@@ -1,0 +1,118 @@
+"""What each sequence holds in every cache, as ids: KV blocks (its block table), a state slot
+(its recurrent states and, during a two-sweep prefill, its split-state stash). The scheduler
+owns this and calls it to allocate, grow, free and preempt; no tensors live here.
+
+The pools that hold the tensors (kv_pool.py, state_pool.py) hear of a freed slot through the
+callbacks given at construction, so whatever a sequence holds goes back the moment the
+scheduler lets it go: a preempted sequence's stash does not wait with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .block_manager import BlockManager
+
+SlotHook = Callable[[int], None]
+
+
+def _ignore(slot: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """One reading of what the caches hold."""
+
+    kv_blocks_used: int
+    kv_blocks_total: int
+    state_slots_used: int
+    state_slots_total: int
+    stash_rows: int  # split-state rows held by sequences in a two-sweep prefill
+    stash_bytes: int  # what those rows take (the N x d part)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
+            raise ValueError(f"kv blocks used {self.kv_blocks_used} outside 0..{self.kv_blocks_total}")
+        if not 0 <= self.state_slots_used <= self.state_slots_total:
+            raise ValueError(f"state slots used {self.state_slots_used} outside 0..{self.state_slots_total}")
+        if self.stash_rows < 0 or self.stash_bytes < 0:
+            raise ValueError(f"stash accounting must be >= 0, got {self.stash_rows} rows, {self.stash_bytes} bytes")
+
+
+class CacheManager:
+    def __init__(self, blocks: BlockManager, num_state_slots: int, stash_bytes_per_row: int = 0,
+                 on_free_slot: SlotHook = _ignore, on_stash_done: SlotHook = _ignore):
+        if num_state_slots <= 0:
+            raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
+        self.blocks = blocks
+        self.num_state_slots = num_state_slots
+        self.stash_bytes_per_row = stash_bytes_per_row
+        self._on_free_slot, self._on_stash_done = on_free_slot, on_stash_done
+        # NOTE: a stack, like the blocks: the most recently freed slot is reused first.
+        self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
+        self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
+
+    # -- asking ---------------------------------------------------------------------------
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def blocks_needed(self, seq, num_tokens: int) -> int:
+        return self.blocks.blocks_needed(seq.block_table, num_tokens)
+
+    def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0) -> bool:
+        """Whether seq could start holding `num_tokens` positions with `reserved_blocks` kept back."""
+        slot_ok = seq.state_slot is not None or bool(self._free_slots)
+        return slot_ok and self.blocks_needed(seq, num_tokens) <= self.blocks.num_free - reserved_blocks
+
+    def can_grow(self, seq, num_tokens: int) -> bool:
+        return self.blocks.can_grow(seq.block_table, num_tokens)
+
+    # -- changing ---------------------------------------------------------------------------
+
+    def allocate(self, seq, num_tokens: int) -> None:
+        """Admission: a state slot (and its stash, for a filled prefill) and blocks for `num_tokens`."""
+        if seq.state_slot is None:
+            if not self._free_slots:
+                raise RuntimeError(f"out of state slots: all {self.num_state_slots} are held")
+            seq.state_slot = self._free_slots.pop()
+        if seq.stage != "full":  # NOTE: a two-sweep prefill keeps every row's split state
+            self._stash_rows[seq.state_slot] = seq.num_tokens
+        self.grow(seq, num_tokens)
+
+    def grow(self, seq, num_tokens: int) -> None:
+        self.blocks.grow(seq.block_table, num_tokens)
+
+    def settle(self, seq) -> None:
+        """After a step: a sequence whose two-sweep prefill is over gives its stash back."""
+        slot = seq.state_slot
+        if slot is not None and seq.stage == "full" and self._stash_rows.pop(slot, None) is not None:
+            self._on_stash_done(slot)
+
+    def free(self, seq) -> None:
+        """Give back everything seq holds: its blocks, its state slot and its stash."""
+        self.blocks.free(seq.block_table)
+        slot = seq.state_slot
+        if slot is None:
+            return
+        seq.state_slot = None
+        self._stash_rows.pop(slot, None)
+        self._free_slots.append(slot)
+        self._on_free_slot(slot)
+
+    def preempt(self, seq) -> None:
+        """Recompute preemption: the sequence keeps its tokens and nothing else."""
+        self.free(seq)
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        rows = sum(self._stash_rows.values())
+        return CacheStats(kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free,
+                          kv_blocks_total=self.blocks.num_blocks,
+                          state_slots_used=self.num_state_slots - len(self._free_slots),
+                          state_slots_total=self.num_state_slots, stash_rows=rows,
+                          stash_bytes=rows * self.stash_bytes_per_row)

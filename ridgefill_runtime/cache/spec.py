@@ -1,0 +1,115 @@
+"""What a model keeps per layer between steps, declared by the model, sized by build_caches.
+
+A model family says, layer by layer, which kind of cache the layer needs:
+  - AttentionCache: paged K/V, one entry per token position (grows with the sequence);
+  - RecurrentCache: a fixed-size per-sequence state (e.g. a Gated DeltaNet layer's conv state
+    and recurrent state), one slot per running sequence whatever its length.
+On top of the layers, the two-sweep prefill keeps a split-state stash (N x d) per filled
+sequence while it is in its prefill; CacheSpec.stash_width sizes it.
+
+Plain frozen dataclasses: no tensors (the pools in kv_pool.py / state_pool.py hold those).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionCache:
+    """Paged K/V: per token, one [num_kv_heads, head_dim] key and one value."""
+
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads <= 0 or self.head_dim <= 0:
+            raise ValueError(f"attention cache needs positive heads and head_dim, got {self}")
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+
+@dataclass(frozen=True)
+class RecurrentCache:
+    """A fixed-size state per sequence: one tensor of each shape in `parts` (e.g.
+    (("conv", (k - 1, d_conv)), ("state", (heads, d_k, d_v))) for a Gated DeltaNet layer)."""
+
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("a recurrent cache keeps at least one state tensor")
+        names = [name for name, _ in self.parts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"recurrent state part names must be unique, got {names}")
+        for name, shape in self.parts:
+            if not shape or any(n <= 0 for n in shape):
+                raise ValueError(f"recurrent state part {name!r} needs a positive shape, got {shape}")
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        return sum(math.prod(shape) for _, shape in self.parts) * dtype.itemsize
+
+
+LayerCache = AttentionCache | RecurrentCache
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Per layer, what it keeps (`layers[i]` for layer i), in the model's cache dtype."""
+
+    layers: tuple[LayerCache, ...]
+    dtype: torch.dtype
+    stash_width: int = 0  # split-state width (hidden size) of the fill's stash; 0: no fill possible
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a cache spec needs at least one layer")
+        geometry = {(c.num_kv_heads, c.head_dim) for c in self.layers if isinstance(c, AttentionCache)}
+        # NOTE: one K/V slab shape for every attention layer keeps one block table per sequence
+        # valid across layers; mixed geometries would need per-group pools (vLLM's KV cache groups).
+        if len(geometry) > 1:
+            raise ValueError(f"attention layers must share one K/V geometry, got {sorted(geometry)}")
+        if self.stash_width < 0:
+            raise ValueError(f"stash_width must be >= 0, got {self.stash_width}")
+
+    @classmethod
+    def dense(cls, config, dtype: torch.dtype) -> "CacheSpec":
+        """Every layer attends (Llama, Qwen3): what a model without its own cache_spec() keeps."""
+        layer = AttentionCache(config.num_kv_heads, config.head_dim)
+        return cls(layers=(layer,) * config.num_layers, dtype=dtype, stash_width=config.hidden_size)
+
+    def first_layers(self, n: int) -> "CacheSpec":
+        """The spec of layers 0..n-1 only (a run that stops early needs no later cache)."""
+        return CacheSpec(self.layers[:n], self.dtype, self.stash_width)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.layers) if isinstance(c, AttentionCache))
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.layers) if isinstance(c, RecurrentCache))
+
+    @property
+    def attention(self) -> AttentionCache | None:
+        """The attention layers' (shared) geometry; None when no layer attends."""
+        return next((c for c in self.layers if isinstance(c, AttentionCache)), None)
+
+    def kv_bytes_per_token(self) -> int:
+        return sum(c.bytes_per_token(self.dtype) for c in self.layers if isinstance(c, AttentionCache))
+
+    def state_bytes_per_sequence(self) -> int:
+        return sum(c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, RecurrentCache))
+
+    def stash_bytes_per_row(self) -> int:
+        return self.stash_width * self.dtype.itemsize
+
+
+def spec_of(model) -> CacheSpec:
+    """The model's declared cache spec; a model that declares none attends in every layer."""
+    declared = getattr(model, "cache_spec", None)
+    return declared() if callable(declared) else CacheSpec.dense(model.config, model.dtype)

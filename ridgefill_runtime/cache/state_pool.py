@@ -1,0 +1,61 @@
+"""Per-sequence state storage, addressed by state slot (the slot the cache manager hands a
+running sequence): each recurrent layer's fixed-size state, and the fill's split-state stash
+while the sequence is in its two-sweep prefill.
+
+Tensor side only: which sequence holds which slot is the cache manager's business (manager.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fill.stash import SplitStash
+from .spec import CacheSpec, RecurrentCache
+
+
+class StatePool:
+    def __init__(self, spec: CacheSpec, num_slots: int, device: torch.device | str):
+        self.num_slots = num_slots
+        self.dtype, self.device = spec.dtype, torch.device(device)
+        self.stash_width = spec.stash_width
+        # NOTE: zeros, not empty: small (one state per running sequence), and a model may read
+        # a fresh slot as "no history" without resetting it first.
+        self.states: dict[int, dict[str, torch.Tensor]] = {
+            i: {name: torch.zeros((num_slots, *shape), dtype=spec.dtype, device=device) for name, shape in c.parts}
+            for i, c in enumerate(spec.layers) if isinstance(c, RecurrentCache)
+        }  # layer -> part -> [num_slots, *shape]
+        self._stashes: dict[int, SplitStash] = {}  # slot -> stash, only while its prefill runs
+
+    # -- recurrent states --------------------------------------------------------------------
+
+    def state(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer's state parts, each [num_slots, *shape]; rows are indexed by state slot."""
+        return self.states[layer]
+
+    def free_slot(self, slot: int) -> None:
+        """The slot's sequence is gone (finished or preempted): zero its states, drop its stash."""
+        for parts in self.states.values():
+            for t in parts.values():
+                t[slot].zero_()
+        self.drop_stash(slot)
+
+    # -- the two-sweep prefill's stash -------------------------------------------------------
+
+    def new_stash(self, slot: int, num_rows: int, boundary: int) -> SplitStash:
+        """A fresh stash for a (re)started prefill; replaces any left in the slot."""
+        stash = SplitStash.new(num_rows, self.stash_width, boundary, self.dtype, self.device)
+        self._stashes[slot] = stash
+        return stash
+
+    def stash(self, slot: int) -> SplitStash | None:
+        return self._stashes.get(slot)
+
+    def put_stash(self, slot: int, stash: SplitStash) -> None:
+        self._stashes[slot] = stash
+
+    def drop_stash(self, slot: int) -> None:
+        self._stashes.pop(slot, None)
+
+    def stash_bytes(self) -> int:
+        """Bytes the stashes hold now."""
+        return sum(s.nbytes() for s in self._stashes.values())

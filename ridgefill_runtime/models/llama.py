@@ -1,0 +1,22 @@
+"""Llama: the dense decoder (GQA, RoPE with optional llama3 scaling, SwiGLU), no QK-norm."""
+
+from __future__ import annotations
+
+from . import decoder_config
+from .dense import DenseLM
+from .family import GGUFFormat, ModelFamily
+
+LLAMA = ModelFamily(
+    name="llama",
+    model_class=DenseLM,
+    parse_hf_config=decoder_config.config_from_hf,
+    weight_names=decoder_config.weight_names,
+    gguf=GGUFFormat(
+        architecture="llama",
+        parse_config=decoder_config.config_from_gguf,
+        top_level_names=decoder_config.GGUF_TOP_LEVEL_NAMES,
+        layer_part_names=decoder_config.GGUF_LAYER_PART_NAMES,
+        # NOTE: llama.cpp's converter permutes llama q/k rows for its interleaved RoPE.
+        interleaved_rope_rows=True,
+    ),
+)
