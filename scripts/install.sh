@@ -85,7 +85,7 @@ if [[ $BUILD_EXTENSION == 1 && -n "$so" ]] \
 else
     remedy="see the log for the compiler error"
     [[ $BUILD_EXTENSION == 1 ]] && remedy="$remedy; RIDGEFILL_SKIP_EXTENSION=1 installs without the CUDA extension (pure-torch ops)"
-    echo "install: ridgefill (editable; CUDA extension: $([[ $BUILD_EXTENSION == 1 ]] && echo "building with $CUDA_HOME, ~6 min on 2 cores" || echo "no toolkit, pure-torch ops"))"
+    echo "install: ridgefill (editable; CUDA extension: $([[ $BUILD_EXTENSION == 1 ]] && echo "building with $CUDA_HOME, 2-6 min on 2 cores" || echo "no toolkit, pure-torch ops"))"
     run ridgefill "$remedy" "${PIP[@]}" install --no-build-isolation --no-deps -e .
 fi
 

@@ -10,30 +10,20 @@ import time
 
 import httpx
 import pytest
-import torch
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig
-from ridgefill_runtime.llm import build_engine
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import load_config
+from served_app import app_server, embedded_engine
 
 LONG = {"prompt": "Count slowly:", "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
-    torch.set_num_threads(2)
-    yield build_engine(EngineConfig(cache=CacheConfig(num_blocks=512)))
-    mp.undo()
+    return embedded_engine(tmp_path_factory, num_blocks=512, threads=2)
 
 
 @pytest.fixture(scope="module")
 def served(engine):
-    engine_cfg, server_cfg, fill = load_config(None, {"server.request_timeout_s": 3.0})
-    with BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=lambda: engine)) as srv:
+    with app_server(lambda: engine, request_timeout_s=3.0) as srv:
         srv.wait_ready()
         srv.engine = engine
         yield srv

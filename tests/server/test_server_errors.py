@@ -7,35 +7,23 @@ import threading
 
 import httpx
 import pytest
-import torch
 
 from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
 from ridgefill_runtime.engine import Engine
-from ridgefill_runtime.llm import build_engine
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import load_config
+from served_app import app_server, embedded_engine
 
 KEY = "s3cret"
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
-    torch.set_num_threads(2)
-    yield build_engine(EngineConfig(cache=CacheConfig(num_blocks=128)))
-    mp.undo()
+    return embedded_engine(tmp_path_factory, num_blocks=128, threads=2)
 
-
-def _server(build, **overrides):
-    engine_cfg, server_cfg, fill = load_config(None, {f"server.{k}": v for k, v in overrides.items()})
-    return BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=build))
 
 
 @pytest.fixture(scope="module")
 def keyed(engine):
-    with _server(lambda: engine, api_key=KEY, max_body_bytes=10_000) as srv:
+    with app_server(lambda: engine, api_key=KEY, max_body_bytes=10_000) as srv:
         srv.wait_ready()
         yield httpx.Client(base_url=srv.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"})
 
@@ -114,7 +102,7 @@ def test_queue_full_is_503_with_retry_after(engine):
     small = Engine(engine.model, engine.tokenizer,
                    EngineConfig(cache=CacheConfig(num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1)))
     long = {"prompt": "hi", "stream": True, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-    with _server(lambda: small, max_queued_requests=1, retry_after_s=2) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+    with app_server(lambda: small, max_queued_requests=1, retry_after_s=2) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
         srv.wait_ready()
         with c.stream("POST", "/v1/completions", json=long) as a, c.stream("POST", "/v1/completions", json=long) as b:
             assert a.status_code == b.status_code == 200  # headers sent: both were admitted
@@ -143,7 +131,7 @@ def test_health_is_503_while_loading_then_200(engine):
         release.wait(30)
         return engine
 
-    with _server(slow_build) as srv:
+    with app_server(slow_build) as srv:
         r = httpx.get(srv.url + "/health")
         assert r.status_code == 503 and r.json()["status"] == "loading"
         _assert_error(httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}), 503, "loading")
@@ -167,7 +155,7 @@ def test_error_in_one_request_fails_only_that_request(engine):
         return engine
 
     try:
-        with _server(flaky_build) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        with app_server(flaky_build) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
             srv.wait_ready()
             body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             # NOTE: 40 tokens keep the healthy request running while the poisoned one arrives.

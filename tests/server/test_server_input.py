@@ -18,13 +18,11 @@ import torch
 from ridgefill_runtime.config import CacheConfig, EngineConfig
 from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.errors import InputError
-from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sampling import sample_token
 from ridgefill_runtime.sequence import SamplingParams
 from server import requests as rq
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import ServerConfig, load_config
+from served_app import app_server, embedded_engine
+from server.config import ServerConfig
 from server.protocol import ChatCompletionRequest
 
 JSON = {"content-type": "application/json"}
@@ -34,21 +32,13 @@ MAX_STOP_STRINGS = ServerConfig().max_stop_strings  # the default server.max_sto
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
-    torch.set_num_threads(1)
-    yield build_engine(EngineConfig(cache=CacheConfig(num_blocks=128)))
-    mp.undo()
+    return embedded_engine(tmp_path_factory, num_blocks=128, threads=1)
 
-
-def _server(build, **overrides):
-    engine_cfg, server_cfg, fill = load_config(None, {f"server.{k}": v for k, v in overrides.items()})
-    return BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=build))
 
 
 @pytest.fixture(scope="module")
 def client(engine):
-    with _server(lambda: engine) as srv:  # the default 4 MiB body limit
+    with app_server(lambda: engine) as srv:  # the default 4 MiB body limit
         srv.wait_ready()
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             yield c
@@ -252,7 +242,7 @@ def test_odd_completion_field_is_refused_or_served(client, body, words, param):
 
 def test_chat_without_a_limit_gets_the_configured_default(engine):
     chat = {"messages": [{"role": "user", "content": "Count to 100."}], "ignore_eos": True, "temperature": 0}
-    with _server(lambda: engine, default_chat_max_tokens=3, max_stop_strings=1) as srv, \
+    with app_server(lambda: engine, default_chat_max_tokens=3, max_stop_strings=1) as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as c:
         srv.wait_ready()
         r = c.post("/v1/chat/completions", json=chat)
@@ -303,7 +293,7 @@ class _BlockingTokenizer:
 def test_health_answers_while_a_prompt_tokenizes(engine, path, body):
     tok = _BlockingTokenizer(engine.tokenizer)
     small = Engine(engine.model, tok, EngineConfig(cache=CacheConfig(num_blocks=16)))
-    with _server(lambda: small) as srv, httpx.Client(base_url=srv.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+    with app_server(lambda: small) as srv, httpx.Client(base_url=srv.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
         srv.wait_ready()
         pending = pool.submit(c.post, path, json=body)
         try:
