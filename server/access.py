@@ -171,10 +171,12 @@ def host_name(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-async def send_json_error(send, status: int, message: str, close: bool = False) -> None:
+async def send_json_error(send, status: int, message: str, close: bool = False,
+                          headers: dict[str, str] | None = None) -> None:
     """An OpenAI-style error response sent straight from a middleware."""
     body = json.dumps(error_body(status, message)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *extra]
     if close:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -35,7 +35,7 @@ from .access import HostAllowList, RequestContext, deadline_for, note_usage
 from .config import FillSettings, ServerConfig
 from .connections import SHUTDOWN_BACKSTOP_S
 from .errors import HTTPError, describe_invalid, error_body, error_response
-from .limits import BodyReadTimeout, BodySizeLimit
+from .limits import BodyReadTimeout, BodySizeLimit, RateLimit
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                        CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
@@ -134,6 +134,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
     # the Host refusal (421), the stalled body (408) and the oversized body (413).
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_body_bytes)
     app.add_middleware(BodyReadTimeout, timeout_s=server_config.body_timeout_s, draining=lambda: state.draining)
+    app.add_middleware(RateLimit, per_minute=server_config.rate_limit_per_minute)
     app.add_middleware(HostAllowList, allowed=server_config.allowed_hosts)
     app.add_middleware(RequestContext, on_done=lambda route, status: state.metrics.http_requests.labels(
         route=route, status=str(status)).inc())

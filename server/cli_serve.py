@@ -30,6 +30,7 @@ _FLAG_KEYS = {
     "request_timeout_s": "server.request_timeout_s", "shutdown_grace_s": "server.shutdown_grace_s",
     "header_timeout_s": "server.header_timeout_s", "body_timeout_s": "server.body_timeout_s",
     "keep_alive_s": "server.keep_alive_s", "max_connections": "server.max_connections",
+    "rate_limit_per_minute": "server.rate_limit_per_minute",
     "allowed_hosts": "server.allowed_hosts", "metrics_public": "server.metrics_public",
 }
 
@@ -73,6 +74,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--body-timeout-s", type=float, help="408 when a request body part does not arrive in time")
     p.add_argument("--keep-alive-s", type=float, help="close idle keep-alive connections after this")
     p.add_argument("--max-connections", type=int, help="open connections (lowered to fit the open-files limit)")
+    p.add_argument("--rate-limit-per-minute", type=int,
+                   help="generation requests per client address and minute, more get 429 (0: no limit)")
     p.add_argument("--allowed-hosts", type=_comma_list, metavar="A,B",
                    help="Host header allow-list (\"*\": any; default: loopback names when bound to loopback)")
     p.add_argument("--metrics-public", action="store_true", default=None,

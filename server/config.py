@@ -48,6 +48,7 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # each part of a request body must arrive within this, else 408
     keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
     max_connections: int = 1000  # open connections; lowered to fit the open-files limit
+    rate_limit_per_minute: int = 0  # generation requests per client address and minute; 0: no limit
     allowed_hosts: tuple[str, ...] | None = None  # Host header allow-list; None: see __post_init__
     metrics_public: bool = False  # with an api_key: False guards /metrics with the key too
 
@@ -59,6 +60,8 @@ class ServerConfig:
                      "body_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"server.{name} must be positive, got {getattr(self, name)}")
+        if self.rate_limit_per_minute < 0:
+            raise ValueError(f"server.rate_limit_per_minute must be >= 0 (0: no limit), got {self.rate_limit_per_minute}")
         if self.max_stop_strings < 0:
             raise ValueError(f"server.max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
@@ -102,7 +105,7 @@ _SERVER_TYPES: dict[str, tuple[type, ...]] = {
     "threads": (int,), "log_level": (str,), "default_chat_max_tokens": (int,), "max_stop_strings": (int,),
     "request_timeout_s": (int, float), "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
     "body_timeout_s": (int, float), "keep_alive_s": (int, float), "max_connections": (int,),
-    "allowed_hosts": (list,), "metrics_public": (bool,),
+    "rate_limit_per_minute": (int,), "allowed_hosts": (list,), "metrics_public": (bool,),
 }
 
 # section -> key -> Key (accepted types, the dataclass the value is passed to, its field).

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from .protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          408: "timeout_error", 413: "invalid_request_error", 421: "invalid_request_error",
+          408: "timeout_error", 413: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
           500: "internal_error", 503: "service_unavailable"}
 
 

@@ -1,10 +1,11 @@
-"""ASGI middleware: refuse request bodies over a size limit with 413, before parsing them, and
-bodies that stall with 408."""
+"""ASGI middleware: refuse request bodies over a size limit with 413, before parsing them,
+bodies that stall with 408, and clients over their request rate with 429."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -132,3 +133,44 @@ class BodyReadTimeout:
         else:
             await send_json_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
                                              f"(server.body_timeout_s)", close=True)
+
+
+class RateLimit:
+    """Per client address, at most `per_minute` requests to the generation routes (a token
+    bucket refilled continuously, so a burst of `per_minute` passes, then one every 60/per_minute
+    seconds); the rest get 429 with Retry-After. 0 turns it off. In-process state: one server."""
+
+    LIMITED = ("/v1/completions", "/v1/chat/completions")
+    MAX_CLIENTS = 10_000  # buckets kept; beyond this the full ones are dropped (they hold no debt)
+
+    def __init__(self, app, per_minute: int):
+        self.app, self.per_minute = app, per_minute
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, last update)
+
+    async def __call__(self, scope, receive, send):
+        if self.per_minute and scope["type"] == "http" and scope.get("path") in self.LIMITED:
+            wait = self._take((scope.get("client") or ("?",))[0], time.monotonic())
+            if wait > 0:
+                return await send_json_error(
+                    send, 429, f"rate limit: {self.per_minute} requests a minute per client "
+                               f"(server.rate_limit_per_minute); retry in {wait:.1f} s",
+                    headers={"retry-after": str(math.ceil(wait))})
+        await self.app(scope, receive, send)
+
+    def _take(self, client: str, now: float) -> float:
+        """Take one token for `client`; 0 when it had one, else the seconds until it will."""
+        rate = self.per_minute / 60.0
+        tokens, last = self._buckets.get(client, (float(self.per_minute), now))
+        tokens = min(float(self.per_minute), tokens + (now - last) * rate)
+        if tokens < 1:
+            self._buckets[client] = (tokens, now)
+            return (1 - tokens) / rate
+        self._buckets[client] = (tokens - 1, now)
+        if len(self._buckets) > self.MAX_CLIENTS:
+            self._forget_full(now)
+        return 0.0
+
+    def _forget_full(self, now: float) -> None:
+        rate = self.per_minute / 60.0
+        self._buckets = {c: (t, last) for c, (t, last) in self._buckets.items()
+                         if t + (now - last) * rate < self.per_minute}
