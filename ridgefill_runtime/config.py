@@ -91,6 +91,36 @@ class SchedulerConfig:
                 raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
 
 
+SPECULATIVE_METHODS = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding for greedy requests: each decode step verifies up to `num_tokens`
+    drafted tokens in one multi-row step. "ngram" (prompt lookup) drafts the continuation of
+    the longest suffix of the sequence's own tokens, `min_ngram`..`max_ngram` long, that
+    occurred earlier in it. min_ngram defaults to 2: a one-token match (" the") drafts mostly
+    wrong tokens, rows each step pays for and rejects."""
+
+    method: str = "off"
+    num_tokens: int = 4
+    max_ngram: int = 3
+    min_ngram: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        for name in ("num_tokens", "max_ngram", "min_ngram"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"speculative.{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"speculative.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder or GGUF file; None: the embedded default
@@ -99,6 +129,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fill: "FillConfig" = field(default_factory=lambda: FillConfig())
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

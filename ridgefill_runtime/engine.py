@@ -10,7 +10,7 @@ import torch
 
 from .cache.build import CacheBudget, build_caches
 from .cache.spec import spec_of
-from .config import EngineConfig, RowsConfig
+from .config import EngineConfig, RowsConfig, SpeculativeConfig
 from .detokenize import TextTracker
 from .errors import InputError
 from .fill.select import RowSelector
@@ -18,6 +18,7 @@ from .fill.tokens import TokenTable, load_counts
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
+from .speculative import NgramProposer, no_drafts
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A step that finds nothing to run while work exists is a scheduler bug; sleeping this long
@@ -51,6 +52,9 @@ class EngineStats:
     state_slots_used: int = 0  # per-sequence state slots held (recurrent states, stashes)
     state_slots_total: int = 0
     stash_bytes: int = 0  # split-state stashes held by two-sweep prefills
+    spec_steps_total: int = 0  # decode items that verified a draft (speculative decoding)
+    spec_draft_tokens_total: int = 0  # draft tokens proposed and verified
+    spec_accepted_tokens_total: int = 0  # of those, accepted (each saved one decode step)
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
@@ -76,12 +80,22 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.caches = build_caches(spec_of(model), engine_budget(config, cfg.max_position_embeddings), model.device)
+        cache_spec = spec_of(model)
+        self.speculative = config.speculative
+        if self.speculative.enabled and cache_spec.recurrent_layers:
+            # NOTE: a rejected draft row has already updated a recurrent state; rolling that back
+            # needs a snapshot of the state slot per verification, which no model needs yet.
+            raise ValueError(f"speculative.method = {self.speculative.method!r}: this model has recurrent "
+                             f"layers {list(cache_spec.recurrent_layers)}, whose states cannot be rolled back "
+                             f"past rejected draft tokens; use speculative.method = \"off\"")
+        self.caches = build_caches(cache_spec, engine_budget(config, cfg.max_position_embeddings), model.device)
         self.kv = self.caches.kv
         manager = self.caches.manager()  # the scheduler owns it; freeing a slot clears the pools
         self.blocks = manager.blocks
         self.fill = config.fill
-        self.scheduler = Scheduler(config.scheduler, manager, RowSelector(token_table(tokenizer, self.fill.rows)))
+        propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
+        self.scheduler = Scheduler(config.scheduler, manager, RowSelector(token_table(tokenizer, self.fill.rows)),
+                                   propose)
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps)
@@ -102,6 +116,7 @@ class Engine:
         self.validate(prompt_ids, params)
         seq = Sequence(prompt_ids=list(prompt_ids), params=params, deadline=deadline)
         apply_fill(seq, self.fill, fill, rows, hide_from)
+        seq.spec_tokens = spec_tokens(self.speculative, params)
         self.scheduler.add(seq)
         return seq
 
@@ -134,13 +149,14 @@ class Engine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        c, held = self.counts, self.scheduler.caches.stats()
+        c, held, spec = self.counts, self.scheduler.caches.stats(), self.scheduler.spec
         return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
                            kv_blocks_used=held.kv_blocks_used, kv_blocks_total=held.kv_blocks_total,
                            preemptions_total=self.scheduler.num_preemptions, aborts_total=c.aborts,
                            timeouts_total=c.timeouts, steps_total=c.steps, idle_spins_total=c.idle_spins,
                            state_slots_used=held.state_slots_used, state_slots_total=held.state_slots_total,
-                           stash_bytes=held.stash_bytes)
+                           stash_bytes=held.stash_bytes, spec_steps_total=spec.steps,
+                           spec_draft_tokens_total=spec.proposed, spec_accepted_tokens_total=spec.accepted)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -179,14 +195,35 @@ class Engine:
         self.runner.forget(seq.seq_id)
         self.text.forget(seq.seq_id)
 
+    def _drop_past_stop(self, seq: Sequence, had: int) -> None:
+        """An accepted run went past a stop string: keep the tokens up to the one that
+        completed it, as one-token steps would have. The text is already cut at the stop."""
+        for n in range(had + 1, len(seq.output_ids)):
+            text = self.tokenizer.decode(seq.output_ids[:n], skip_special_tokens=True)
+            if any(stop in text for stop in seq.params.stop):
+                del seq.output_ids[n:]
+                return
+
     def _output(self, seq: Sequence, had: int) -> RequestOutput:
         delta, hit_stop = self.text.update(seq)
+        if hit_stop and len(seq.output_ids) - had > 1:
+            self._drop_past_stop(seq, had)
         if hit_stop and not seq.finished:
             self.scheduler.finish(seq, "stop")  # NOTE: update() already emitted the cut text
         if seq.finished:
             self._forget(seq)
         return RequestOutput(seq=seq, delta_text=delta, new_token_ids=seq.output_ids[had:],
                              finished=seq.finished)
+
+
+def spec_tokens(config: SpeculativeConfig, params: SamplingParams) -> int:
+    """Most drafts a request's decode steps verify: the engine's num_tokens, or fewer if the
+    request asks (params.speculative; 0: off). Only greedy requests speculate (acceptance
+    compares drafts with the argmax), and scoring requests never do."""
+    if not config.enabled or not params.greedy or params.prompt_logprobs:
+        return 0
+    asked = config.num_tokens if params.speculative is None else params.speculative
+    return min(asked, config.num_tokens)
 
 
 def engine_budget(config: EngineConfig, max_positions: int) -> CacheBudget:

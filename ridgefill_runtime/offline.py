@@ -12,7 +12,7 @@ from .engine import apply_fill
 from .fill.select import RowSelector
 from .runner import Runner
 from .sequence import SamplingParams, Sequence
-from .stages import advance, next_item
+from .stages import Stage, advance, next_item
 
 
 class PromptLogits:
@@ -43,18 +43,19 @@ class PromptLogits:
         first = max(seq.fill_boundary, logits_from)
         scoring, silent = seq.params, SamplingParams(max_tokens=0)
         parts, hooked = [], after_fill is None or seq.fill_boundary == 0
-        while seq.stage != "full" or seq.num_computed < len(ids):
-            if not hooked and seq.stage in ("probe", "late"):
+        while not seq.stage.done or seq.num_computed < len(ids):
+            if not hooked and not seq.stage.from_tokens:  # NOTE: the probe or the late sweep is next
                 after_fill(runner, seq)
                 hooked = True
             item = next_item(seq, self.chunk, self.chunk)
-            if item.kind == "full" and item.start < first < item.end:
+            if item.kind is Stage.FULL and item.start < first < item.end:
                 item.num_tokens = first - item.start  # NOTE: rows before `first` need no logits
             seq.params = scoring if item.end > first else silent
-            logits, _ = runner.forward([item])
-            advance(item, runner.last_row_scores[0], self.select)
+            step = runner.forward([item])
+            advance(item, step.row_scores[0], self.select)
             held.settle(seq)  # NOTE: as the scheduler does: the stash goes when the prefill ends
-            if item.kind in ("full", "late") and item.end > first:
+            if item.kind.reaches_top and item.end > first:
+                logits = step.logits
                 parts.append(logits[max(0, logits.shape[0] - (item.end - first)):])
         seq.params = scoring
         return first, torch.cat(parts), runner, seq

@@ -1,6 +1,11 @@
-"""Turns a scheduled step into tensors, runs the model, samples. Changes no scheduling state."""
+"""Turns a scheduled step into tensors, runs the model, samples. Changes no scheduling state.
+
+The model sees one ForwardBatch and answers one ForwardOutput (models/forward.py); what the
+fill measured in it (split states, selector attention) the runner itself keeps in the stash."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -9,11 +14,23 @@ from .cache.kv_pool import KVPool
 from .cache.spec import spec_of
 from .cache.state_pool import StatePool
 from .config import FillConfig
-from .fill.plan import FillPlanner, needs_fill_step
+from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.stash import SplitStash
 from .layers.attention import AttentionBatch
+from .models.forward import ForwardBatch, ForwardOutput, run_model
 from .sampling import sample_token
+from .speculative import accept_greedy
 from .scheduler import ScheduledSeq, StepResult
+from .stages import Stage
+
+
+@dataclass(frozen=True)
+class StepLogits:
+    """A step's forward as the runner's callers see it, one entry per item where a list."""
+
+    logits: torch.Tensor  # [R, V] float32
+    owners: list[tuple[int, int]]  # each item's (lo, hi) range of rows in logits
+    row_scores: list[dict[str, list[float]] | None]  # selector scores per prefix row the step finished
 
 
 class Runner:
@@ -32,27 +49,26 @@ class Runner:
         self._generators: dict[int, torch.Generator] = {}
         self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self.states,
                                    model.config, model.dtype, self.device)
-        self.last_row_scores: list[dict | None] = []
 
-    def forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """Run the step; logits [R, V] float32 and, per item, its (lo, hi) range of rows in them.
-        The selector scores the step finished are left in `last_row_scores`, one per item."""
-        ids, positions, batch = self._prepare([it for it in items if it.kind in ("full", "lower")])
-        fill = self.planner.build(items, batch) if needs_fill_step(items) else None
-        rows, owners = self._logit_rows(items, fill)
-        logits = self.model.forward(ids, positions, batch, self.caches, rows, fill)
-        self.last_row_scores = self._after_step(items, fill)
-        return logits, owners
+    def forward(self, items: list[ScheduledSeq]) -> StepLogits:
+        """Run the step's one model call and keep what the fill measured in it."""
+        ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens])
+        plan = self.planner.build(items, batch) if needs_fill_step(items) else None
+        rows, owners = self._logit_rows(items)
+        out = run_model(self.model, ForwardBatch(ids, positions, batch, self.caches, rows,
+                                                 None if plan is None else plan.step))
+        return StepLogits(out.logits, owners, self._keep_fill_outputs(items, plan, out))
 
     def run(self, items: list[ScheduledSeq]) -> StepResult:
-        logits, owners = self.forward(items)
-        next_tokens: list[int | None] = []
+        step = self.forward(items)
+        logits, owners = step.logits, step.owners
+        next_tokens: list[list[int] | None] = []
         scores: list[tuple[int, list[float], list[int]] | None] = []
         for k, item in enumerate(items):
             lo, hi = owners[k]
             scores.append(self._prompt_scores(item, logits[lo:hi]) if _scored(item) else None)
-            next_tokens.append(self._sample(item, logits[hi - 1]) if item.samples else None)
-        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=self.last_row_scores)
+            next_tokens.append(self._accepted(item, logits[hi - item.num_sampled:hi]) if item.samples else None)
+        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=step.row_scores)
 
     def forget(self, seq_id: int) -> None:
         """NOTE: only the sampler's state: what the caches keep goes with the sequence's state
@@ -66,21 +82,29 @@ class Runner:
         """Evaluation: restart a sequence's late sweep from a saved lower sweep."""
         self.states.put_stash(seq.state_slot, stash)
 
-    def _after_step(self, items, fill) -> list[dict | None]:
-        """Keep the split states of this step's lower rows; hand back finished selector scores.
-        NOTE: the stash outlives the prefill's last step here; the cache manager's settle()
-        frees it once the step's results are in."""
+    def _keep_fill_outputs(self, items, plan: PlannedFill | None, out: ForwardOutput) -> list[dict | None]:
+        """Store what the model measured for the fill in the stashes; per item, the selector
+        scores finished this step."""
+        if plan is not None:
+            _add_key_mass(plan.step.lower_mass, out.lower_mass, plan.lower_mass_into)
+            _add_key_mass(plan.step.late_mass, out.late_mass, plan.late_mass_into)
+        return self._after_step(items, out.split_states)
+
+    def _after_step(self, items, split_states: torch.Tensor | None) -> list[dict | None]:
+        """Keep the split states [X, d] of this step's lower rows; hand back finished selector
+        scores. NOTE: the stash outlives the prefill's last step here; the cache manager's
+        settle() frees it once the step's results are in."""
         out: list[dict | None] = []
         offset = 0
         for item in items:
             seq, scores = item.seq, None
             stash = self.states.stash(seq.state_slot)
-            if item.kind == "lower":
-                stash.x[item.start:item.end] = fill.exit_state[offset:offset + item.num_tokens]
+            if item.kind is Stage.LOWER:
+                stash.x[item.start:item.end] = split_states[offset:offset + item.num_tokens]
                 offset += item.num_tokens
                 if item.end == seq.num_tokens and seq.rows.lower_attention:
                     scores = {"attention": stash.attention.tolist()}
-            elif item.kind == "probe" and seq.queue_done + item.num_tokens == len(seq.queue):
+            elif item.kind is Stage.PROBE and seq.queue_done + item.num_tokens == len(seq.queue):
                 scores = {"probe": stash.probe.tolist()}
             out.append(scores)
         return out
@@ -95,7 +119,7 @@ class Runner:
         starts = [0]
         for item in items:
             seq = item.seq
-            ids.extend(seq.tokens(item.start, item.end))
+            ids.extend(item.token_ids())  # NOTE: a speculating decode ends with its draft
             p = torch.arange(item.start, item.end)
             table = torch.tensor(seq.block_table, dtype=torch.int64)
             pos.append(p)
@@ -129,13 +153,13 @@ class Runner:
         owners: list[tuple[int, int]] = []
         offset = count = 0
         for item in items:
-            if item.kind in ("lower", "probe"):
+            if not item.kind.reaches_top:
                 owners.append((count, count))
                 continue
             if _scored(item):
                 r = torch.arange(offset + _first_scored(item), offset + item.num_tokens)
             elif item.samples:
-                r = torch.tensor([offset + item.num_tokens - 1])
+                r = torch.arange(offset + item.num_tokens - item.num_sampled, offset + item.num_tokens)
             else:
                 r = torch.empty(0, dtype=torch.int64)
             rows.append(r)
@@ -162,6 +186,14 @@ class Runner:
         chosen = logp.gather(1, targets[:, None])[:, 0]
         return start, chosen.tolist(), logp.argmax(-1).tolist()
 
+    def _accepted(self, item: ScheduledSeq, logits: torch.Tensor) -> list[int] | None:
+        """The item's new tokens from its sampled rows' logits [1 + len(draft), V]: one sampled
+        token, or, verifying a draft (greedy only), the accepted run."""
+        if not item.draft:
+            token = self._sample(item, logits[-1])
+            return None if token is None else [token]
+        return accept_greedy(item.draft, logits.argmax(-1).tolist())
+
     def _sample(self, item: ScheduledSeq, logits: torch.Tensor) -> int | None:
         params = item.seq.params
         if params.max_tokens == 0:
@@ -178,7 +210,7 @@ class Runner:
 
 def _scored(item: ScheduledSeq) -> bool:
     """Scoring requests get logits for every row from the fill boundary on."""
-    return item.seq.params.prompt_logprobs and item.kind in ("full", "late") and item.end > item.seq.fill_boundary
+    return item.seq.params.prompt_logprobs and item.kind.reaches_top and item.end > item.seq.fill_boundary
 
 
 def _first_scored(item: ScheduledSeq) -> int:
@@ -187,6 +219,16 @@ def _first_scored(item: ScheduledSeq) -> int:
     if item.positions is None:
         return max(0, item.seq.fill_boundary - item.start)
     return sum(p < item.seq.fill_boundary for p in item.positions)
+
+
+def _add_key_mass(requests, found, into) -> None:
+    """Per mass request, add the attention its prefix keys received at each layer, in layer
+    order (the order one in-model pass would add them), into its stash accumulator [boundary]."""
+    for request, per_layer, acc in zip(requests, found, into):
+        keep = request.key_pos < acc.shape[0]  # [K] prefix keys only
+        at = request.key_pos[keep]
+        for mass in per_layer:
+            acc.index_add_(0, at, mass[keep])
 
 
 def _around(model, kv: KVPool, block_size: int) -> ModelCaches:

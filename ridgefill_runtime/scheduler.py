@@ -14,18 +14,30 @@ from .cache.block_manager import BlockManager
 from .cache.manager import CacheManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SeqStatus
+from .speculative import Propose, draft_limit, no_drafts
 from .stages import ScheduledSeq, Select, advance, next_item
 
-__all__ = ["Scheduler", "ScheduledSeq", "StepResult"]
+__all__ = ["Scheduler", "ScheduledSeq", "SpecCounts", "StepResult"]
 
 
 @dataclass
 class StepResult:
     """What the runner hands back, as plain Python values, one entry per scheduled item."""
 
-    next_tokens: list[int | None]
+    # per item, its new tokens in order: one sampled token, or a verified draft's accepted run
+    # (None: the item samples nothing). A bare int is taken as a run of one, so single-token
+    # runners (and tests) may hand back plain tokens.
+    next_tokens: list[list[int] | None]
     prompt_logprobs: list[tuple[int, list[float], list[int]] | None]  # (first position, logp, argmax)
     row_scores: list[dict[str, list[float]] | None] | None = None  # selector scores per prefix row
+
+    def __post_init__(self) -> None:
+        self.next_tokens = [[t] if isinstance(t, int) else t for t in self.next_tokens]
+
+    def token(self, k: int) -> int | None:
+        """Item k's first new token (all there is without speculation), or None."""
+        run = self.next_tokens[k]
+        return run[0] if run else None
 
 
 def _no_selection(seq: Sequence) -> list[int]:
@@ -39,9 +51,10 @@ class Scheduler:
     every step schedules something while there is work."""
 
     def __init__(self, config: SchedulerConfig, caches: CacheManager | BlockManager,
-                 select: Select = _no_selection):
+                 select: Select = _no_selection, propose: Propose = no_drafts):
         """`caches`: the manager of every cache's ids; a bare BlockManager gets one state slot
-        per sequence that may run (no pool behind them: the fake-runner tests)."""
+        per sequence that may run (no pool behind them: the fake-runner tests). `propose`
+        drafts tokens for sequences that speculate (seq.spec_tokens > 0)."""
         self.config = config
         if isinstance(caches, BlockManager):
             caches = CacheManager(caches, config.max_num_seqs)
@@ -51,6 +64,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first: the order of admission
         self.num_preemptions = 0
+        self.spec = SpecCounts()
+        self.propose = propose
 
     # -- admission and removal ------------------------------------------------------------
 
@@ -88,7 +103,7 @@ class Scheduler:
         # the chunk it is given in the same step.
         for seq in [s for s in self.running if _decoding(s)]:
             if self._may_run(step, seq):
-                self._run(step, ScheduledSeq(seq, seq.num_computed, 1))
+                self._run(step, self._decode_item(seq, step))
         for seq in [s for s in self.running if not _decoding(s)]:
             if self._may_run(step, seq):
                 self._run(step, next_item(seq, step.budget, self.config.chunk_size))
@@ -106,6 +121,21 @@ class Scheduler:
     def _run(self, step: _Step, item: ScheduledSeq) -> None:
         if self._make_room(item.seq, item.end, step):
             step.add(item)
+
+    def _decode_item(self, seq: Sequence, step: _Step) -> ScheduledSeq:
+        """One decode row, plus the draft it verifies when seq speculates. NOTE: a draft is
+        optional work: it takes only budget and blocks that are free now and never preempts."""
+        limit = min(draft_limit(seq), step.budget - 1)
+        draft = self.propose(seq, limit)[:limit] if limit > 0 else []
+        if draft and not self._draft_fits(seq, len(draft)):
+            draft = []
+        return ScheduledSeq(seq, seq.num_computed, 1 + len(draft), draft=draft)
+
+    def _draft_fits(self, seq: Sequence, num_draft: int) -> bool:
+        """The draft's extra blocks are free beyond what every running sequence (seq included)
+        still needs for its known tokens, so no decode this step is short for a draft."""
+        extra = self.caches.blocks_needed(seq, seq.num_tokens + num_draft) - self.caches.blocks_needed(seq, seq.num_tokens)
+        return extra == 0 or extra + self._blocks_owed() <= self.blocks.num_free
 
     def _make_room(self, seq: Sequence, end: int, step: _Step) -> bool:
         """Grow seq's table to cover `end` positions, preempting the newest running sequences
@@ -153,7 +183,7 @@ class Scheduler:
         """Apply a step's results; returns the sequences that gained a token or finished."""
         touched = []
         row_scores = result.row_scores or [None] * len(items)
-        for item, token, scored, rs in zip(items, result.next_tokens, result.prompt_logprobs, row_scores):
+        for item, tokens, scored, rs in zip(items, result.next_tokens, result.prompt_logprobs, row_scores):
             seq = item.seq
             if seq.finished:  # aborted while the step ran
                 continue
@@ -164,14 +194,45 @@ class Scheduler:
             if not item.samples:
                 continue
             touched.append(seq)
-            if token is None:  # max_tokens == 0: a scoring request ends after its prefill
+            if not tokens:  # max_tokens == 0: a scoring request ends after its prefill
                 self.finish(seq, "length")
                 continue
+            appended = self._append_run(seq, tokens, eos_ids)
+            if item.draft:
+                self._settle_draft(item, appended)
+        return touched
+
+    def _append_run(self, seq: Sequence, tokens: list[int], eos_ids: tuple[int, ...]) -> int:
+        """Append the step's tokens in order, up to the first that ends the sequence (a stop
+        token or EOS inside an accepted run ends it there; max_tokens is never passed)."""
+        for n, token in enumerate(tokens, 1):
             seq.output_ids.append(token)
             reason = _finish_reason(seq, token, eos_ids)
             if reason:
                 self.finish(seq, reason)
-        return touched
+                return n
+        return len(tokens)
+
+    def _settle_draft(self, item: ScheduledSeq, appended: int) -> None:
+        """Count the verification and roll back what was rejected: K/V is valid for the last
+        known token and the accepted drafts only; blocks past the known tokens go back."""
+        seq = item.seq
+        self.spec.steps += 1
+        self.spec.proposed += len(item.draft)
+        self.spec.accepted += max(appended - 1, 0)
+        if seq.finished:  # everything it held is already given back
+            return
+        seq.num_computed = seq.num_tokens - 1
+        self.caches.rollback(seq, seq.num_computed, seq.num_tokens)
+
+
+@dataclass
+class SpecCounts:
+    """Speculative decoding so far: verification items, drafts proposed and accepted."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
 
 
 @dataclass
@@ -195,7 +256,7 @@ class _Step:
 
 
 def _decoding(seq: Sequence) -> bool:
-    return seq.stage == "full" and seq.remaining == 1
+    return seq.stage.done and seq.remaining == 1
 
 
 def _record_prompt_scores(seq: Sequence, start: int, logprobs: list[float], argmax: list[int]) -> None:

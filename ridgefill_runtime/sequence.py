@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .config import RowsConfig
 from .errors import InputError
+from .stages import Stage
 
 # Temperatures below this sample greedily (vLLM's rule): dividing float32 logits by a smaller one
 # overflows them to inf, and the softmax of inf - inf is NaN. Such a temperature means argmax anyway.
@@ -29,6 +30,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # record log p(next prompt token) and the argmax per prompt row
+    # NOTE: a per-request decoding option, carried here so it travels with the request:
+    # most draft tokens a step may verify; None takes the engine's setting, 0 turns it off.
+    speculative: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -43,6 +47,8 @@ class SamplingParams:
             raise InputError("stop strings must be non-empty")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InputError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
+        if self.speculative is not None and self.speculative < 0:
+            raise InputError(f"speculative must be >= 0 (0 turns it off), got {self.speculative}")
 
     @property
     def greedy(self) -> bool:
@@ -79,7 +85,7 @@ class Sequence:
     # Two-sweep prefill (seed 000, Figure 5), see stages.py: "lower" runs layers below the split
     # for every row; "probe" and "late" run the positions in `queue` through the late layers;
     # "full" is an ordinary sequence (no fill, or the fill is done).
-    stage: str = "full"
+    stage: Stage = Stage.FULL
     queue: list[int] = field(default_factory=list)
     queue_done: int = 0
     row_scores: dict[str, list[float]] = field(default_factory=dict)  # selector scores per prefix row
@@ -88,6 +94,7 @@ class Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_argmax: list[int] = field(default_factory=list)
     text: str = ""  # detokenized output, kept by the detokenizer
+    spec_tokens: int = 0  # most draft tokens a decode step verifies (0: no speculation); set at add
 
     @property
     def num_tokens(self) -> int:
@@ -96,13 +103,13 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Rows still to compute before the next token can be sampled (1: a decode step)."""
-        pending = len(self.queue) - self.queue_done if self.stage in ("probe", "late") else 0
-        return self.num_tokens - self.num_computed + pending + (self.stage == "lower")
+        pending = 0 if self.stage.from_tokens else len(self.queue) - self.queue_done
+        return self.num_tokens - self.num_computed + pending + (self.stage is Stage.LOWER)
 
     def start_prefill(self) -> None:
         """(Re)start the prompt from nothing: after admission, or a recompute preemption."""
         self.num_computed = 0
-        self.stage = "lower" if self.fill_boundary > 0 else "full"
+        self.stage = Stage.LOWER if self.fill_boundary > 0 else Stage.FULL
         self.queue, self.queue_done = [], 0
         self.row_scores, self.exact_rows = {}, []
 

@@ -12,12 +12,41 @@ offline driver so both walk the same stages.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
-from .sequence import Sequence
+if TYPE_CHECKING:  # NOTE: sequence.py imports Stage from here
+    from .sequence import Sequence
 
-Select = Callable[[Sequence], list[int]]  # a sequence past its lower sweep -> exact prefix rows
+Select = Callable[["Sequence"], list[int]]  # a sequence past its lower sweep -> exact prefix rows
+
+
+class Stage(enum.StrEnum):
+    """Where a sequence is in the two-sweep prefill. A StrEnum: it reads and prints as its name
+    ("lower", ...), so logs and tests that spell the stage as text keep working."""
+
+    LOWER = "lower"
+    PROBE = "probe"
+    LATE = "late"
+    FULL = "full"
+
+    @property
+    def done(self) -> bool:
+        """No two-sweep work left: an ordinary sequence (no fill, or the fill is over). The one
+        test of "the fill's stages are finished" (the stash goes, decoding may start)."""
+        return self is Stage.FULL
+
+    @property
+    def from_tokens(self) -> bool:
+        """Its rows are the next positions, run from their tokens at layer 0 (the lower part);
+        otherwise they are queued positions joining the late layers from the stash."""
+        return self is Stage.FULL or self is Stage.LOWER
+
+    @property
+    def reaches_top(self) -> bool:
+        """Its rows run the last layer, so they may have logits (sample, score)."""
+        return self is Stage.FULL or self is Stage.LATE
 
 
 @dataclass
@@ -25,8 +54,11 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
     num_tokens: int  # rows computed this step
-    kind: str = "full"  # the sequence's stage: full | lower | probe | late
+    kind: Stage = Stage.FULL  # the sequence's stage
     positions: list[int] | None = None  # probe/late: the rows' positions (sorted, maybe scattered)
+    # speculative decoding: tokens proposed after the last known one, verified this step; they
+    # are the item's last len(draft) rows (num_tokens = 1 + len(draft) for a decode)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -36,14 +68,24 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step computes the sequence's last known token through every layer, so it yields
-        the next one."""
-        return self.kind in ("full", "late") and self.end == self.seq.num_tokens
+        the next one (and, with a draft, a choice after each draft token)."""
+        return self.kind.reaches_top and self.end - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows whose logits choose tokens: the last known token's and each draft token's."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    def token_ids(self) -> list[int]:
+        """The ids of the rows computed this step (full/lower items: positions start..end)."""
+        known = self.seq.tokens(self.start, self.end - len(self.draft))
+        return known + self.draft if self.draft else known
 
 
 def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
     """The sequence's next piece of work, at most min(chunk, budget) rows."""
     n = min(chunk, budget)
-    if seq.stage in ("full", "lower"):
+    if seq.stage.from_tokens:
         return ScheduledSeq(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, n), seq.stage)
     pos = seq.queue[seq.queue_done:seq.queue_done + n]
     return ScheduledSeq(seq, pos[0], len(pos), seq.stage, pos)
@@ -54,18 +96,18 @@ def advance(item: ScheduledSeq, scores: dict[str, list[float]] | None, select: S
     seq = item.seq
     if scores:
         seq.row_scores.update(scores)
-    if item.kind in ("full", "lower"):
+    if item.kind.from_tokens:
         seq.num_computed = item.end
-        if item.kind == "lower" and item.end == seq.num_tokens:
+        if item.kind is Stage.LOWER and item.end == seq.num_tokens:
             finish_lower(seq, select)
         return
     seq.queue_done += item.num_tokens
     if seq.queue_done < len(seq.queue):
         return
-    if item.kind == "probe":
+    if item.kind is Stage.PROBE:
         _enter_late(seq, select)
     else:
-        seq.stage = "full"
+        seq.stage = Stage.FULL
 
 
 def probe_rows(seq: Sequence) -> list[int]:
@@ -80,7 +122,7 @@ def finish_lower(seq: Sequence, select: Select) -> None:
     """The lower sweep is done: run the probe next, or choose the rows and start the late sweep."""
     rows = probe_rows(seq) if "probe" in seq.rows.selectors else []
     if rows:
-        seq.stage, seq.queue, seq.queue_done = "probe", rows, 0
+        seq.stage, seq.queue, seq.queue_done = Stage.PROBE, rows, 0
     else:
         _enter_late(seq, select)
 
@@ -89,5 +131,5 @@ def _enter_late(seq: Sequence, select: Select) -> None:
     seq.exact_rows = sorted(select(seq))
     # NOTE: position order: every key an exact row or tail row reads below its own position is
     # then either filled or already recomputed exactly.
-    seq.stage, seq.queue_done = "late", 0
+    seq.stage, seq.queue_done = Stage.LATE, 0
     seq.queue = seq.exact_rows + list(range(seq.fill_boundary, seq.num_tokens))

@@ -222,6 +222,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         rows = rows_for(body, eng)
         rq.check_completion_prompt(body, eng.engine.max_model_len)
         params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, server_config.max_stop_strings)
+        params = rq.with_speculation(body, params, eng.engine.speculative)
         # NOTE: every cheap check is done; tokenizing may take seconds, in a worker thread.
         prompt = await asyncio.to_thread(rq.completion_prompt, body, eng.engine.tokenizer)
         handle = submit(request, body, prompt, params, fill, rows)
@@ -245,6 +246,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         rows = rows_for(body, eng)
         rq.check_messages(body.messages)
         params = rq.chat_sampling_params(body, server_config.default_chat_max_tokens, server_config.max_stop_strings)
+        params = rq.with_speculation(body, params, eng.engine.speculative)
         # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
         prompt = await asyncio.to_thread(rq.chat_prompt, body.messages, eng.engine.tokenizer)
         params = rq.fit_default_limit(body, params, len(prompt), eng.engine.max_model_len)

@@ -18,7 +18,7 @@ from typing import Any
 
 # NOTE: nothing here may import torch at module level (ridgefill_runtime.fill.maps does): a
 # bad flag or file must fail in well under a second, not after a 4-8 s torch import.
-from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig, SpeculativeConfig
 from ridgefill_runtime.errors import ConfigError, ModelLoadError
 from ridgefill_runtime.fill.settings import (FILL_KEYS, FillSettings, new_fill_values, put_fill_value,
                                              resolve_fill, rows_origin)
@@ -109,7 +109,7 @@ _SERVER_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 # section -> key -> Key (accepted types, the dataclass the value is passed to, its field).
-# "engine", "cache", "scheduler", "server" name that dataclass; [fill] is the runtime's schema
+# "engine", "cache", "scheduler", "speculative", "server" name that dataclass; [fill] is the runtime's schema
 # (FILL_KEYS), whose nested tables flatten to dotted keys ("corrections.key_rescale", "rows.selectors").
 _SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -127,6 +127,8 @@ _SCHEMA: dict[str, dict[str, Key]] = {
         "max_num_seqs": Key((int,), "scheduler", "max_num_seqs"),
         "chunk_size": Key((int,), "scheduler", "chunk_size"),
     },
+    "speculative": {name: Key(types, "speculative", name) for name, types in
+                    (("method", (str,)), ("num_tokens", (int,)), ("max_ngram", (int,)), ("min_ngram", (int,)))},
     "fill": FILL_KEYS,
     "server": {name: Key(types, "server", name, items=str if list in types else None)
                for name, types in _SERVER_TYPES.items()},
@@ -136,8 +138,8 @@ _SCHEMA: dict[str, dict[str, Key]] = {
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
                 ) -> tuple[EngineConfig, ServerConfig, FillSettings]:
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
-    values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, **new_fill_values(),
-                                         "server": {}}
+    values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, "speculative": {},
+                                         **new_fill_values(), "server": {}}
     origin: dict[str, str] = {}  # dotted key -> where its value came from, for errors found later
     source = str(path) if path else "command line"
     if path:
@@ -153,7 +155,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     try:
         cache = CacheConfig(**values["cache"])
         scheduler = SchedulerConfig(**values["scheduler"])
-        engine = EngineConfig(cache=cache, scheduler=scheduler, fill=fill, **values["engine"])
+        speculative = SpeculativeConfig(**values["speculative"])
+        engine = EngineConfig(cache=cache, scheduler=scheduler, fill=fill, speculative=speculative,
+                              **values["engine"])
         server = ServerConfig(**values["server"])
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None

@@ -117,6 +117,12 @@ def _families(s: ServingStats | None) -> Iterator:
                               value=e.aborts_total)
     yield CounterMetricFamily("ridgefill_request_timeouts", "Requests ended at their deadline",
                               value=e.timeouts_total)
+    yield CounterMetricFamily("ridgefill_spec_draft_tokens", "Speculative draft tokens proposed and verified",
+                              value=e.spec_draft_tokens_total)
+    yield CounterMetricFamily("ridgefill_spec_accepted_tokens", "Speculative draft tokens accepted",
+                              value=e.spec_accepted_tokens_total)
+    yield CounterMetricFamily("ridgefill_spec_verify_steps", "Decode steps that verified a speculative draft",
+                              value=e.spec_steps_total)
     yield CounterMetricFamily("ridgefill_engine_idle_spins",
                               "Engine steps that found nothing to run while work existed (a scheduler bug)",
                               value=e.idle_spins_total)

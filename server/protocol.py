@@ -19,11 +19,15 @@ class RidgefillOptions(BaseModel):
     """Per-request fill control: `{"mode": "off"}` asks for exact prefill; "plain" or no mode
     takes the server's default. `selectors` (names from ridgefill_runtime.config.SELECTORS)
     replaces the server's exact-row selectors for this request; the other fill.rows settings
-    stay as configured. Other values are refused in `server/requests.py`."""
+    stay as configured. `speculative` ("off", or "ngram": the server's method) and
+    `num_tokens` (at most the server's speculative.num_tokens) set this request's speculative
+    decoding; only greedy requests speculate. Other values are refused in `server/requests.py`."""
 
     model_config = ConfigDict(extra="forbid")
     mode: str | None = None
     selectors: list[str] | None = None
+    speculative: str | None = None
+    num_tokens: int | None = None
 
 
 class StreamOptions(BaseModel):

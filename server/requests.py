@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ridgefill_runtime.config import SELECTORS, RowsConfig
+from ridgefill_runtime.config import SELECTORS, RowsConfig, SpeculativeConfig
 from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.fill.settings import needs_counts
 from ridgefill_runtime.sequence import SamplingParams
@@ -53,6 +53,28 @@ def request_rows(req: _SamplingFields, configured: RowsConfig, has_token_table: 
                              f"needs unigram counts, and this server has none configured (fill.rows.unigram)",
                         "ridgefill.selectors")
     return configured.replace(selectors=tuple(selectors))
+
+
+def with_speculation(req: _SamplingFields, params: SamplingParams, configured: SpeculativeConfig) -> SamplingParams:
+    """params with the request's speculative decoding (ridgefill.speculative / num_tokens):
+    it may turn the server's method off or verify fewer drafts, never ask for more."""
+    opts = req.ridgefill
+    method = opts.speculative if opts is not None else None
+    num = opts.num_tokens if opts is not None else None
+    if method not in (None, "off", "ngram"):
+        raise HTTPError(400, f"ridgefill.speculative must be \"off\" or \"ngram\", got {method!r}",
+                        "ridgefill.speculative")
+    if method == "off":
+        return dataclasses.replace(params, speculative=0)
+    if (method is not None or num is not None) and configured.method != "ngram":
+        raise HTTPError(400, f"ridgefill.speculative: this server's speculative decoding is "
+                             f"{configured.method!r} (speculative.method)", "ridgefill.speculative")
+    if num is None:
+        return params
+    if not 0 <= num <= configured.num_tokens:
+        raise HTTPError(400, f"ridgefill.num_tokens must be in 0..{configured.num_tokens} "
+                             f"(speculative.num_tokens), got {num}", "ridgefill.num_tokens")
+    return dataclasses.replace(params, speculative=num)
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int, max_stop_strings: int,

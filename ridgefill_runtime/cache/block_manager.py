@@ -34,6 +34,13 @@ class BlockManager:
         for _ in range(need):
             table.append(self._free.pop())
 
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Return the blocks of `table` past those holding `num_tokens` positions (in place)."""
+        keep = -(-num_tokens // self.block_size)
+        if keep < len(table):
+            self._free.extend(reversed(table[keep:]))
+            del table[keep:]
+
     def free(self, table: list[int]) -> None:
         """Return every block of `table` to the pool and empty it."""
         self._free.extend(reversed(table))

@@ -79,17 +79,26 @@ class CacheManager:
             if not self._free_slots:
                 raise RuntimeError(f"out of state slots: all {self.num_state_slots} are held")
             seq.state_slot = self._free_slots.pop()
-        if seq.stage != "full":  # NOTE: a two-sweep prefill keeps every row's split state
+        if not seq.stage.done:  # NOTE: a two-sweep prefill keeps every row's split state
             self._stash_rows[seq.state_slot] = seq.num_tokens
         self.grow(seq, num_tokens)
 
     def grow(self, seq, num_tokens: int) -> None:
         self.blocks.grow(seq.block_table, num_tokens)
 
+    def rollback(self, seq, num_valid: int, num_kept: int) -> None:
+        """A verification step rejected draft rows: positions from `num_valid` on hold rejected
+        K/V (overwritten when recomputed, so only the blocks matter) and blocks past those for
+        `num_kept` positions go back. NOTE: recurrent states have already absorbed the
+        rejected rows and would need a snapshot of the state slot to roll back; no current
+        model needs one, so the engine refuses speculation for models with recurrent layers
+        (Engine.__init__) and this hook leaves states alone."""
+        self.blocks.shrink(seq.block_table, max(num_valid, num_kept))
+
     def settle(self, seq) -> None:
         """After a step: a sequence whose two-sweep prefill is over gives its stash back."""
         slot = seq.state_slot
-        if slot is not None and seq.stage == "full" and self._stash_rows.pop(slot, None) is not None:
+        if slot is not None and seq.stage.done and self._stash_rows.pop(slot, None) is not None:
             self._on_stash_done(slot)
 
     def free(self, seq) -> None:

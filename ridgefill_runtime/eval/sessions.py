@@ -21,7 +21,7 @@ from ..fill.select import RowSelector
 from ..runner import Runner
 from ..sequence import SamplingParams, Sequence
 from ..fill.stash import SplitStash
-from ..stages import ScheduledSeq, advance, finish_lower, next_item
+from ..stages import ScheduledSeq, Stage, advance, finish_lower, next_item
 
 CHUNK = 2048  # NOTE: big chunks: the CPU's masked-attention path for later chunks is slower
 
@@ -51,9 +51,9 @@ class PromptSession:
         self.seq = seq
         while seq.num_computed < seq.num_tokens:  # NOTE: not advance(): the selection happens per arm
             item = next_item(seq, chunk, chunk)
-            self.runner.forward([item])
+            step = self.runner.forward([item])
             seq.num_computed = item.end
-            seq.row_scores.update(self.runner.last_row_scores[0] or {})
+            seq.row_scores.update(step.row_scores[0] or {})
         late = range(fill.split, cfg.num_layers)
         self._k = {i: kv.k[i].clone() for i in late}
         self._v = {i: kv.v[i].clone() for i in late}
@@ -69,23 +69,23 @@ class PromptSession:
         finish_lower(seq, self.selector)
         logits = []
         first = None
-        while seq.stage != "full":
+        while not seq.stage.done:
             item = next_item(seq, self.chunk, self.chunk)
             if item.samples and not score:
                 result = runner.run([item])
-                first = result.next_tokens[0]
+                first = result.token(0)
                 advance(item, result.row_scores[0], self.selector)
                 continue
-            out, _ = runner.forward([item])
-            if score and item.kind == "late":
-                logits.append(out)
-            advance(item, runner.last_row_scores[0], self.selector)
+            step = runner.forward([item])
+            if score and item.kind is Stage.LATE:
+                logits.append(step.logits)
+            advance(item, step.row_scores[0], self.selector)
         runner.states.drop_stash(seq.state_slot)  # NOTE: the late sweep is over, as in the engine
         outputs = [] if first is None else [first]
         while len(outputs) < max_new and not (done and done(outputs)):
             seq.output_ids = list(outputs)
             item = ScheduledSeq(seq, seq.num_computed, 1)
-            outputs.append(runner.run([item]).next_tokens[0])
+            outputs.append(runner.run([item]).token(0))
             seq.num_computed += 1
         seq.output_ids = []
         return Outcome(list(seq.exact_rows), outputs, torch.cat(logits) if score else None)
@@ -115,7 +115,7 @@ def exact_answer(model, ids: list[int], max_new: int, chunk: int = 8192, done=No
     caches.manager().allocate(seq, caches.num_blocks * bs)
     while len(seq.output_ids) < max_new and not (done and seq.output_ids and done(seq.output_ids)):
         item = next_item(seq, chunk, chunk)
-        token = runner.run([item]).next_tokens[0]
+        token = runner.run([item]).token(0)
         seq.num_computed = item.end
         if item.samples:
             seq.output_ids.append(token)

@@ -1,4 +1,6 @@
-"""Runner-side: turn a step's scheduled items into a FillStep (or None when no fill applies).
+"""Runner-side: turn a step's scheduled items into a FillStep (or None when no fill applies),
+with where the step's attention measurements go (each sequence's stash, which the model never
+touches).
 
 The lower part is the rows of `full` and `lower` items (they run layers below the split);
 the late part is, item by item, the `full` items' rows and the `probe` / `late` items' rows,
@@ -7,19 +9,32 @@ which start from split states stashed by earlier steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from ..config import FillConfig
 from ..layers.attention import AttentionBatch
+from ..stages import Stage
 from .step import FillStep, MassRequest, Predictor, Rescale
 
 SlotsOf = Callable[[object, torch.Tensor], torch.Tensor]  # (seq, positions [n]) -> cache slots [n]
 
 
+@dataclass(frozen=True)
+class PlannedFill:
+    """What the model runs (`step`) and, runner-side, where its measurements are kept: per
+    step.lower_mass / step.late_mass request, the stash accumulator ([boundary] float32) that
+    the attention its prefix keys receive adds into."""
+
+    step: FillStep
+    lower_mass_into: list[torch.Tensor]
+    late_mass_into: list[torch.Tensor]
+
+
 def needs_fill_step(items) -> bool:
-    return any(it.kind != "full" or (it.seq.fill_boundary and it.seq.fill_arm == "nofill") for it in items)
+    return any(not it.kind.done or (it.seq.fill_boundary and it.seq.fill_arm == "nofill") for it in items)
 
 
 class FillPlanner:
@@ -30,15 +45,15 @@ class FillPlanner:
         self.states, self.dtype, self.device = states, dtype, device
         self.width, self.num_layers = model_config.hidden_size, model_config.num_layers
 
-    def build(self, items, batch: AttentionBatch) -> FillStep:
+    def build(self, items, batch: AttentionBatch) -> PlannedFill:
         """batch: the lower part's layout (one entry per full / lower item, in item order)."""
         acc = _Parts()
         lower_k = 0
         for item in items:
-            if item.kind in ("full", "lower"):
+            if item.kind.from_tokens:
                 lo, hi = batch.query_starts[lower_k], batch.query_starts[lower_k + 1]
                 rows = torch.arange(lo, hi, device=self.device)
-                if item.kind == "lower":
+                if item.kind is Stage.LOWER:
                     self._lower_item(item, rows, batch.write_slots[rows], acc)
                 else:
                     self._stay_item(item, rows, batch, lower_k, acc)
@@ -73,8 +88,8 @@ class FillPlanner:
         keys = torch.arange(item.end, device=self.device)
         pick = rows[lo - item.start:hi - item.start]
         acc.lower_mass.append(MassRequest(layers, pick, torch.arange(lo, hi, device=self.device),
-                                          self.slots_of(seq, keys), keys, self.states.stash(seq.state_slot).attention,
-                                          seq.fill_boundary))
+                                          self.slots_of(seq, keys), keys))
+        acc.lower_into.append(self.states.stash(seq.state_slot).attention)
 
     def _stay_item(self, item, rows, batch: AttentionBatch, k: int, acc: "_Parts") -> None:
         seq = item.seq
@@ -99,10 +114,11 @@ class FillPlanner:
         acc.late_to.append(torch.arange(start, start + item.num_tokens, device=self.device))
         acc.add_late(item.num_tokens, self.slots_of(seq, pos), read.shape[0], read, pos, keys)
         rows = torch.arange(start, start + item.num_tokens, device=self.device)
-        if item.kind == "probe":
+        if item.kind is Stage.PROBE:
             key_pos = keys if keys is not None else torch.arange(item.end, device=self.device)
             layers = frozenset(range(self.config.split, self.num_layers))
-            acc.late_mass.append(MassRequest(layers, rows, pos, read, key_pos, stash.probe, seq.fill_boundary))
+            acc.late_mass.append(MassRequest(layers, rows, pos, read, key_pos))
+            acc.late_into.append(stash.probe)
         elif seq.queue_done == 0 and self._rescales(seq):
             c = min(self.config.rescale_rows, item.num_tokens)
             acc.rescales.append(Rescale(rows=rows[:c], values=self.config.value_rescale, keys=self.config.key_rescale,
@@ -113,7 +129,7 @@ class FillPlanner:
         """Positions a probe / late item's rows may read (None: every position before its end)."""
         seq = item.seq
         filled = seq.fill_arm != "nofill"
-        if item.kind == "probe":
+        if item.kind is Stage.PROBE:
             # NOTE: tail rows before the probe rows have no late K/V yet: the probe reads the
             # filled prefix and the probe rows only.
             prefix = list(range(seq.fill_boundary)) if filled else []
@@ -136,6 +152,7 @@ class _Parts:
         self.late_x, self.late_pos, self.late_to = [], [], []
         self.starts, self.ctx, self.read, self.q_pos, self.k_pos, self.write = [0], [], [], [], [], []
         self.lower_mass, self.late_mass, self.rescales = [], [], []
+        self.lower_into, self.late_into = [], []  # the stash accumulator of each mass request
 
     @property
     def late_size(self) -> int:
@@ -149,15 +166,16 @@ class _Parts:
         self.k_pos.append(k_pos)
         self.write.append(write)
 
-    def finish(self, split, predict, width, dtype, device) -> FillStep:
+    def finish(self, split, predict, width, dtype, device) -> PlannedFill:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
         stay_to = [torch.arange(self.starts[k], self.starts[k + 1], device=device)
                    for k in range(len(self.ctx)) if self.q_pos[k] is None]
         batch = AttentionBatch(query_starts=self.starts, context_lens=self.ctx, write_slots=cat(self.write),
                                read_slots=self.read, query_pos=self.q_pos, key_pos=self.k_pos)
         late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
-        return FillStep(split=split, exit_rows=cat(self.exit_rows), fill_rows=cat(self.fill_rows),
+        step = FillStep(split=split, exit_rows=cat(self.exit_rows), fill_rows=cat(self.fill_rows),
                         fill_slots=cat(self.fill_slots), predict=predict, stay_rows=cat(self.stay_rows),
                         stay_to=cat(stay_to), late_x=late_x, late_pos=cat(self.late_pos),
                         late_to=cat(self.late_to), late_size=self.late_size, late_batch=batch,
                         lower_mass=self.lower_mass, late_mass=self.late_mass, rescales=self.rescales)
+        return PlannedFill(step, self.lower_into, self.late_into)

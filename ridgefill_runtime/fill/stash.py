@@ -1,5 +1,6 @@
 """Per-sequence state the two-sweep prefill carries between steps: every row's split state x_S
-(the late sweep and the probe start from it) and the selectors' attention accumulators.
+(the late sweep and the probe start from it) and the selectors' attention accumulators. Runner-
+owned: the model returns split states and attention (ForwardOutput), the runner writes them here.
 
 Stashes live in the state pool (cache/state_pool.py), one per state slot, and the cache
 manager frees them with the slot: at the end of the prefill, at a preemption, at the end."""

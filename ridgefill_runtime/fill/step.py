@@ -26,25 +26,25 @@ class Rescale:
 
 @dataclass
 class MassRequest:
-    """Accumulate the attention some rows pay to a sequence's prefix keys (seed 000, §2.4):
-    at `layers`, rows `rows` of the part (positions q_pos) read keys at key_pos from
-    key_slots; what keys below `boundary` receive is added into out[key position]."""
+    """Measure the attention some rows pay to a sequence's keys (seed 000, §2.4): at `layers`,
+    rows `rows` of the part (positions q_pos) read keys at key_pos from key_slots. The model
+    returns what each key receives (ForwardOutput); the runner adds the prefix keys' share into
+    the sequence's stash."""
 
     layers: frozenset[int]
     rows: torch.Tensor  # [R] indices into the part's rows
     q_pos: torch.Tensor  # [R]
     key_slots: torch.Tensor  # [K]
     key_pos: torch.Tensor  # [K] sorted
-    out: torch.Tensor  # [boundary] float32, owned by the runner's stash
-    boundary: int
 
 
 @dataclass
 class FillStep:
     """A step's rows run in two parts. The lower part (ids passed to the model) runs layers
-    below the split; at the split its `exit_rows` stop (their state comes back in exit_state),
-    `fill_rows` among them write predicted late K/V, and `stay_rows` continue. The late part is
-    stay rows plus `late_x` (split states of probe / exact / tail rows from earlier steps)."""
+    below the split; at the split its `exit_rows` stop (their states come back in the model's
+    ForwardOutput.split_states), `fill_rows` among them write predicted late K/V, and
+    `stay_rows` continue. The late part is stay rows plus `late_x` (split states of probe /
+    exact / tail rows from earlier steps)."""
 
     split: int
     exit_rows: torch.Tensor  # [X] lower-part rows that stop at the split
@@ -61,4 +61,3 @@ class FillStep:
     lower_mass: list[MassRequest] = field(default_factory=list)  # rows index the lower part
     late_mass: list[MassRequest] = field(default_factory=list)  # rows index the late part
     rescales: list[Rescale] = field(default_factory=list)
-    exit_state: torch.Tensor | None = None  # [X, d], set by the model

@@ -1,6 +1,8 @@
 """Llama / Qwen3 decoder (GQA, RoPE, optional QK-norm) over the paged KV cache.
 
-The model sees flat rows, positions and an AttentionBatch; it knows nothing of requests.
+The model sees flat rows, positions and an AttentionBatch (inside the runner's ForwardBatch); it
+knows nothing of requests, and returns its logits, split states and selector attention in a
+ForwardOutput rather than writing them into the runner's stash.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..layers.rotary import RotaryTable, apply_rotary
 from ..ops.rms_norm import rms_norm
 from ..fill.corrections import rescale_filled
 from ..fill.step import FillStep
+from .forward import ForwardBatch, ForwardOutput
 from .weights import DenseWeights, LayerWeights, build_weights
 
 
@@ -109,38 +112,51 @@ class DenseLM:
     # -- the whole model --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv, logit_rows: torch.Tensor | None = None, fill: FillStep | None = None) -> torch.Tensor:
-        """Rows [N] -> logits [R, V] for the sorted `logit_rows` (all rows when None).
+    def run(self, batch: ForwardBatch) -> ForwardOutput:
+        """The runner's entry (models/forward.py): the exact forward, or one step of the two-sweep
+        prefill. Writes K/V into the given caches and nothing else the runner owns."""
+        if batch.fill is None:
+            return ForwardOutput(self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches,
+                                              batch.logit_rows))
+        return self._two_sweep(batch.input_ids, batch.positions, batch.attention, kv_pool_of(batch.caches),
+                               batch.logit_rows, batch.fill)
 
-        With `fill` (the two-sweep prefill, seed 000 Figure 5), the rows given here run the
-        layers below the split; there `fill.exit_rows` stop (their split state is left in
-        fill.exit_state) and filled rows write their late K/V from the predicted input, while
-        the late part (stay rows plus stashed split states) runs every later layer;
-        `logit_rows` then index the late part. `kv`: the runner's ModelCaches, or a bare KVPool.
-        """
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The exact model: rows [N] -> logits [R, V] for the sorted `logit_rows` (all rows when
+        None). `kv`: the runner's ModelCaches, or a bare KVPool."""
         kv = kv_pool_of(kv)
         h = self.embed(input_ids)
         rope = self.rope(positions)
         last = self.config.num_layers - 1
-        if fill is None:
-            for i in range(last):
-                h = self.layer(i, h, rope, batch, kv)
-            return self.logits(self.layer(last, h, rope, batch, kv, rows=logit_rows))
-        on_q = self._mass_hook(fill.lower_mass, kv)
+        for i in range(last):
+            h = self.layer(i, h, rope, batch, kv)
+        return self.logits(self.layer(last, h, rope, batch, kv, rows=logit_rows))
+
+    def _two_sweep(self, input_ids, positions, batch: AttentionBatch, kv, logit_rows, fill: FillStep) -> ForwardOutput:
+        """One step of the two-sweep prefill (seed 000 Figure 5): the rows given here run the
+        layers below the split; there `fill.exit_rows` stop (their split states are returned)
+        and filled rows write their late K/V from the predicted input, while the late part (stay
+        rows plus stashed split states) runs every later layer; `logit_rows` index the late part."""
+        lower_mass, late_mass = [[] for _ in fill.lower_mass], [[] for _ in fill.late_mass]
+        h = self.embed(input_ids)
+        rope = self.rope(positions)
+        last = self.config.num_layers - 1
+        on_q = self._mass_hook(fill.lower_mass, kv, lower_mass)
         for i in range(fill.split if batch.num_seqs else 0):
             h = self.layer(i, h, rope, batch, kv, on_q=on_q)
-        fill.exit_state = h[fill.exit_rows]
+        split_states = h[fill.exit_rows]  # [X, d]
         h, rope, on_kv = self._enter_late_layers(h, rope, kv, fill)
-        on_q = self._mass_hook(fill.late_mass, kv)
+        on_q = self._mass_hook(fill.late_mass, kv, late_mass)
         if h.shape[0] == 0:  # only lower rows this step: write their late K/V, nothing attends
             for i in range(fill.split, last + 1):
                 on_kv(i, None, None)
-            return self.logits(h)
-        for i in range(fill.split, last):
-            h = self.layer(i, h, rope, fill.late_batch, kv, on_kv=on_kv, on_q=on_q)
-        h = self.layer(last, h, rope, fill.late_batch, kv, rows=logit_rows, on_kv=on_kv, on_q=on_q)
-        return self.logits(h)
+        else:
+            for i in range(fill.split, last):
+                h = self.layer(i, h, rope, fill.late_batch, kv, on_kv=on_kv, on_q=on_q)
+            h = self.layer(last, h, rope, fill.late_batch, kv, rows=logit_rows, on_kv=on_kv, on_q=on_q)
+        return ForwardOutput(self.logits(h), split_states, tuple(map(tuple, lower_mass)), tuple(map(tuple, late_mass)))
 
     def _enter_late_layers(self, h, rope, kv, fill: FillStep):
         """Assemble the late part at the split: stay rows from this step, stashed split states of
@@ -170,17 +186,16 @@ class DenseLM:
 
         return h_late, rope_late, on_kv
 
-    def _mass_hook(self, requests, kv):
-        """on_q hook adding each request's attention received to its accumulator."""
+    def _mass_hook(self, requests, kv, found: list[list[torch.Tensor]]):
+        """on_q hook appending, per request, the attention its keys receive at each of its
+        layers ([K] float32) to found[request]; the runner adds them into its accumulators."""
         if not requests:
             return None
 
         def on_q(layer: int, q: torch.Tensor) -> None:
-            for r in requests:
+            for r, masses in zip(requests, found):
                 if layer in r.layers:
                     k, _ = kv.read(layer, r.key_slots)  # [K, Hkv, D]
-                    mass = key_mass(q[r.rows], r.q_pos, k, r.key_pos, self.scale)  # [K]
-                    keep = r.key_pos < r.boundary
-                    r.out.index_add_(0, r.key_pos[keep], mass[keep])
+                    masses.append(key_mass(q[r.rows], r.q_pos, k, r.key_pos, self.scale))  # [K]
 
         return on_q
