@@ -96,6 +96,9 @@ class Engine:
         propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
         self.scheduler = Scheduler(config.scheduler, manager, RowSelector(token_table(tokenizer, self.fill.rows)),
                                    propose)
+        if self.fill.enabled and cache_spec.stash_width == 0:
+            raise ValueError(f"fill.mode: RidgeFill's two-sweep prefill is not built for {cfg.architecture} models "
+                             f"yet; use fill.mode = \"off\"")
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps)

@@ -13,6 +13,8 @@ import errno
 import logging
 import socket
 
+from ridgefill_runtime.config import SPECULATIVE_METHODS
+
 from .config import ConfigError, check_device, effective_config_text, load_config
 
 # flag dest -> dotted config key; a flag left at None does not override the file.
@@ -23,6 +25,7 @@ _FLAG_KEYS = {
     "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
     "fill_tail": "fill.tail", "fill_maps": "fill.maps", "fill_placement": "fill.placement",
     "fill_selectors": "fill.rows.selectors",
+    "speculative": "speculative.method", "speculative_tokens": "speculative.num_tokens",
     "host": "server.host", "port": "server.port", "api_key": "server.api_key", "api_key_file": "server.api_key_file",
     "served_model_name": "server.served_model_name", "max_queued_requests": "server.max_queued_requests",
     "max_body_bytes": "server.max_body_bytes", "threads": "server.threads", "log_level": "server.log_level",
@@ -57,6 +60,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fill-selectors", type=_comma_list, metavar="A,B,C",
                    help="exact prefix row selectors, e.g. special,probe,lexical (sets fill.rows.selectors; "
                         "the other fill.rows keys take their defaults unless the config file gives them)")
+    p.add_argument("--speculative", choices=SPECULATIVE_METHODS,
+                   help="speculative decoding of greedy requests: ngram = drafts from the sequence's own "
+                        "earlier tokens (sets speculative.method)")
+    p.add_argument("--speculative-tokens", type=int, metavar="N",
+                   help="most draft tokens verified per decode step (sets speculative.num_tokens)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1 routes, /tokenize and /metrics "

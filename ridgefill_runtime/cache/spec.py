@@ -39,6 +39,9 @@ class RecurrentCache:
     (("conv", (k - 1, d_conv)), ("state", (heads, d_k, d_v))) for a Gated DeltaNet layer)."""
 
     parts: tuple[tuple[str, tuple[int, ...]], ...]
+    # NOTE: a state that accumulates over the whole sequence (GDN's S) is kept in float32 even
+    # when the model runs in bf16; None: the spec's cache dtype.
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -51,7 +54,7 @@ class RecurrentCache:
                 raise ValueError(f"recurrent state part {name!r} needs a positive shape, got {shape}")
 
     def bytes_per_sequence(self, dtype: torch.dtype) -> int:
-        return sum(math.prod(shape) for _, shape in self.parts) * dtype.itemsize
+        return sum(math.prod(shape) for _, shape in self.parts) * (self.dtype or dtype).itemsize
 
 
 LayerCache = AttentionCache | RecurrentCache

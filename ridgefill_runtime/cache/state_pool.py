@@ -21,7 +21,8 @@ class StatePool:
         # NOTE: zeros, not empty: small (one state per running sequence), and a model may read
         # a fresh slot as "no history" without resetting it first.
         self.states: dict[int, dict[str, torch.Tensor]] = {
-            i: {name: torch.zeros((num_slots, *shape), dtype=spec.dtype, device=device) for name, shape in c.parts}
+            i: {name: torch.zeros((num_slots, *shape), dtype=c.dtype or spec.dtype, device=device)
+                for name, shape in c.parts}
             for i, c in enumerate(spec.layers) if isinstance(c, RecurrentCache)
         }  # layer -> part -> [num_slots, *shape]
         self._stashes: dict[int, SplitStash] = {}  # slot -> stash, only while its prefill runs

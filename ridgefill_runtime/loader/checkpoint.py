@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import ModelConfig, RopeScaling
+from ..config import HybridConfig, ModelConfig, MoEConfig, RopeScaling
 from ..errors import ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -42,4 +42,8 @@ def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
     if values.get("rope_scaling") is not None:
         values["rope_scaling"] = RopeScaling(**values["rope_scaling"])
     values["eos_token_ids"] = tuple(values.get("eos_token_ids", ()))
+    if values.get("hybrid") is not None:
+        hybrid = dict(values["hybrid"])
+        hybrid["moe"] = None if hybrid.get("moe") is None else MoEConfig(**hybrid["moe"])
+        values["hybrid"] = HybridConfig(**hybrid)
     return ModelConfig(**values)

@@ -24,8 +24,10 @@ from ..errors import UnsupportedError
 from .family import ModelFamily
 from .llama import LLAMA
 from .qwen3 import QWEN3
+from .qwen3_5 import QWEN3_5, QWEN3_5_TEXT
+from .qwen3_next import QWEN3_NEXT
 
-BUILT_IN = (LLAMA, QWEN3)
+BUILT_IN = (LLAMA, QWEN3, QWEN3_5_TEXT, QWEN3_5, QWEN3_NEXT)
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

@@ -1,11 +1,14 @@
 """N-gram (prompt-lookup) speculative decoding: drafting and acceptance as plain functions, the
 scheduler's rollback with a fake runner, and, on the embedded SmolLM2 model, greedy output
 token for token equal to plain greedy decoding (batched with seeded sampled requests, with stop
-tokens, stop strings and max_tokens inside accepted runs, and under preemption)."""
+tokens, stop strings and max_tokens inside accepted runs, and under preemption); and a model with
+recurrent layers (the test-only toy family), which the engine refuses to speculate on."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,9 +16,13 @@ import torch
 from ridgefill_runtime.cache.block_manager import BlockManager
 from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from ridgefill_runtime.engine import Engine
+from ridgefill_runtime.models import registry
 from ridgefill_runtime.scheduler import Scheduler, StepResult
 from ridgefill_runtime.sequence import SamplingParams, Sequence
 from ridgefill_runtime.speculative import NgramProposer, accept_greedy, ngram_draft
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # NOTE: as tests/models/conftest.py does
+from toy_recurrent import NAME, TOY_FAMILY, reference_logits, toy_config, toy_weights  # noqa: E402
 
 NGRAM = SpeculativeConfig(method="ngram", num_tokens=4, max_ngram=3, min_ngram=2)
 SNIPPETS = [
@@ -213,3 +220,52 @@ def test_non_greedy_and_opted_out_requests_never_speculate(engine):
     _generate(engine, [(prompt, SamplingParams(max_tokens=12, temperature=0.7, seed=1)),
                        (prompt, _plain(_greedy(12)))])
     assert engine.stats().spec_steps_total == before
+
+
+# -- a model with recurrent layers ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def toy():
+    registry.register(TOY_FAMILY)
+    try:
+        config = toy_config()
+        tensors = toy_weights(config)
+        yield registry.family(NAME).build_model(config, tensors, torch.float64, "cpu"), tensors
+    finally:
+        registry.unregister(NAME)
+
+
+def _toy_config(speculative: SpeculativeConfig = SpeculativeConfig()) -> EngineConfig:
+    return EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64), speculative=speculative)
+
+
+def _reference_greedy(tensors, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(reference_logits(tensors, seq)[-1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_ngram_speculation_on_a_recurrent_model_is_refused_naming_the_cause(toy):
+    model, _ = toy
+    with pytest.raises(ValueError) as e:
+        Engine(model, None, _toy_config(NGRAM))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("speculative.method = 'ngram': "), message
+    assert "recurrent layers [0]" in message and "cannot be rolled back" in message, message
+    assert message.endswith('use speculative.method = "off"'), message
+
+
+def test_a_request_asking_to_speculate_on_a_recurrent_model_decodes_plainly(toy):
+    model, tensors = toy
+    eng = Engine(model, None, _toy_config())  # NOTE: speculation off, the only setting it accepts
+    prompt = [3, 4, 5, 6, 7] * 4  # repeats: an n-gram proposer would draft here
+    assert ngram_draft(prompt, 4, NGRAM.max_ngram, NGRAM.min_ngram)
+    seq = eng.add_request(prompt, _greedy(8, ignore_eos=True, speculative=4))
+    while eng.has_unfinished():
+        eng.step()
+    # NOTE: the request's option is ignored, not refused: it may only lower the engine's
+    # num_tokens, and the engine's speculation is off (the server answers 400 instead)
+    assert seq.spec_tokens == 0 and eng.stats().spec_steps_total == 0
+    assert seq.output_ids == _reference_greedy(tensors, prompt, 8)

@@ -1,6 +1,7 @@
-"""A filled sequence preempted in the middle of its two-sweep prefill gives back every cache it
-holds (KV blocks, its state slot, its split-state stash) while it waits, and still answers as
-it does when nothing preempts it."""
+"""A filled sequence preempted in the middle of its two-sweep prefill (its lower sweep, its probe,
+its late sweep's exact rows, its tail) gives back every cache it holds (KV blocks, its state
+slot, its split-state stash) while it waits, and still answers as it does when nothing
+preempts it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, Rows
 from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.loader.hf import load_hf_folder
 from ridgefill_runtime.models.dense import DenseLM
-from ridgefill_runtime.sequence import SamplingParams, SeqStatus
+from ridgefill_runtime.sequence import SamplingParams, Sequence, SeqStatus
+from ridgefill_runtime.stages import Stage
 from tiny_models import build_tiny
 
 BLOCK, POOL_BLOCKS = 4, 24  # 96 positions: the old sequence's decode must take the young one's blocks
@@ -29,8 +31,8 @@ def model(tmp_path_factory):
     return DenseLM(ckpt.config, ckpt.tensors)
 
 
-def engine(model, num_blocks: int) -> Engine:
-    config = EngineConfig(cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks), fill=FILL,
+def engine(model, num_blocks: int, block_size: int = BLOCK) -> Engine:
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), fill=FILL,
                           scheduler=SchedulerConfig(chunk_size=2, max_num_batched_tokens=64, max_num_seqs=4))
     eng = Engine(model, None, config)
     eng.scheduler.select = lambda seq: list(EXACT_ROWS)  # NOTE: fixed rows: the rerun chooses the same
@@ -48,8 +50,8 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def alone(model, ids, n: int, fill: bool) -> list[int]:
-    eng = engine(model, 256)
+def alone(model, ids, n: int, fill: bool, block_size: int = BLOCK) -> list[int]:
+    eng = engine(model, 256, block_size)
     seq = eng.add_request(ids, greedy(n), fill=fill)
     while eng.has_unfinished():
         eng.step()
@@ -74,7 +76,8 @@ def test_preempted_prefill_gives_every_cache_back(model):
         if eng.stats().preemptions_total > before and preempted_in is None:
             preempted_in = stage
             check_waiting_holds_nothing(eng, young, old)
-    assert preempted_in in ("lower", "probe", "late"), "the young sequence was not preempted mid-prefill"
+    # NOTE: this pool runs dry during the lower sweep; the later stages are preempted below
+    assert preempted_in is Stage.LOWER, f"the young sequence was preempted in {preempted_in}, not its lower sweep"
     assert seen_stash and seen_stash >= YOUNG_PROMPT * model.config.hidden_size * 4
     assert young.exact_rows == EXACT_ROWS
     assert old.output_ids == alone(model, old_ids, OLD_NEW, fill=False)
@@ -93,3 +96,59 @@ def check_waiting_holds_nothing(eng: Engine, young, old) -> None:
     # NOTE: the old sequence is not filled: any stash left would be the young one's
     assert stats.stash_bytes == 0 and states.stash_bytes() == 0
     assert all(states.stash(s) is None for s in range(states.num_slots))
+
+
+# NOTE: the middle row of each later stage: probe_window 4 probe rows, the 4 exact rows, the
+# 8-row tail (FILL.tail), reached at chunk boundaries (chunk_size 2).
+LATER_STAGES = [("probe", 2), ("exact rows", 2), ("tail", 4)]
+
+
+def progress(seq: Sequence) -> tuple[str, int]:
+    """Which part of its prefill seq runs next and how many of that part's rows are done."""
+    if seq.stage is Stage.PROBE:
+        return "probe", seq.queue_done
+    if seq.stage is Stage.LATE and seq.queue_done < len(seq.exact_rows):
+        return "exact rows", seq.queue_done
+    if seq.stage is Stage.LATE:
+        return "tail", seq.queue_done - len(seq.exact_rows)
+    return str(seq.stage), seq.num_computed
+
+
+def take_free_blocks(eng: Engine) -> list[int]:
+    """Empty the pool, as a burst of other work would: the next block anyone needs must come
+    from preempting the newest running sequence."""
+    hog: list[int] = []
+    eng.blocks.grow(hog, eng.blocks.num_free * eng.blocks.block_size)
+    return hog
+
+
+@pytest.mark.parametrize("part, done", LATER_STAGES)
+def test_prefill_preempted_mid_later_stage_gives_every_cache_back(model, part, done):
+    old_ids, young_ids = prompts(model)
+    # NOTE: one position per block, so the old sequence's every decode step needs a block:
+    # emptying the pool preempts the young one at exactly the step chosen
+    eng = engine(model, 256, block_size=1)
+    states = eng.caches.states
+    old = eng.add_request(old_ids, greedy(OLD_NEW), fill=False)
+    eng.step()
+    young = eng.add_request(young_ids, greedy(YOUNG_NEW))
+    while progress(young) != (part, done):
+        assert not young.stage.done, f"the young sequence never reached row {done} of its {part}"
+        eng.step()
+    assert eng.stats().preemptions_total == 0 and old.stage.done and not old.finished
+    assert states.stash(young.state_slot) is not None  # there is a stash to give back
+    assert eng.stats().stash_bytes >= YOUNG_PROMPT * model.config.hidden_size * 4
+    hog = take_free_blocks(eng)
+    eng.step()  # the old sequence's decode takes its block from the young one
+    eng.blocks.free(hog)
+    assert eng.stats().preemptions_total == 1, f"the young sequence was not preempted at row {done} of its {part}"
+    check_waiting_holds_nothing(eng, young, old)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats().preemptions_total == 1
+    assert young.exact_rows == EXACT_ROWS
+    assert old.output_ids == alone(model, old_ids, OLD_NEW, fill=False, block_size=1)
+    assert young.output_ids == alone(model, young_ids, YOUNG_NEW, fill=True, block_size=1)
+    end = eng.stats()
+    assert (end.kv_blocks_used, end.state_slots_used, end.stash_bytes) == (0, 0, 0)
+    assert states.stash_bytes() == 0

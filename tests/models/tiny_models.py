@@ -45,3 +45,45 @@ def build_tiny(name: str, folder, seed: int = 0):
     model.eval()
     model.save_pretrained(folder, safe_serialization=True)
     return model
+
+
+# Gated DeltaNet hybrids: 3 GDN layers then 1 gated attention layer, value heads = 2 x key heads.
+_HYBRID_COMMON = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=320, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
+HYBRID_CONFIGS = {
+    "qwen3_5_text": dict(model_type="qwen3_5_text", **_HYBRID_COMMON),
+    # MoE on every layer but layer 1 (a dense MLP there), top-2 of 6 routed experts.
+    "qwen3_next_moe": dict(model_type="qwen3_next", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                           shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[1],
+                           **_HYBRID_COMMON),
+}
+
+
+def build_tiny_hybrid(name: str, folder, seed: int = 0):
+    """Save a random hybrid of config `name` into `folder`; returns the transformers model.
+
+    NOTE: beyond the dense widening, the conv taps get a larger spread (so the conv's history,
+    the part carried across chunks, matters) and A_log / dt_bias a spread of decays."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(HYBRID_CONFIGS[name])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(0.2 * torch.randn_like(p) + (1.0 if n.endswith("linear_attn.norm.weight") else 0.0))
+            elif "conv1d" in n:
+                p.normal_(0, 0.5)
+            elif n.endswith(("A_log", "dt_bias")):
+                p.uniform_(-1.5, 1.0)
+            else:
+                p.normal_(0, 0.08)
+    model.eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    return model

@@ -1,0 +1,124 @@
+"""The Gated DeltaNet token mixer of the Qwen3.5 / Qwen3-Next hybrids, over per-sequence state.
+
+Per row: one projection gives the conv input (q, k, v channels), the output gate z, β's logit b
+and the decay's input a. q, k, v pass a depthwise causal conv (kernel K, SiLU) whose last K - 1
+inputs are the sequence's conv state; then the gated delta rule (ops/gdn.py) with
+β = σ(b), g = −exp(A_log)·softplus(a + dt_bias) and L2-normed q, k runs from the sequence's
+recurrent state S [Hv, Dk, Dv]; the output passes a gated RMSNorm (norm · silu(z)) and out_proj.
+
+State: every sequence in the step owns a state slot (AttentionBatch.state_slots). A sequence
+whose rows start at position 0 starts from zero state, whatever the slot holds; any other step
+continues from the slot, so chunked prefill and decode carry the state across steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import HybridConfig
+from ..ops.gdn import gdn_chunk, gdn_step
+from .attention import AttentionBatch
+
+
+@dataclass
+class GDNWeights:
+    in_proj: torch.Tensor  # [C + Hv*Dv + 2*Hv, d]: conv input (q, k, v), then z, then b, then a
+    conv: torch.Tensor  # [C, K] depthwise causal conv taps, oldest input first
+    neg_decay: torch.Tensor  # [Hv] float32: −exp(A_log)
+    dt_bias: torch.Tensor  # [Hv] float32
+    norm: torch.Tensor  # [Dv] gated RMSNorm weight (plain w, not 1 + w)
+    out: torch.Tensor  # [d, Hv*Dv]
+
+
+def state_shapes(cfg: HybridConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """What a GDN layer keeps per sequence: the conv's last K - 1 inputs and S."""
+    return (("conv", (cfg.conv_kernel - 1, cfg.conv_channels)),
+            ("ssm", (cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim)))
+
+
+def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: AttentionBatch,
+              state: dict[str, torch.Tensor], eps: float) -> torch.Tensor:
+    """Normed layer input [N, d] -> mixer output [N, d]; writes each sequence's new conv state
+    and S into `state` (conv [slots, K-1, C], ssm [slots, Hv, Dk, Dv] float32)."""
+    n = x.shape[0]
+    hv, dv = cfg.value_heads, cfg.value_head_dim
+    mixed, z, b, a = F.linear(x, w.in_proj).split([cfg.conv_channels, hv * dv, hv, hv], dim=-1)
+    beta = b.sigmoid()  # [N, Hv]
+    g = w.neg_decay * F.softplus(a.float() + w.dt_bias)  # [N, Hv] float32, <= 0
+    core = x.new_empty(n, hv, dv)  # [N, Hv, Dv]
+    steps, runs = _split_rows(batch)
+    if steps:
+        _decode_rows(steps, mixed, g, beta, w, cfg, state, core)
+    for seq, lo, hi, fresh in runs:
+        _prefill_rows(seq, lo, hi, fresh, mixed, g, beta, w, cfg, state, core)
+    return F.linear(gated_rms_norm(core, z.view(n, hv, dv), w.norm, eps).reshape(n, hv * dv), w.out)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, times the weight in x's dtype, times silu(gate) in float32."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+def _split_rows(batch: AttentionBatch):
+    """Sequences with one row continuing a history (decode) go through one batched step;
+    the others (prefill chunks, one-token prompts) run their own scan.
+    Returns ([(slot, row)], [(slot, lo, hi, fresh)])."""
+    slots = batch.state_slots
+    if slots is None:
+        if batch.num_seqs > 1:
+            raise ValueError("a Gated DeltaNet layer needs a state slot per sequence")
+        slots = [0] * batch.num_seqs
+    steps, runs = [], []
+    for i, slot in enumerate(slots):
+        if batch.scattered(i):
+            raise ValueError("a Gated DeltaNet layer carries its state in order; it takes no scattered rows")
+        lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
+        if hi == lo:
+            continue
+        fresh = batch.context_lens[i] == hi - lo  # the rows start at position 0
+        if hi - lo == 1 and not fresh:
+            steps.append((slot, lo))
+        else:
+            runs.append((slot, lo, hi, fresh))
+    return steps, runs
+
+
+def _split_qkv(y: torch.Tensor, cfg: HybridConfig):
+    """Conv output [..., C] -> q, k [..., Hk, Dk], v [..., Hv, Dv]."""
+    kd = cfg.key_heads * cfg.key_head_dim
+    q, k, v = y.split([kd, kd, cfg.value_heads * cfg.value_head_dim], dim=-1)
+    lead = y.shape[:-1]
+    return (q.reshape(*lead, cfg.key_heads, cfg.key_head_dim), k.reshape(*lead, cfg.key_heads, cfg.key_head_dim),
+            v.reshape(*lead, cfg.value_heads, cfg.value_head_dim))
+
+
+def _prefill_rows(slot, lo, hi, fresh, mixed, g, beta, w, cfg, state, core) -> None:
+    conv_state, ssm = state["conv"], state["ssm"]
+    history = mixed.new_zeros(conv_state.shape[1:]) if fresh else conv_state[slot].to(mixed.dtype)
+    conv_in = torch.cat([history, mixed[lo:hi]])  # [K-1+n, C]
+    conv_state[slot] = conv_in[conv_in.shape[0] - conv_state.shape[1]:]
+    # depthwise conv over time: [1, C, K-1+n] -> [1, C, n]
+    y = F.silu(F.conv1d(conv_in.T[None], w.conv[:, None, :], groups=w.conv.shape[0]))[0].T  # [n, C]
+    q, k, v = _split_qkv(y, cfg)
+    o, s = gdn_chunk(q[None], k[None], v[None], g[None, lo:hi], beta[None, lo:hi],
+                     None if fresh else ssm[slot:slot + 1], use_qk_l2norm=True)
+    ssm[slot] = s[0]
+    core[lo:hi] = o[0]
+
+
+def _decode_rows(steps, mixed, g, beta, w, cfg, state, core) -> None:
+    conv_state, ssm = state["conv"], state["ssm"]
+    slots = torch.tensor([s for s, _ in steps], device=mixed.device)
+    rows = torch.tensor([r for _, r in steps], device=mixed.device)
+    conv_in = torch.cat([conv_state[slots].to(mixed.dtype), mixed[rows, None]], dim=1)  # [B, K, C]
+    conv_state[slots] = conv_in[:, 1:].to(conv_state.dtype)
+    y = F.silu((conv_in * w.conv.T[None]).sum(1))  # [B, C]
+    q, k, v = _split_qkv(y, cfg)
+    o, s = gdn_step(q, k, v, g[rows], beta[rows], ssm[slots], use_qk_l2norm=True)
+    ssm[slots] = s
+    core[rows] = o
