@@ -72,6 +72,11 @@ def build_parser(extra_commands: ExtraCommands | None = None) -> argparse.Argume
     f.add_argument("--splits", required=True, help="comma-separated split layers, e.g. 12,15,18")
     f.add_argument("--out", required=True, type=Path)
     f.add_argument("--max-doc-tokens", type=int, default=4096)
+    f.add_argument("--terminal-state", nargs="+", type=Path, metavar="PATH",
+                   help="hybrids: also fit the terminal-state correction's ΔM on these texts (keep them apart "
+                        "from --calib and from evaluation text), stored in each split's map file")
+    f.add_argument("--terminal-every", type=int, default=2048, metavar="N",
+                   help="measure the exact - filled state gap every N tokens (default 2048)")
 
     from .eval.cli import add_eval_parser
     add_eval_parser(sub, _engine_args)

@@ -291,6 +291,9 @@ class FillConfig:
     value_rescale: bool = False
     key_rescale: bool = False
     rescale_rows: int = 64  # c: first exact late rows on which the rescale ratios are measured
+    # hybrids: add ρ_l·ΔM_l to each late Gated DeltaNet layer's state at the prefix's end (seed 000
+    # §2.3); ΔM comes with the maps (`ridgefill fit --terminal-state`)
+    terminal_state: bool = False
     rows: RowsConfig = field(default_factory=RowsConfig)  # exact prefix rows
 
     def __post_init__(self) -> None:
@@ -308,6 +311,9 @@ class FillConfig:
             object.__setattr__(self, "rows", RowsConfig(**self.rows))
         if self.arm == "ridgefill" and not self.maps:
             raise ValueError("fill.arm = ridgefill needs fill.maps (a map file from `ridgefill fit`)")
+        if self.terminal_state and self.arm != "ridgefill":
+            raise ValueError("fill.corrections.terminal_state needs fill.mode = \"plain\": its ΔM is stored "
+                             "with the maps")
 
     @property
     def enabled(self) -> bool:

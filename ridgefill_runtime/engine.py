@@ -99,6 +99,9 @@ class Engine:
         if self.fill.enabled and cache_spec.stash_width == 0:
             raise ValueError(f"fill.mode: RidgeFill's two-sweep prefill is not built for {cfg.architecture} models "
                              f"yet; use fill.mode = \"off\"")
+        self.carries_late_state = self.fill.enabled and carries_late_state(cache_spec, self.fill.split)
+        if self.fill.terminal_state:
+            _check_terminal_shift(cache_spec, self.fill.split, fill_maps)
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps)
@@ -118,7 +121,7 @@ class Engine:
         past `deadline` (time.monotonic() seconds) it ends with finish_reason "timeout"."""
         self.validate(prompt_ids, params)
         seq = Sequence(prompt_ids=list(prompt_ids), params=params, deadline=deadline)
-        apply_fill(seq, self.fill, fill, rows, hide_from)
+        apply_fill(seq, self.fill, fill, rows, hide_from, self.carries_late_state)
         seq.spec_tokens = spec_tokens(self.speculative, params)
         self.scheduler.add(seq)
         return seq
@@ -238,9 +241,10 @@ def engine_budget(config: EngineConfig, max_positions: int) -> CacheBudget:
 
 
 def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,
-               hide_from: int | None = None) -> None:
+               hide_from: int | None = None, carry: bool = False) -> None:
     """Set a new sequence's fill: prompt rows before len - tail are filled (when the fill is on
-    and the prompt is longer than the tail), with these exact-row selectors."""
+    and the prompt is longer than the tail), with these exact-row selectors. `carry`: the model
+    has recurrent layers above the split (carries_late_state), whose state the filled rows carry."""
     n = len(seq.prompt_ids)
     if not (wanted and fill.enabled and n > fill.tail):
         return
@@ -248,6 +252,24 @@ def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None
         raise InputError(f"hide_from must be in 1..{n}, got {hide_from}")
     seq.fill_boundary, seq.fill_arm = n - fill.tail, fill.arm
     seq.rows, seq.hide_from = rows or fill.rows, hide_from
+    seq.carry_all_rows = carry and fill.arm in ("identity", "ridgefill")
+
+
+def _check_terminal_shift(spec, split: int, maps) -> None:
+    """The terminal-state correction needs a ΔM for every recurrent layer above the split."""
+    late = [layer for layer in spec.recurrent_layers if layer >= split]
+    if not late:
+        raise ValueError("fill.corrections.terminal_state: this model has no recurrent layer above the split")
+    missing = [layer for layer in late if maps is None or layer not in maps.terminal]
+    if missing:
+        where = maps.path if maps is not None else "the map file"
+        raise ValueError(f"fill.corrections.terminal_state: {where} holds no ΔM for layers {missing} "
+                         "(fit it with `ridgefill fit --terminal-state`)")
+
+
+def carries_late_state(spec, split: int) -> bool:
+    """Whether a recurrent layer sits at or above the split: then the late sweep walks every row."""
+    return any(layer >= split for layer in spec.recurrent_layers)
 
 
 def token_table(tokenizer, rows: RowsConfig) -> TokenTable | None:

@@ -8,7 +8,7 @@ import torch
 from .cache.build import CacheBudget, build_caches
 from .cache.spec import spec_of
 from .config import FillConfig, RowsConfig
-from .engine import apply_fill
+from .engine import apply_fill, carries_late_state
 from .fill.select import RowSelector
 from .runner import Runner
 from .sequence import SamplingParams, Sequence
@@ -24,7 +24,8 @@ class PromptLogits:
 
     def new_sequence(self, ids: list[int], rows: RowsConfig | None = None, hide_from: int | None = None) -> Sequence:
         seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0, prompt_logprobs=True))
-        apply_fill(seq, self.fill, True, rows, hide_from)
+        apply_fill(seq, self.fill, True, rows, hide_from,
+                   self.fill.enabled and carries_late_state(spec_of(self.model), self.fill.split))
         seq.start_prefill()
         return seq
 

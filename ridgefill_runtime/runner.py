@@ -47,8 +47,10 @@ class Runner:
         self.fill_config = fill or FillConfig()
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
+        terminal = maps.terminal_shift if self.fill_config.terminal_state else None
         self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self.states,
-                                   model.config, model.dtype, self.device)
+                                   model.config, model.dtype, self.device, self.caches.spec.attention_layers,
+                                   terminal)
 
     def forward(self, items: list[ScheduledSeq]) -> StepLogits:
         """Run the step's one model call and keep what the fill measured in it."""

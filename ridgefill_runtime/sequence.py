@@ -80,6 +80,9 @@ class Sequence:
     # RidgeFill: prompt rows [0, fill_boundary) are filled with `fill_arm`; 0 means no fill
     fill_boundary: int = 0
     fill_arm: str = "exact"
+    # Hybrids (seed 000 §2.4 "Two sweeps"): a late recurrent layer's state must be carried over
+    # every prefix row in order, so the late sweep walks every position, not just the exact rows.
+    carry_all_rows: bool = False
     rows: RowsConfig | None = None  # exact-row selectors for this request
     hide_from: int | None = None  # question-hidden control: selectors see only positions < this
     # Two-sweep prefill (seed 000, Figure 5), see stages.py: "lower" runs layers below the split

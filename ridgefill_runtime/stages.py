@@ -7,6 +7,8 @@ offline driver so both walk the same stages.
          cache and every prefix row's late attention is recorded
   late   the chosen exact prefix rows, then the tail, run the late layers, in position order, in
          chunks; their K/V overwrite the filled ones. The last chunk samples the first token.
+         On a hybrid (seq.carry_all_rows) every prefix row takes part: filled rows update the
+         late recurrent states from their predicted inputs and nothing else.
   full   an ordinary sequence: no fill, or the fill is done (decode)
 """
 
@@ -87,6 +89,9 @@ def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
     n = min(chunk, budget)
     if seq.stage.from_tokens:
         return ScheduledSeq(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, n), seq.stage)
+    if seq.carry_all_rows and seq.stage is Stage.LATE and seq.queue_done < seq.fill_boundary:
+        # NOTE: a chunk ends at the prefix's end, where the terminal-state correction is added
+        n = min(n, seq.fill_boundary - seq.queue_done)
     pos = seq.queue[seq.queue_done:seq.queue_done + n]
     return ScheduledSeq(seq, pos[0], len(pos), seq.stage, pos)
 
@@ -132,4 +137,7 @@ def _enter_late(seq: Sequence, select: Select) -> None:
     # NOTE: position order: every key an exact row or tail row reads below its own position is
     # then either filled or already recomputed exactly.
     seq.stage, seq.queue_done = Stage.LATE, 0
-    seq.queue = seq.exact_rows + list(range(seq.fill_boundary, seq.num_tokens))
+    if seq.carry_all_rows:  # every row: filled ones carry the late recurrent states from x̂
+        seq.queue = list(range(seq.num_tokens))
+    else:
+        seq.queue = seq.exact_rows + list(range(seq.fill_boundary, seq.num_tokens))

@@ -20,13 +20,14 @@ def run_layer_inputs(model, ids: list[int], consume: Callable[[int, torch.Tensor
     n = len(ids)
     upto = cfg.num_layers - 1 if upto is None else upto
     # NOTE: one block of n slots, so slot p holds position p; only the layers run get a cache
-    kv = build_caches(spec_of(model).first_layers(upto + 1), CacheBudget(block_size=n, num_blocks=1),
-                      model.device).kv
+    caches = build_caches(spec_of(model).first_layers(upto + 1), CacheBudget(block_size=n, num_blocks=1),
+                          model.device)
     positions = torch.arange(n, device=model.device)
-    batch = AttentionBatch(query_starts=[0, n], context_lens=[n], write_slots=positions, read_slots=[None])
+    batch = AttentionBatch(query_starts=[0, n], context_lens=[n], write_slots=positions, read_slots=[None],
+                           state_slots=[0])
     h = model.embed(torch.tensor(ids, device=model.device))
     rope = model.rope(positions)
     for layer in range(upto + 1):
         consume(layer, h)
         if layer < upto:
-            h = model.layer(layer, h, rope, batch, kv)
+            h = model.layer(layer, h, rope, batch, caches)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..cache.spec import spec_of
 from .capture import run_layer_inputs
 from .fit import RidgeSums
 from .maps import MapMeta, save_maps
@@ -85,14 +86,20 @@ class FitState:
 
 @torch.inference_mode()
 def heldout_score(model, sums: RidgeSums, lam: float, heldout: list[tuple[torch.Tensor, dict]]) -> float:
-    """Mean cosine between the K/V a late layer writes from x̂ and from the true input."""
+    """Mean cosine between the K/V a late attention layer writes from x̂ and from the true input
+    (a recurrent layer writes no K/V: there, between x̂ and the true input itself)."""
     maps = sums.solve(lam)
+    attends = set(spec_of(model).attention_layers)
     total, count = 0.0, 0
     for positions, xs in heldout:
         rope = model.rope(positions)
         x_split = xs[sums.split]
         for layer, (a, b) in maps.items():
             x_hat = (x_split.double() @ a.T + b).to(model.dtype)
+            if layer not in attends:
+                total += float(torch.nn.functional.cosine_similarity(x_hat.float(), xs[layer].float(), dim=-1).mean())
+                count += 1
+                continue
             k_hat, v_hat = model.kv_only(layer, x_hat, rope)
             k, v = model.kv_only(layer, xs[layer], rope)
             cos_k = torch.nn.functional.cosine_similarity(k_hat.flatten(1), k.flatten(1), dim=-1)

@@ -1,7 +1,10 @@
 """Map files: per late layer l, x̂_l = A_l x_S + b_l, stored as int8 + bf16 scales + bf16 bias.
 
 File: safetensors with `layers.{l}.qweight` int8 [d, d], `layers.{l}.scales` bf16 [d, G],
-`layers.{l}.bias` bf16 [d], and string metadata naming the model, split and fit.
+`layers.{l}.bias` bf16 [d], and string metadata naming the model, split and fit. A hybrid's
+file may also hold the terminal-state correction: `terminal.{l}` float32 [Hv, Dk, Dv] per late
+Gated DeltaNet layer (fill/terminal_state.py), fitted with these maps (metadata
+`terminal_layers`, `terminal_every`, `terminal_states`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ def save_maps(path: str | Path, meta: MapMeta, maps: dict[int, tuple[torch.Tenso
     save_file(tensors, str(path), metadata=md)
 
 
+def add_terminal_shift(path: str | Path, shifts: dict[int, torch.Tensor], every: int, states: int) -> None:
+    """Store ΔM per late GDN layer in the map file the maps came from (rewritten in place)."""
+    with safe_open(str(path), framework="pt") as f:
+        md = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("terminal.")}
+    tensors.update({f"terminal.{layer}": t.float().contiguous() for layer, t in sorted(shifts.items())})
+    md.update(terminal_layers=json.dumps(sorted(shifts)), terminal_every=str(every), terminal_states=str(states))
+    save_file(tensors, str(path), metadata=md)
+
+
 def check_maps_fit(meta: MapMeta, model_identity: str, config, split: int, where: str) -> None:
     """Refuse maps fitted for another model or split, naming what differs."""
     wants = {"model_identity": model_identity, "architecture": config.architecture,
@@ -100,6 +113,8 @@ class FillMaps:
         pin = placement == "streamed" and device.type == "cuda"
         self._host = {l: (raw[f"layers.{l}.qweight"].pin_memory() if pin else raw[f"layers.{l}.qweight"],
                           raw[f"layers.{l}.scales"], raw[f"layers.{l}.bias"]) for l in self.layers}
+        self.path = where
+        self.terminal = {int(k.split(".")[1]): t.to(device) for k, t in raw.items() if k.startswith("terminal.")}
         self._resident: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if placement == "resident":
             self._resident = {l: self._materialize(l) for l in self.layers}
@@ -133,6 +148,10 @@ class FillMaps:
                 event.record(stream)
             self._prefetched[nxt] = (nw, event)
         return w
+
+    def terminal_shift(self, layer: int) -> torch.Tensor:
+        """ΔM [Hv, Dk, Dv] float32 of late recurrent layer `layer`."""
+        return self.terminal[layer]
 
     def predict(self, layer: int, x_split: torch.Tensor) -> torch.Tensor:
         """x_S [F, d] -> x̂_layer [F, d]."""

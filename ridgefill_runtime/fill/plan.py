@@ -39,11 +39,15 @@ def needs_fill_step(items) -> bool:
 
 class FillPlanner:
     def __init__(self, config: FillConfig, predict: Predictor | None, slots_of: SlotsOf,
-                 states, model_config, dtype, device):
-        """states: the StatePool whose slots hold each sequence's split-state stash."""
+                 states, model_config, dtype, device, attention_layers=None, terminal_shift=None):
+        """states: the StatePool whose slots hold each sequence's split-state stash;
+        attention_layers: the layers with K/V (None: every layer), the only ones attention
+        measurements can be taken at."""
         self.config, self.predict, self.slots_of = config, predict, slots_of
         self.states, self.dtype, self.device = states, dtype, device
         self.width, self.num_layers = model_config.hidden_size, model_config.num_layers
+        self.attention_layers = frozenset(range(self.num_layers) if attention_layers is None else attention_layers)
+        self.terminal_shift = terminal_shift  # layer -> ΔM, when the terminal-state correction is on
 
     def build(self, items, batch: AttentionBatch) -> PlannedFill:
         """batch: the lower part's layout (one entry per full / lower item, in item order)."""
@@ -60,7 +64,7 @@ class FillPlanner:
                 lower_k += 1
             else:
                 self._late_item(item, acc)
-        return acc.finish(self.config.split, self.predict, self.width, self.dtype, self.device)
+        return acc.finish(self.config.split, self.predict, self.width, self.dtype, self.device, self.terminal_shift)
 
     # -- the three kinds of item ----------------------------------------------------------------
 
@@ -82,7 +86,7 @@ class FillPlanner:
         seq = item.seq
         end = seq.hide_from if seq.hide_from is not None else seq.num_tokens
         lo, hi = max(item.start, end - seq.rows.window), min(item.end, end)
-        layers = frozenset(x for x in seq.rows.attention_layers if x < self.config.split)
+        layers = frozenset(x for x in seq.rows.attention_layers if x < self.config.split) & self.attention_layers
         if lo >= hi or not layers:
             return
         keys = torch.arange(item.end, device=self.device)
@@ -100,7 +104,7 @@ class FillPlanner:
                                    dtype=torch.int64, device=self.device)
             read = self.slots_of(seq, key_pos)
         acc.stay_rows.append(rows)
-        acc.add_late(item.num_tokens, batch.write_slots[rows], item.end, read, None, key_pos)
+        acc.add_late(item.num_tokens, batch.write_slots[rows], item.end, read, None, key_pos, seq.state_slot)
 
     def _late_item(self, item, acc: "_Parts") -> None:
         seq = item.seq
@@ -112,18 +116,30 @@ class FillPlanner:
         acc.late_x.append(stash.x[pos])
         acc.late_pos.append(pos)
         acc.late_to.append(torch.arange(start, start + item.num_tokens, device=self.device))
-        acc.add_late(item.num_tokens, self.slots_of(seq, pos), read.shape[0], read, pos, keys)
+        # NOTE: the probe's first rows start a scratch recurrent state (seed 000 §2.4: thrown away;
+        # the late sweep starts afresh at position 0), the late sweep's first rows a real one.
+        acc.add_late(item.num_tokens, self.slots_of(seq, pos), read.shape[0], read, pos, keys, seq.state_slot,
+                     fresh=seq.queue_done == 0, filled=self._filled(item, pos))
+        if seq.carry_all_rows and item.kind is Stage.LATE and item.end == seq.fill_boundary:
+            acc.prefix_ends.append(len(acc.ctx) - 1)
         rows = torch.arange(start, start + item.num_tokens, device=self.device)
         if item.kind is Stage.PROBE:
             key_pos = keys if keys is not None else torch.arange(item.end, device=self.device)
-            layers = frozenset(range(self.config.split, self.num_layers))
+            layers = frozenset(range(self.config.split, self.num_layers)) & self.attention_layers
             acc.late_mass.append(MassRequest(layers, rows, pos, read, key_pos))
             acc.late_into.append(stash.probe)
-        elif seq.queue_done == 0 and self._rescales(seq):
+        elif self._rescales(seq) and self._measures_rescale(item):
             c = min(self.config.rescale_rows, item.num_tokens)
             acc.rescales.append(Rescale(rows=rows[:c], values=self.config.value_rescale, keys=self.config.key_rescale,
-                                        filled_slots=self.slots_of(seq, torch.arange(seq.fill_boundary,
-                                                                                     device=self.device))))
+                                        filled_slots=self.slots_of(seq, self._rescaled_positions(seq))))
+
+    def _filled(self, item, pos: torch.Tensor) -> torch.Tensor | None:
+        """[n] bool: which of a late item's rows are filled prefix rows (hybrids walk them too)."""
+        seq = item.seq
+        if not (seq.carry_all_rows and item.kind is Stage.LATE):
+            return None
+        exact = torch.tensor(seq.exact_rows, dtype=torch.int64, device=self.device)
+        return (pos < seq.fill_boundary) & ~torch.isin(pos, exact)
 
     def _late_keys(self, item) -> torch.Tensor | None:
         """Positions a probe / late item's rows may read (None: every position before its end)."""
@@ -139,6 +155,25 @@ class FillPlanner:
         done = seq.queue[:seq.queue_done + item.num_tokens]  # exact rows and tail so far, in order
         return torch.tensor(done, dtype=torch.int64, device=self.device)
 
+    @staticmethod
+    def _measures_rescale(item) -> bool:
+        """The late item whose first rows measure the rescale: the late sweep's first; on a hybrid
+        (which walks the prefix first) the first holding tail rows, so the ratios come from the
+        first c tail rows and apply before the tail reads the filled rows."""
+        seq = item.seq
+        if seq.carry_all_rows:
+            return item.positions[0] == seq.fill_boundary
+        return seq.queue_done == 0
+
+    def _rescaled_positions(self, seq) -> torch.Tensor:
+        """The filled prefix rows' positions (on a hybrid the exact prefix rows are recomputed by
+        then and keep their exact values)."""
+        prefix = torch.arange(seq.fill_boundary, device=self.device)
+        if not seq.carry_all_rows:
+            return prefix
+        exact = torch.tensor(seq.exact_rows, dtype=torch.int64, device=self.device)
+        return prefix[~torch.isin(prefix, exact)]
+
     def _rescales(self, seq) -> bool:
         """The first late rows of a filled sequence measure and apply the rescale."""
         return seq.fill_arm in ("identity", "ridgefill") and (self.config.value_rescale or self.config.key_rescale)
@@ -153,12 +188,17 @@ class _Parts:
         self.starts, self.ctx, self.read, self.q_pos, self.k_pos, self.write = [0], [], [], [], [], []
         self.lower_mass, self.late_mass, self.rescales = [], [], []
         self.lower_into, self.late_into = [], []  # the stash accumulator of each mass request
+        self.slots, self.fresh, self.filled, self.prefix_ends = [], [], [], []
 
     @property
     def late_size(self) -> int:
         return self.starts[-1]
 
-    def add_late(self, n, write, ctx, read, q_pos, k_pos) -> None:
+    def add_late(self, n, write, ctx, read, q_pos, k_pos, slot, fresh=None, filled=None) -> None:
+        """fresh None: the rows' recurrent states start from zero iff they start at position 0."""
+        self.slots.append(slot)
+        self.fresh.append(fresh if fresh is not None else ctx == n)
+        self.filled.append(filled)
         self.starts.append(self.starts[-1] + n)
         self.ctx.append(ctx)
         self.read.append(read)
@@ -166,16 +206,44 @@ class _Parts:
         self.k_pos.append(k_pos)
         self.write.append(write)
 
-    def finish(self, split, predict, width, dtype, device) -> PlannedFill:
+    def finish(self, split, predict, width, dtype, device, terminal_shift=None) -> PlannedFill:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
         stay_to = [torch.arange(self.starts[k], self.starts[k + 1], device=device)
                    for k in range(len(self.ctx)) if self.q_pos[k] is None]
         batch = AttentionBatch(query_starts=self.starts, context_lens=self.ctx, write_slots=cat(self.write),
-                               read_slots=self.read, query_pos=self.q_pos, key_pos=self.k_pos)
+                               read_slots=self.read, query_pos=self.q_pos, key_pos=self.k_pos,
+                               state_slots=self.slots, state_fresh=self.fresh)
+        filled, exact, exact_batch = self._exact_part(batch, device)
         late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
         step = FillStep(split=split, exit_rows=cat(self.exit_rows), fill_rows=cat(self.fill_rows),
                         fill_slots=cat(self.fill_slots), predict=predict, stay_rows=cat(self.stay_rows),
                         stay_to=cat(stay_to), late_x=late_x, late_pos=cat(self.late_pos),
                         late_to=cat(self.late_to), late_size=self.late_size, late_batch=batch,
-                        lower_mass=self.lower_mass, late_mass=self.late_mass, rescales=self.rescales)
+                        lower_mass=self.lower_mass, late_mass=self.late_mass, rescales=self.rescales,
+                        late_filled=filled, late_exact=exact, late_exact_batch=exact_batch,
+                        prefix_ends=self.prefix_ends, terminal_shift=terminal_shift)
         return PlannedFill(step, self.lower_into, self.late_into)
+
+    def _exact_part(self, batch: AttentionBatch, device):
+        """With filled rows in the late part: the mask, the other rows' indices and their own
+        attention layout (sequences left with no such row drop out of it)."""
+        if all(f is None or not bool(f.any()) for f in self.filled):
+            return None, None, None
+        masks = [f if f is not None else torch.zeros(self.starts[k + 1] - self.starts[k], dtype=torch.bool,
+                                                     device=device) for k, f in enumerate(self.filled)]
+        filled = torch.cat(masks)  # [M]
+        starts, ctx, read, q_pos, k_pos, slots = [0], [], [], [], [], []
+        for k, mask in enumerate(masks):
+            keep = (~mask).nonzero().flatten()
+            if len(keep) == 0:
+                continue
+            starts.append(starts[-1] + len(keep))
+            ctx.append(self.ctx[k])
+            read.append(self.read[k])
+            q_pos.append(None if self.q_pos[k] is None else self.q_pos[k][keep])
+            k_pos.append(self.k_pos[k])
+            slots.append(self.slots[k])
+        exact = (~filled).nonzero().flatten()  # [E]
+        exact_batch = AttentionBatch(query_starts=starts, context_lens=ctx, write_slots=batch.write_slots[exact],
+                                     read_slots=read, query_pos=q_pos, key_pos=k_pos, state_slots=slots)
+        return filled, exact, exact_batch

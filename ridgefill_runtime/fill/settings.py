@@ -55,7 +55,7 @@ def needs_counts(selectors: Sequence[str]) -> list[str]:
 # "identity" are the paper's ablation arms, accepted for evaluation runs.
 FILL_MODES = {"off": "exact", "plain": "ridgefill", "nofill": "nofill", "identity": "identity"}
 MODE_OF_ARM = {arm: mode for mode, arm in FILL_MODES.items()}
-CORRECTIONS = ("value_rescale", "key_rescale")  # the boolean corrections a list may name
+CORRECTIONS = ("value_rescale", "key_rescale", "terminal_state")  # the boolean corrections a list may name
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ FILL_KEYS: dict[str, Key] = {
     "corrections.value_rescale": Key((bool,), "fill", "value_rescale"),
     "corrections.key_rescale": Key((bool,), "fill", "key_rescale"),
     "corrections.rescale_rows": Key((int,), "fill", "rescale_rows"),
+    "corrections.terminal_state": Key((bool,), "fill", "terminal_state"),
     **{f"rows.{name}": key for name, key in _ROWS_KEYS.items()},
 }
 _FILL_SCHEMA = {"fill": FILL_KEYS}

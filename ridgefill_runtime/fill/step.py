@@ -61,3 +61,14 @@ class FillStep:
     lower_mass: list[MassRequest] = field(default_factory=list)  # rows index the lower part
     late_mass: list[MassRequest] = field(default_factory=list)  # rows index the late part
     rescales: list[Rescale] = field(default_factory=list)
+    # Hybrids (seed 000 §2.4 "Two sweeps"): late-part rows that are filled prefix rows. They
+    # update the late recurrent states from x̂_l and nothing else; the rows that attend and run
+    # the MLP are `late_exact` [E] (indices into the late part) laid out as `late_exact_batch`.
+    late_filled: torch.Tensor | None = None  # [M] bool; None: no filled row in the late part
+    late_exact: torch.Tensor | None = None  # [E]
+    late_exact_batch: AttentionBatch | None = None
+    # late_batch sequences whose rows this step end at their prefix's end (the terminal-state
+    # correction is added to their late recurrent states there)
+    prefix_ends: list[int] = field(default_factory=list)
+    # the terminal-state correction's ΔM of a late recurrent layer ([Hv, Dk, Dv]); None: off
+    terminal_shift: Callable[[int], torch.Tensor] | None = None

@@ -30,6 +30,9 @@ class AttentionBatch:
     # Per sequence, its row in the state pool (layers that keep a recurrent state read it);
     # None where the step's rows keep no per-sequence state.
     state_slots: list[int | None] | None = None
+    # Per sequence, whether its recurrent states start from zero at its first row this step; None:
+    # where its rows start at position 0 (the probe starts a scratch state mid-sequence).
+    state_fresh: list[bool] | None = None
 
     @property
     def num_seqs(self) -> int:

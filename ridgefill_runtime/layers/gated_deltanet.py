@@ -7,8 +7,9 @@ inputs are the sequence's conv state; then the gated delta rule (ops/gdn.py) wit
 recurrent state S [Hv, Dk, Dv]; the output passes a gated RMSNorm (norm · silu(z)) and out_proj.
 
 State: every sequence in the step owns a state slot (AttentionBatch.state_slots). A sequence
-whose rows start at position 0 starts from zero state, whatever the slot holds; any other step
-continues from the slot, so chunked prefill and decode carry the state across steps.
+whose rows start at position 0 (or that AttentionBatch.state_fresh marks) starts from zero state,
+whatever the slot holds; any other step continues from the slot, so chunked prefill and decode
+carry the state across steps.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import HybridConfig
+from ..fill.terminal_state import share_update
 from ..ops.gdn import gdn_chunk, gdn_step
 from .attention import AttentionBatch
 
@@ -34,15 +36,20 @@ class GDNWeights:
 
 
 def state_shapes(cfg: HybridConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """What a GDN layer keeps per sequence: the conv's last K - 1 inputs and S."""
+    """What a GDN layer keeps per sequence: the conv's last K - 1 inputs, S, and (during a
+    two-sweep prefill) the running gate-product sums the terminal-state correction's ρ reads."""
     return (("conv", (cfg.conv_kernel - 1, cfg.conv_channels)),
-            ("ssm", (cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim)))
+            ("ssm", (cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim)),
+            ("share", (2, cfg.value_heads)))
 
 
 def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: AttentionBatch,
-              state: dict[str, torch.Tensor], eps: float) -> torch.Tensor:
-    """Normed layer input [N, d] -> mixer output [N, d]; writes each sequence's new conv state
-    and S into `state` (conv [slots, K-1, C], ssm [slots, Hv, Dk, Dv] float32)."""
+              state: dict[str, torch.Tensor], eps: float, out_rows: torch.Tensor | None = None,
+              filled: torch.Tensor | None = None) -> torch.Tensor:
+    """Normed layer input [N, d] -> mixer output [N, d] (or [R, d] for `out_rows`: the other rows
+    only update the state); writes each sequence's new conv state and S into `state`
+    (conv [slots, K-1, C], ssm [slots, Hv, Dk, Dv] float32). With `filled` [N] bool (a
+    two-sweep late step) it also carries each sequence's gate-product sums (state["share"])."""
     n = x.shape[0]
     hv, dv = cfg.value_heads, cfg.value_head_dim
     mixed, z, b, a = F.linear(x, w.in_proj).split([cfg.conv_channels, hv * dv, hv, hv], dim=-1)
@@ -54,7 +61,12 @@ def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: Attentio
         _decode_rows(steps, mixed, g, beta, w, cfg, state, core)
     for seq, lo, hi, fresh in runs:
         _prefill_rows(seq, lo, hi, fresh, mixed, g, beta, w, cfg, state, core)
-    return F.linear(gated_rms_norm(core, z.view(n, hv, dv), w.norm, eps).reshape(n, hv * dv), w.out)
+    if filled is not None:
+        _carry_share(state["share"], g, filled, steps, runs)
+    z = z.view(n, hv, dv)
+    if out_rows is not None:
+        core, z = core[out_rows], z[out_rows]
+    return F.linear(gated_rms_norm(core, z, w.norm, eps).reshape(core.shape[0], hv * dv), w.out)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,17 +87,25 @@ def _split_rows(batch: AttentionBatch):
         slots = [0] * batch.num_seqs
     steps, runs = [], []
     for i, slot in enumerate(slots):
-        if batch.scattered(i):
-            raise ValueError("a Gated DeltaNet layer carries its state in order; it takes no scattered rows")
         lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
         if hi == lo:
             continue
-        fresh = batch.context_lens[i] == hi - lo  # the rows start at position 0
+        # NOTE: rows are taken in the order given, which is position order (a late sweep's
+        # scattered rows included); by default the state starts afresh at position 0.
+        fresh = batch.state_fresh[i] if batch.state_fresh is not None else batch.context_lens[i] == hi - lo
         if hi - lo == 1 and not fresh:
             steps.append((slot, lo))
         else:
             runs.append((slot, lo, hi, fresh))
     return steps, runs
+
+
+def _carry_share(share: torch.Tensor, g: torch.Tensor, filled: torch.Tensor, steps, runs) -> None:
+    """share [slots, 2, Hv] after this step's rows (see fill/terminal_state.py)."""
+    for slot, row in steps:
+        share[slot] = share_update(share[slot], g[row:row + 1], filled[row:row + 1])
+    for slot, lo, hi, fresh in runs:
+        share[slot] = share_update(torch.zeros_like(share[slot]) if fresh else share[slot], g[lo:hi], filled[lo:hi])
 
 
 def _split_qkv(y: torch.Tensor, cfg: HybridConfig):

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from ..cache.build import kv_pool_of
 from ..cache.spec import CacheSpec
 from ..config import ModelConfig
-from ..layers.attention import AttentionBatch, key_mass, paged_attention, paged_attention_rows
+from ..layers.attention import AttentionBatch, paged_attention, paged_attention_rows
 from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable, apply_rotary
 from ..ops.rms_norm import rms_norm
 from ..fill.corrections import rescale_filled
+from ..fill.late_part import late_part, mass_hook
 from ..fill.step import FillStep
 from .forward import ForwardBatch, ForwardOutput
 from .weights import DenseWeights, LayerWeights, build_weights
@@ -90,6 +91,7 @@ class DenseLM:
         selectors record attention there).
         """
         w: LayerWeights = self.weights.layers[layer]
+        kv = kv_pool_of(kv)
         q, k, v = self.qkv(layer, h, rope)
         if on_kv is not None:
             on_kv(layer, k, v)
@@ -143,12 +145,12 @@ class DenseLM:
         h = self.embed(input_ids)
         rope = self.rope(positions)
         last = self.config.num_layers - 1
-        on_q = self._mass_hook(fill.lower_mass, kv, lower_mass)
+        on_q = mass_hook(fill.lower_mass, kv, lower_mass, self.scale)
         for i in range(fill.split if batch.num_seqs else 0):
             h = self.layer(i, h, rope, batch, kv, on_q=on_q)
         split_states = h[fill.exit_rows]  # [X, d]
         h, rope, on_kv = self._enter_late_layers(h, rope, kv, fill)
-        on_q = self._mass_hook(fill.late_mass, kv, late_mass)
+        on_q = mass_hook(fill.late_mass, kv, late_mass, self.scale)
         if h.shape[0] == 0:  # only lower rows this step: write their late K/V, nothing attends
             for i in range(fill.split, last + 1):
                 on_kv(i, None, None)
@@ -163,17 +165,7 @@ class DenseLM:
         probe / exact / tail rows; filled rows get a K/V writer for every late layer."""
         x_fill = h[fill.fill_rows]  # [F, d]
         rope_fill = tuple(t[fill.fill_rows] for t in rope)
-        h_late = h.new_empty(fill.late_size, h.shape[1])  # [M, d]
-        h_late[fill.stay_to] = h[fill.stay_rows]
-        h_late[fill.late_to] = fill.late_x
-        rope_joining = self.rope(fill.late_pos)
-        rope_late = []
-        for t, tj in zip(rope, rope_joining):
-            part = t.new_empty((fill.late_size,) + tuple(t.shape[1:]))
-            part[fill.stay_to] = t[fill.stay_rows]
-            part[fill.late_to] = tj
-            rope_late.append(part)
-        rope_late = tuple(rope_late)
+        h_late, rope_late = late_part(h, rope, self.rope, fill)
         rescale_inputs = [(r, h_late[r.rows], tuple(t[r.rows] for t in rope_late)) for r in fill.rescales]
 
         def on_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -185,17 +177,3 @@ class DenseLM:
                 rescale_filled(kv, layer, r, k[r.rows], v[r.rows], k_pred, v_pred)
 
         return h_late, rope_late, on_kv
-
-    def _mass_hook(self, requests, kv, found: list[list[torch.Tensor]]):
-        """on_q hook appending, per request, the attention its keys receive at each of its
-        layers ([K] float32) to found[request]; the runner adds them into its accumulators."""
-        if not requests:
-            return None
-
-        def on_q(layer: int, q: torch.Tensor) -> None:
-            for r, masses in zip(requests, found):
-                if layer in r.layers:
-                    k, _ = kv.read(layer, r.key_slots)  # [K, Hkv, D]
-                    masses.append(key_mass(q[r.rows], r.q_pos, k, r.key_pos, self.scale))  # [K]
-
-        return on_q

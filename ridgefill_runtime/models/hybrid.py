@@ -6,8 +6,7 @@ applied in float32). The attention layer (seed 000 §2.3): q_proj is twice as wi
 second half an output gate σ(g); q/k get the same zero-centred norm per head; RoPE turns only the
 first partial_rotary_factor of each head's dims.
 
-The exact model only for now: a two-sweep prefill (RidgeFill) is refused by the engine, whose
-cache spec check sees stash_width 0.
+RidgeFill's two-sweep prefill on this family is in hybrid_fill.py.
 """
 
 from __future__ import annotations
@@ -18,20 +17,15 @@ import torch.nn.functional as F
 from ..cache.build import kv_pool_of
 from ..cache.spec import AttentionCache, CacheSpec, RecurrentCache
 from ..config import ModelConfig
-from ..errors import UnsupportedError
 from ..layers.attention import AttentionBatch, paged_attention, paged_attention_rows
 from ..layers.gated_deltanet import gdn_mixer, state_shapes
 from ..layers.mlp import swiglu_mlp
 from ..layers.moe import MoEWeights, sparse_moe
 from ..layers.rotary import RotaryTable, apply_rotary
+from ..layers.zero_centred_norm import zero_centred_rms_norm
 from .forward import ForwardBatch, ForwardOutput
+from .hybrid_fill import two_sweep
 from .hybrid_weights import AttentionWeights, HybridWeights, build_hybrid_weights
-
-
-def zero_centred_rms_norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., n] normalised and scaled by (1 + w) [n] in float32, then cast back to x's dtype."""
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one).to(x.dtype)
 
 
 class HybridLM:
@@ -46,18 +40,18 @@ class HybridLM:
         self.scale = config.head_dim ** -0.5
 
     def cache_spec(self) -> CacheSpec:
-        """GDN layers keep a conv + recurrent state per sequence (float32); attention layers paged K/V.
-        stash_width 0: no two-sweep prefill on this family yet."""
+        """GDN layers keep a conv + recurrent state per sequence (float32); attention layers paged K/V;
+        the fill's stash keeps hidden-size split states."""
         cfg = self.config
         gdn = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32)
         att = AttentionCache(cfg.num_kv_heads, cfg.head_dim)
-        return CacheSpec(tuple(gdn if cfg.hybrid.is_linear(i) else att for i in range(cfg.num_layers)), self.dtype)
+        return CacheSpec(tuple(gdn if cfg.hybrid.is_linear(i) else att for i in range(cfg.num_layers)), self.dtype,
+                         stash_width=cfg.hidden_size)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         if batch.fill is not None:
-            raise UnsupportedError(f"{self.config.architecture}: RidgeFill's two-sweep prefill is not built for "
-                                   "hybrid models yet")
+            return two_sweep(self, batch)
         return ForwardOutput(self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches,
                                           batch.logit_rows))
 
@@ -65,18 +59,48 @@ class HybridLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, caches,
                 logit_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [N] -> float32 logits [R, V] for the sorted `logit_rows` (every row when None)."""
-        h = self.weights.embed[input_ids]  # [N, d]
-        rope = self.rotary.lookup(positions, self.dtype)
+        h = self.embed(input_ids)  # [N, d]
+        rope = self.rope(positions)
         last = self.config.num_layers - 1
         for i in range(last):
             h = self.layer(i, h, rope, batch, caches)
-        h = self.layer(last, h, rope, batch, caches, rows=logit_rows)
+        return self.logits(self.layer(last, h, rope, batch, caches, rows=logit_rows))
+
+    # -- pieces (the two-sweep prefill and the map fit run some of them on their own) ------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.weights.embed[input_ids]  # [N, d]
+
+    def rope(self, positions: torch.Tensor):
+        """cos, sin [N, 1, rotary_dim/2] for rows at `positions` [N]."""
+        return self.rotary.lookup(positions, self.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden rows [R, d] -> float32 logits [R, V]."""
         x = zero_centred_rms_norm(h, self.weights.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.weights.lm_head).float()
 
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's feed-forward half: h [N, d] -> h + mlp(norm(h))."""
+        w, cfg = self.weights.layers[i], self.config
+        x = zero_centred_rms_norm(h, w.post_norm, cfg.rms_norm_eps)
+        if isinstance(w.mlp, MoEWeights):
+            return h + sparse_moe(x, w.mlp, cfg.hybrid.moe.top_k, cfg.hybrid.moe.norm_topk_prob)
+        return h + swiglu_mlp(x, w.mlp.gate_up, w.mlp.down)
+
+    def kv_only(self, layer: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a filled row writes at an attention layer: layer input [F, d] -> k, v [F, Hkv, D]
+        (norm, K/V projections, K-norm, partial RoPE; no query, gate, attention or MLP)."""
+        cfg, w = self.config, self.weights.layers[layer]
+        n, hd, kv_heads = x.shape[0], cfg.head_dim, cfg.num_kv_heads
+        xn = zero_centred_rms_norm(x, w.input_norm, cfg.rms_norm_eps)
+        k, v = F.linear(xn, w.mixer.qkv[2 * cfg.num_heads * hd:]).view(n, 2, kv_heads, hd).unbind(1)
+        return self._rotate(zero_centred_rms_norm(k, w.mixer.k_norm, cfg.rms_norm_eps), rope), v
+
     def layer(self, i: int, h: torch.Tensor, rope, batch: AttentionBatch, caches,
-              rows: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, d] -> [N, d] ([R, d] for `rows`: only those rows go on past the mixer)."""
+              rows: torch.Tensor | None = None, on_q=None) -> torch.Tensor:
+        """hidden [N, d] -> [N, d] ([R, d] for `rows`: only those rows go on past the mixer).
+        on_q(layer, q) sees an attention layer's queries once the cache holds its K/V."""
         cfg, w = self.config, self.weights.layers[i]
         x = zero_centred_rms_norm(h, w.input_norm, cfg.rms_norm_eps)
         if cfg.hybrid.is_linear(i):
@@ -84,18 +108,15 @@ class HybridLM:
             if rows is not None:
                 mixed, h = mixed[rows], h[rows]
         else:
-            mixed = self._attention(i, x, w.mixer, rope, batch, kv_pool_of(caches), rows)
+            mixed = self.attention(i, x, rope, batch, kv_pool_of(caches), rows, on_q)
             if rows is not None:
                 h = h[rows]
-        h = h + mixed
-        x = zero_centred_rms_norm(h, w.post_norm, cfg.rms_norm_eps)
-        if isinstance(w.mlp, MoEWeights):
-            moe = cfg.hybrid.moe
-            return h + sparse_moe(x, w.mlp, moe.top_k, moe.norm_topk_prob)
-        return h + swiglu_mlp(x, w.mlp.gate_up, w.mlp.down)
+        return self.mlp(i, h + mixed)
 
-    def _attention(self, layer: int, x: torch.Tensor, w: AttentionWeights, rope, batch: AttentionBatch, kv,
-                   rows: torch.Tensor | None) -> torch.Tensor:
+    def attention(self, layer: int, x: torch.Tensor, rope, batch: AttentionBatch, kv,
+                  rows: torch.Tensor | None = None, on_q=None) -> torch.Tensor:
+        """Gated attention on normed rows x [N, d] -> [N, d] ([R, d] for `rows`), writing all N rows' K/V."""
+        w: AttentionWeights = self.weights.layers[layer].mixer
         cfg = self.config
         n, hd, heads, kv_heads = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         q_gate, k, v = F.linear(x, w.qkv).split([2 * heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
@@ -109,6 +130,8 @@ class HybridLM:
         else:
             attn = paged_attention_rows(q[rows], rows, k, v, kv, layer, batch, self.scale)  # [R, H*D]
             gate = gate[rows]
+        if on_q is not None:
+            on_q(layer, q)
         return F.linear(attn * torch.sigmoid(gate), w.o)
 
     def _rotate(self, x: torch.Tensor, rope) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig, SpeculativeConfig
+from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from ridgefill_runtime.llm import LLM, build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import HYBRID_CONFIGS, build_tiny_hybrid
@@ -74,9 +74,7 @@ def test_abort_frees_the_state_slot_and_others_go_on(tiny):
     assert engine.stats().state_slots_used == 0
 
 
-def test_fill_and_speculation_are_refused_by_name(tiny):
-    with pytest.raises(ValueError, match="RidgeFill's two-sweep prefill is not built for qwen3_"):
-        build_engine(_engine_config(tiny, fill=FillConfig(arm="identity")))
+def test_speculation_is_refused_by_name(tiny):
     with pytest.raises(ValueError, match="recurrent layers \\[0, 1, 2\\]"):
         build_engine(_engine_config(tiny, speculative=SpeculativeConfig(method="ngram")))
 

@@ -1,0 +1,42 @@
+"""The late part of a two-sweep step, assembled at the split: this step's stay rows (ordinary
+sequences running every layer) and the stashed split states of probe / exact / tail rows
+joining from earlier steps, each with its rotary angles. Shared by every family's fill."""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.attention import key_mass
+from .step import FillStep, MassRequest
+
+
+def late_part(h: torch.Tensor, rope: tuple[torch.Tensor, ...], rope_at, fill: FillStep):
+    """h [N, d] at the split, rope: its rows' (cos, sin); rope_at(positions) -> (cos, sin) of
+    other positions. Returns (h_late [M, d], rope_late)."""
+    h_late = h.new_empty(fill.late_size, h.shape[1])  # [M, d]
+    h_late[fill.stay_to] = h[fill.stay_rows]
+    h_late[fill.late_to] = fill.late_x
+    joining = rope_at(fill.late_pos)
+    rope_late = []
+    for t, tj in zip(rope, joining):
+        part = t.new_empty((fill.late_size,) + tuple(t.shape[1:]))
+        part[fill.stay_to] = t[fill.stay_rows]
+        part[fill.late_to] = tj
+        rope_late.append(part)
+    return h_late, tuple(rope_late)
+
+
+def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], scale: float):
+    """An on_q(layer, q) hook appending, per request, the attention its keys receive at each of
+    its layers ([K] float32) to found[request]; the runner adds them into its accumulators.
+    None when nothing is requested."""
+    if not requests:
+        return None
+
+    def on_q(layer: int, q: torch.Tensor) -> None:
+        for r, masses in zip(requests, found):
+            if layer in r.layers:
+                k, _ = kv.read(layer, r.key_slots)  # [K, Hkv, D]
+                masses.append(key_mass(q[r.rows], r.q_pos, k, r.key_pos, scale))  # [K]
+
+    return on_q
