@@ -30,12 +30,14 @@ class PromptLogits:
         return seq
 
     def __call__(self, ids: list[int], after_fill=None, logits_from: int = 0, rows: RowsConfig | None = None,
-                 hide_from: int | None = None) -> tuple[int, torch.Tensor, "Runner", Sequence]:
+                 hide_from: int | None = None, at_prefix_end=None) -> tuple[int, torch.Tensor, "Runner", Sequence]:
         """-> (first row with logits, logits [N - first, V], the runner holding the cache, the sequence).
 
         Logits start at the fill boundary, or at `logits_from` (whichever is later).
         after_fill(runner, seq), if given, runs once the prefix is filled and before any late
-        layer reads it (the splice measurements edit the filled cache there)."""
+        layer reads it (the splice measurements edit the filled cache there). at_prefix_end(runner,
+        seq), on a hybrid, runs once the late sweep has carried the recurrent states to the prefix's
+        end, before any tail row reads them (the state splice replaces them there)."""
         caches = build_caches(spec_of(self.model), CacheBudget.for_tokens(len(ids), self.block_size), self.model.device)
         runner = Runner(self.model, caches, self.block_size, self.fill, self.maps)
         held = caches.manager()
@@ -54,6 +56,8 @@ class PromptLogits:
             seq.params = scoring if item.end > first else silent
             step = runner.forward([item])
             advance(item, step.row_scores[0], self.select)
+            if at_prefix_end is not None and item.kind is Stage.LATE and item.end == seq.fill_boundary:
+                at_prefix_end(runner, seq)  # NOTE: a hybrid's late chunks end there (stages.next_item)
             held.settle(seq)  # NOTE: as the scheduler does: the stash goes when the prefill ends
             if item.kind.reaches_top and item.end > first:
                 logits = step.logits

@@ -10,7 +10,10 @@ from ..config import FillConfig
 from ..fill.corpus import evaluation_docs
 from ..fill.maps import FillMaps, check_maps_fit
 from ..fill.settings import shipped_maps
-from .run import Arm, document_measures, markdown, needle_results, summarize
+from .run import Arm, document_measures, markdown, needle_results, splices_for, summarize
+
+# the arm name for RidgeFill with the terminal-state correction (Flash-Next's quality mode)
+TERMINAL_ARM = "ridgefill+terminal"
 
 
 def add_eval_parser(sub, engine_args) -> None:
@@ -19,7 +22,8 @@ def add_eval_parser(sub, engine_args) -> None:
     e.add_argument("--split", type=int, default=15)
     e.add_argument("--tail", type=int, default=1024)
     e.add_argument("--maps", default=None, help="map file (default: the shipped maps for --split)")
-    e.add_argument("--arms", default="nofill,identity,ridgefill")
+    e.add_argument("--arms", default="nofill,identity,ridgefill",
+                   help=f"comma-separated: nofill, identity, ridgefill, {TERMINAL_ARM} (hybrids, maps with ΔM)")
     e.add_argument("--docs", type=int, default=10, help="documents of 4K-8K tokens")
     e.add_argument("--max-doc-tokens", type=int, default=8000)
     e.add_argument("--needles-per-task", type=int, default=4)
@@ -37,10 +41,11 @@ def run_eval(args, llm) -> int:
     check_maps_fit(maps.meta, model.identity, model.config, args.split, maps_path)
     arms = []
     for name in args.arms.split(","):
-        fill = FillConfig(arm=name, split=args.split, tail=args.tail, maps=maps_path if name == "ridgefill" else None,
-                          value_rescale=args.value_rescale and name != "nofill",
-                          key_rescale=args.key_rescale and name != "nofill")
-        arms.append(Arm(name, fill, maps if name == "ridgefill" else None))
+        arm, terminal = ("ridgefill", True) if name == TERMINAL_ARM else (name, False)
+        fill = FillConfig(arm=arm, split=args.split, tail=args.tail, maps=maps_path if arm == "ridgefill" else None,
+                          value_rescale=args.value_rescale and arm != "nofill",
+                          key_rescale=args.key_rescale and arm != "nofill", terminal_state=terminal)
+        arms.append(Arm(name, fill, maps if arm == "ridgefill" else None))
     texts = evaluation_docs()
     docs = []
     for d in texts:
@@ -63,7 +68,7 @@ def run_eval(args, llm) -> int:
     lengths = [int(x) for x in args.needle_lengths.split(",")]
     haystacks = [d.text for d in texts[len(docs):]]
     needles = needle_results(model, tok, arms, haystacks, lengths, args.needles_per_task, args.tail)
-    names = [a.name for a in arms] + ([f"{splice_arm}+exact_{w}" for w in ("keys", "values", "both")] if splice_arm else [])
+    names = [a.name for a in arms] + ([f"{splice_arm}+exact_{w}" for w in splices_for(model)] if splice_arm else [])
     summary = summarize(per_doc, needles, names)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {"split": args.split, "tail": args.tail, "maps": maps_path, "lambda": maps.meta.lam,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.spec import spec_of
 from ..config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
 from ..engine import Engine
 from ..offline import PromptLogits
@@ -16,6 +17,9 @@ from .needles import TASKS, make_prompt, solved
 
 KEY_RISE = 2.0  # nats: a key token's exact loss rises by more than this without the prefix
 SPLICES = ("keys", "values", "both")
+# hybrids: also the late Gated DeltaNet layers' states (conv and recurrent) at the prefix's end,
+# and everything at once (seed 000 §1: on Qwen3.5 the error is in the values and the state)
+HYBRID_SPLICES = SPLICES + ("state", "all")
 CHUNK = 2048  # NOTE: big chunks: the CPU's masked-attention path for later chunks is slower
 
 
@@ -40,10 +44,12 @@ def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_
     runs = [(a.name, a, None) for a in arms]
     if splice_arm:
         base = next(a for a in arms if a.name == splice_arm)
-        runs += [(f"{splice_arm}+exact_{what}", base, what) for what in SPLICES]
+        runs += [(f"{splice_arm}+exact_{what}", base, what) for what in splices_for(model)]
     for name, arm, splice in runs:
         hook = None if splice is None else _splicer(exact_runner, exact_seq, splice, arm.fill.split)
-        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK)(ids, after_fill=hook)
+        state = None if splice not in ("state", "all") else _state_splicer(model, ids[:b], arm.fill.split)
+        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK)(ids, after_fill=hook,
+                                                                                at_prefix_end=state)
         logits = logits[:-1]
         d = target_nll(logits, targets) - nll_exact
         kl, agree = kl_and_agreement(exact, logits)
@@ -53,16 +59,32 @@ def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_
     return out
 
 
+def splices_for(model) -> tuple[str, ...]:
+    """The splices a model has: K/V ones, and state ones when recurrent layers sit in it."""
+    return HYBRID_SPLICES if spec_of(model).recurrent_layers else SPLICES
+
+
 def _splicer(exact_runner, exact_seq, what: str, split: int):
     """Copy the exact run's late keys and/or values into the filled slots (same positions)."""
     def splice(runner, seq):
         src = exact_runner._seq_slots(exact_seq, 0, seq.fill_boundary)
         dst = runner._seq_slots(seq, 0, seq.fill_boundary)
-        for layer in range(split, runner.model.config.num_layers):
-            if what in ("keys", "both"):
+        for layer in (l for l in runner.caches.spec.attention_layers if l >= split):
+            if what in ("keys", "both", "all"):
                 runner.kv.k[layer][dst] = exact_runner.kv.k[layer][src]
-            if what in ("values", "both"):
+            if what in ("values", "both", "all"):
                 runner.kv.v[layer][dst] = exact_runner.kv.v[layer][src]
+    return splice
+
+
+def _state_splicer(model, prefix: list[int], split: int):
+    """At the prefix's end, the late recurrent layers' states of an exact run over the prefix alone."""
+    _, _, exact, seq = PromptLogits(model, chunk=CHUNK)(prefix)
+
+    def splice(runner, filled_seq):
+        for layer in (l for l in runner.caches.spec.recurrent_layers if l >= split):
+            for name, t in runner.states.state(layer).items():
+                t[filled_seq.state_slot] = exact.states.state(layer)[name][seq.state_slot]
     return splice
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from ..config import SELECTORS, FillConfig, RowsConfig
 from ..errors import ConfigError
 from ..settings_file import Key, checked_key, flatten, read_toml, store
+from .recipes import apply_recipe
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "maps"
 SHIPPED_SPLIT = 15
@@ -94,6 +95,7 @@ _ROWS_KEYS = {
 # (FillSettings); "rows" collects RowsConfig fields.
 FILL_KEYS: dict[str, Key] = {
     "mode": Key((str,), "fill", "mode"),
+    "recipe": Key((str,), "fill", "recipe"),  # fill/recipes.py: the seed's deployments as presets
     "split": Key((int,), "fill", "split"),
     "tail": Key((int,), "fill", "tail"),
     "maps": Key((str,), "fill", "maps"),
@@ -154,6 +156,14 @@ def resolve_fill(values: dict[str, dict[str, Any]], origin: dict[str, str], *, m
     model: only it gets the shipped maps and unigram counts when none are given. `source` names
     the file (or "command line") in errors no single key explains."""
     given = dict(values["fill"])
+    recipe = given.pop("recipe", None)
+    if recipe is not None:
+        try:
+            given, rows_given = apply_recipe(recipe, given, values["rows"])
+        except ValueError as e:
+            raise ConfigError(f"{origin['fill.recipe']}: key 'fill.recipe': {e}") from None
+        values = {**values, "rows": rows_given}
+        origin = {"fill.mode": origin["fill.recipe"], **origin}
     try:
         settings = FillSettings(given.pop("mode", "off"))
     except ValueError as e:

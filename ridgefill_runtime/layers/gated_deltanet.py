@@ -27,7 +27,9 @@ from .attention import AttentionBatch
 
 @dataclass
 class GDNWeights:
-    in_proj: torch.Tensor  # [C + Hv*Dv + 2*Hv, d]: conv input (q, k, v), then z, then b, then a
+    # [C + 2*Hv + Hv*Dv, d]: conv input (q, k, v), then b, then a, then z; z last so that rows
+    # that only carry the state (RidgeFill's filled rows) skip its GEMM rows
+    in_proj: torch.Tensor
     conv: torch.Tensor  # [C, K] depthwise causal conv taps, oldest input first
     neg_decay: torch.Tensor  # [Hv] float32: −exp(A_log)
     dt_bias: torch.Tensor  # [Hv] float32
@@ -52,7 +54,12 @@ def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: Attentio
     two-sweep late step) it also carries each sequence's gate-product sums (state["share"])."""
     n = x.shape[0]
     hv, dv = cfg.value_heads, cfg.value_head_dim
-    mixed, z, b, a = F.linear(x, w.in_proj).split([cfg.conv_channels, hv * dv, hv, hv], dim=-1)
+    carried = cfg.conv_channels + 2 * hv  # rows of in_proj every row needs; z only the rows with output
+    if out_rows is None:
+        mixed, b, a, z = F.linear(x, w.in_proj).split([cfg.conv_channels, hv, hv, hv * dv], dim=-1)
+    else:
+        mixed, b, a = F.linear(x, w.in_proj[:carried]).split([cfg.conv_channels, hv, hv], dim=-1)
+        z = F.linear(x[out_rows], w.in_proj[carried:])  # [R, Hv*Dv]
     beta = b.sigmoid()  # [N, Hv]
     g = w.neg_decay * F.softplus(a.float() + w.dt_bias)  # [N, Hv] float32, <= 0
     core = x.new_empty(n, hv, dv)  # [N, Hv, Dv]
@@ -63,9 +70,9 @@ def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: Attentio
         _prefill_rows(seq, lo, hi, fresh, mixed, g, beta, w, cfg, state, core)
     if filled is not None:
         _carry_share(state["share"], g, filled, steps, runs)
-    z = z.view(n, hv, dv)
     if out_rows is not None:
-        core, z = core[out_rows], z[out_rows]
+        core = core[out_rows]
+    z = z.view(core.shape[0], hv, dv)
     return F.linear(gated_rms_norm(core, z, w.norm, eps).reshape(core.shape[0], hv * dv), w.out)
 
 

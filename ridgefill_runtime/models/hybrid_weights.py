@@ -1,6 +1,6 @@
 """Hugging Face tensors -> the hybrid model's typed weights (Qwen3.5 and Qwen3-Next layouts).
 
-Both families end in one layout: per GDN layer one input projection [q | k | v | z | b | a]
+Both families end in one layout: per GDN layer one input projection [q | k | v | b | a | z]
 (Qwen3.5 stores the four parts apart; Qwen3-Next fuses q, k, v, z and b, a per key-head group,
 which is regrouped here), per attention layer one [q+gate | k | v] projection, and norm weights
 kept as float32 (1 + w) where the family's RMSNorm is zero-centred.
@@ -88,8 +88,8 @@ def _gdn(f: _Fetcher, p: str, cfg: ModelConfig) -> GDNWeights:
     fused = f.has(p + "in_proj_qkvz.weight")  # Qwen3-Next's layout
     hv, vd = hy.value_heads, hy.value_heads * hy.value_head_dim
     in_proj = _fused_in_proj(f, p, hy, d) if fused else torch.cat([
-        f.get(p + "in_proj_qkv.weight", (hy.conv_channels, d)), f.get(p + "in_proj_z.weight", (vd, d)),
-        f.get(p + "in_proj_b.weight", (hv, d)), f.get(p + "in_proj_a.weight", (hv, d))])
+        f.get(p + "in_proj_qkv.weight", (hy.conv_channels, d)), f.get(p + "in_proj_b.weight", (hv, d)),
+        f.get(p + "in_proj_a.weight", (hv, d)), f.get(p + "in_proj_z.weight", (vd, d))])
     f32 = _Fetcher(f.tensors, torch.float32, f.device)
     return GDNWeights(
         in_proj=in_proj.contiguous(),
@@ -104,13 +104,13 @@ def _gdn(f: _Fetcher, p: str, cfg: ModelConfig) -> GDNWeights:
 def _fused_in_proj(f: _Fetcher, p: str, hy: HybridConfig, d: int) -> torch.Tensor:
     """Qwen3-Next: in_proj_qkvz rows are grouped per key head g as [q_g | k_g | v_g | z_g] (v_g, z_g
     holding that group's r = Hv/Hk value heads), in_proj_ba as [b_g | a_g]; regroup to
-    [q | k | v | z | b | a] with value head g*r + j in group g's j-th place."""
+    [q | k | v | b | a | z] with value head g*r + j in group g's j-th place."""
     hk, dk, dv, r = hy.key_heads, hy.key_head_dim, hy.value_head_dim, hy.value_heads // hy.key_heads
     qkvz = f.get(p + "in_proj_qkvz.weight", (hk * (2 * dk + 2 * r * dv), d)).view(hk, 2 * dk + 2 * r * dv, d)
     q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)  # [Hk, rows, d] each
     ba = f.get(p + "in_proj_ba.weight", (2 * hy.value_heads, d)).view(hk, 2 * r, d)
     b, a = ba.split([r, r], dim=1)
-    return torch.cat([t.reshape(-1, d) for t in (q, k, v, z, b, a)])
+    return torch.cat([t.reshape(-1, d) for t in (q, k, v, b, a, z)])
 
 
 def _dense_mlp(f: _Fetcher, p: str, cfg: ModelConfig) -> DenseMLPWeights:
