@@ -7,8 +7,9 @@ inter-token gap must stay within 2 x its p50 ITL + one chunk's compute.
 The model: random weights, Qwen3.5 layout (d = 512, 16 layers, 12 GDN + 4 gated attention),
 SmolLM2's vocabulary and tokenizer (tokenizer.json written from the embedded GGUF), so the
 load-test client's text prompts tokenize. Speed does not depend on the weights' values.
-"One chunk's compute" is measured in the same run: the median time of an engine step that
-prefills `chunk` rows of a fresh prompt, on the same model and threads, no other work.
+"One chunk's compute" is measured in the same run: the costliest engine step of an exact
+`chunk`-row chunked prefill of a prompt as long as the new one (its last chunk), on the same
+model and threads, no other work.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def build_model(folder: Path) -> None:
     (folder / "tokenizer.json").write_text(tokenizer._backend.to_str())
 
 
-def chunk_seconds(folder: Path, chunk: int, threads: int, reps: int = 3) -> float:
-    """Median wall time of one engine step prefilling `chunk` rows (the first chunk of a prompt)."""
+def chunk_seconds(folder: Path, chunk: int, prompt: int, threads: int, reps: int = 3) -> float:
+    """The costliest chunk of a `prompt`-token prefill (its last: it attends to the most keys):
+    the largest step time over the prompt's chunks, median over `reps` prompts, on an idle engine."""
     from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from ridgefill_runtime.llm import build_engine
     from ridgefill_runtime.sequence import SamplingParams
@@ -53,20 +55,21 @@ def chunk_seconds(folder: Path, chunk: int, threads: int, reps: int = 3) -> floa
     torch.set_num_threads(threads)
     eng = build_engine(EngineConfig(model=str(folder), cache=CacheConfig(kv_cache_gib=0.25),
                                     scheduler=SchedulerConfig(chunk_size=chunk, max_num_batched_tokens=chunk)))
-    times = []
+    worst = []
     for rep in range(reps + 1):
-        seq = eng.add_request([(7 * i + rep) % 1000 + 10 for i in range(4 * chunk)], SamplingParams(max_tokens=1))
-        t = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t)
-        eng.abort(seq)
-        eng.step()
-    return statistics.median(times[1:])  # the first one warms up
+        eng.add_request([(7 * i + rep) % 1000 + 10 for i in range(prompt)], SamplingParams(max_tokens=1))
+        times = []
+        while eng.has_unfinished():
+            t = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t)
+        worst.append(max(times))
+    return statistics.median(worst[1:])  # the first prompt warms up
 
 
 def serve(folder: Path, fill: str, threads: int, port: int, tail: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    config = folder.parent / f"serve_{fill}.toml"
+    config = folder / f"serve_{fill}.toml"
     # NOTE: the identity fill (x̂ = x_S) needs no maps and does the same work as fitted maps but the map GEMM
     config.write_text(f'[model]\npath = "{folder}"\n[fill]\nmode = "{fill}"\nsplit = 8\ntail = {tail}\n'
                       '[fill.rows]\nselectors = ["special"]\n')
@@ -95,19 +98,27 @@ def main() -> None:
     ap.add_argument("--new-prompt-tokens", type=int, default=2048)
     ap.add_argument("--tail", type=int, default=512)
     ap.add_argument("--chunk", type=int, default=512, help="the server's default scheduler.chunk_size")
+    ap.add_argument("--reuse", action="store_true", help="reuse load-test results already in --out")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/ridgefill-hybrid-loadtest-model"),
+                    help="where the random checkpoint is written (reused when present; ~100 MB, not for the repo)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    folder = args.out / "model"
+    folder = args.model_dir
     if not (folder / "config.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
         build_model(folder)
-    chunk_s = chunk_seconds(folder, args.chunk, args.threads)
+    chunk_s = chunk_seconds(folder, args.chunk, args.new_prompt_tokens, args.threads)
     results = {}
     for fill, port in (("off", 8731), ("identity", 8732)):
+        out = args.out / f"mixed_fill_{fill}.json"
+        if args.reuse and out.exists():
+            results[fill] = json.loads(out.read_text())
+            continue
         proc = serve(folder, fill, args.threads, port, args.tail)
         try:
-            out = args.out / f"mixed_fill_{fill}.json"
             subprocess.run([sys.executable, "-m", "clients.loadtest", "mixed", "--url", f"http://127.0.0.1:{port}",
-                            "--concurrency", *map(str, args.concurrency), "--reps", "1",
+                            "--concurrency", *map(str, args.concurrency), "--reps", str(args.reps),
                             "--new-prompt-tokens", str(args.new_prompt_tokens), "--new-output-tokens", "4",
                             "--other-prompt-tokens", "64", "--decode-tokens", "64", "--out", str(out)],
                            cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -115,7 +126,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    print(f"\nthreads={args.threads}; one {args.chunk}-row chunk's compute: {chunk_s:.2f} s")
+    print(f"\nthreads={args.threads}; one {args.chunk}-row chunk's compute (the costliest of a "
+          f"{args.new_prompt_tokens}-token prefill, exact): {chunk_s:.2f} s")
     print(f"{'fill':>8} | {'C':>2} | {'new TTFT s':>10} | {'filled':>6} | {'ITL p50 s':>9} | {'ITL max s':>9} | "
           f"{'bound s':>7} | ok")
     for fill, result in results.items():

@@ -91,6 +91,7 @@ class RequestHandle:
     times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
     fill: bool = True  # False: exact prefill even when the engine's fill is on
     rows: RowsConfig | None = None  # this request's exact-row selectors; None: the engine's
+    terminal_state: bool | None = None  # this request's terminal-state correction; None: the engine's
     deadline: float | None = None  # time.monotonic() after which it ends with "timeout"
     seq: Sequence | None = None  # set by the engine thread once added
     fill_rows: FillRows | None = None  # set with seq when its prefix is filled (final once finished)
@@ -227,7 +228,8 @@ class AsyncEngine:
     # -- event-loop side ----------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
-               rows: RowsConfig | None = None, deadline: float | None = None) -> RequestHandle:
+               rows: RowsConfig | None = None, deadline: float | None = None,
+               terminal_state: bool | None = None) -> RequestHandle:
         """Validate and enqueue; raises InputError, EngineOverloaded or EngineStopped.
         `fill=False` asks for exact prefill even when the engine's fill is on; `rows` replaces
         the engine's exact-row selectors for this request (Engine.add_request); past `deadline`
@@ -235,8 +237,9 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineStopped(self._refusal())
         self.engine.validate(prompt_ids, params)  # reads only immutable model facts
+        self.engine.check_terminal_request(terminal_state)  # NOTE: immutable engine facts, like validate
         handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop(), fill=fill, rows=rows,
-                               deadline=deadline)
+                               deadline=deadline, terminal_state=terminal_state)
         with self._lock:
             # NOTE: checked and enqueued under the lock: once stop() has closed admission, no
             # add can land in the inbox behind its wake-up, unseen by the thread's last drain.
@@ -332,6 +335,7 @@ class AsyncEngine:
             return
         try:
             seq = self.engine.add_request(handle.prompt_ids, handle.params, fill=handle.fill, rows=handle.rows,
+                                          terminal_state=handle.terminal_state,
                                           deadline=handle.deadline)
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
             self._finish(handle, StreamEvent("", [], True, "error", str(e)))

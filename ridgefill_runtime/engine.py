@@ -114,17 +114,28 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
                     rows: RowsConfig | None = None, hide_from: int | None = None,
-                    deadline: float | None = None) -> Sequence:
+                    deadline: float | None = None, terminal_state: bool | None = None) -> Sequence:
         """Queue a request. `fill=False` asks for an exact prefill even when the fill is on;
         `rows` overrides the configured exact-row selectors for this request; `hide_from`
         (evaluation: the question-hidden control) shows the selectors only positions before it;
-        past `deadline` (time.monotonic() seconds) it ends with finish_reason "timeout"."""
+        past `deadline` (time.monotonic() seconds) it ends with finish_reason "timeout";
+        `terminal_state` turns the terminal-state correction on or off for this request (None:
+        fill.corrections.terminal_state)."""
         self.validate(prompt_ids, params)
+        self.check_terminal_request(terminal_state)
         seq = Sequence(prompt_ids=list(prompt_ids), params=params, deadline=deadline)
         apply_fill(seq, self.fill, fill, rows, hide_from, self.carries_late_state)
+        if terminal_state is not None:
+            seq.terminal_state = seq.carry_all_rows and terminal_state
         seq.spec_tokens = spec_tokens(self.speculative, params)
         self.scheduler.add(seq)
         return seq
+
+    def check_terminal_request(self, terminal_state: bool | None) -> None:
+        """A request may ask for the terminal-state correction only where maps hold ΔM."""
+        if terminal_state and not self.runner.has_terminal_shift:
+            raise InputError("the terminal-state correction needs a hybrid model served with fill.mode = \"plain\" "
+                             "and maps holding ΔM (`ridgefill fit --terminal-state`)")
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -253,6 +264,7 @@ def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None
     seq.fill_boundary, seq.fill_arm = n - fill.tail, fill.arm
     seq.rows, seq.hide_from = rows or fill.rows, hide_from
     seq.carry_all_rows = carry and fill.arm in ("identity", "ridgefill")
+    seq.terminal_state = seq.carry_all_rows and fill.terminal_state
 
 
 def _check_terminal_shift(spec, split: int, maps) -> None:

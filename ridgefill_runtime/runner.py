@@ -47,7 +47,9 @@ class Runner:
         self.fill_config = fill or FillConfig()
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
-        terminal = maps.terminal_shift if self.fill_config.terminal_state else None
+        # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.terminal_state)
+        self.has_terminal_shift = _holds_terminal_shift(maps, self.caches.spec, self.fill_config.split)
+        terminal = maps.terminal_shift if self.has_terminal_shift else None
         self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self.states,
                                    model.config, model.dtype, self.device, self.caches.spec.attention_layers,
                                    terminal)
@@ -237,6 +239,12 @@ def _around(model, kv: KVPool, block_size: int) -> ModelCaches:
     """A bare KV pool inside ModelCaches, with a one-slot state pool beside it."""
     spec = spec_of(model)
     return ModelCaches(spec, kv, StatePool(spec, 1, model.device), block_size, kv.num_slots // block_size)
+
+
+def _holds_terminal_shift(maps, spec, split: int) -> bool:
+    """The maps hold a ΔM for every recurrent layer above the split (there is one at least)."""
+    late = [layer for layer in spec.recurrent_layers if layer >= split]
+    return bool(late) and maps is not None and all(layer in getattr(maps, "terminal", {}) for layer in late)
 
 
 def _predictor(arm: str, maps):

@@ -83,6 +83,7 @@ class Sequence:
     # Hybrids (seed 000 §2.4 "Two sweeps"): a late recurrent layer's state must be carried over
     # every prefix row in order, so the late sweep walks every position, not just the exact rows.
     carry_all_rows: bool = False
+    terminal_state: bool = False  # add ρ·ΔM to the late recurrent states at the prefix's end
     rows: RowsConfig | None = None  # exact-row selectors for this request
     hide_from: int | None = None  # question-hidden control: selectors see only positions < this
     # Two-sweep prefill (seed 000, Figure 5), see stages.py: "lower" runs layers below the split

@@ -154,16 +154,18 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
             raise HTTPError(404, f"model {name!r} does not exist; this server serves "
                                  f"{server_config.served_model_name!r}", "model")
 
-    def rows_for(body, eng: AsyncEngine):
+    def fill_for(body, eng: AsyncEngine):
+        """The request's (exact-row selectors, terminal-state correction) over the server's."""
         tok = eng.engine.tokenizer
-        return rq.request_rows(body, eng.engine.fill.rows, tok is not None and hasattr(tok, "token_type"))
+        rows = rq.request_rows(body, eng.engine.fill.rows, tok is not None and hasattr(tok, "token_type"))
+        return rows, rq.request_terminal_state(body, eng.engine)
 
-    def submit(request: Request, body, prompt_ids, params, fill: bool, rows):
+    def submit(request: Request, body, prompt_ids, params, fill: bool, rows, terminal):
         eng = state.ready()
         deadline = deadline_for(body.timeout, server_config.request_timeout_s)
         note_usage(request, len(prompt_ids))
         try:
-            return eng.submit(prompt_ids, params, fill, rows, deadline=deadline)
+            return eng.submit(prompt_ids, params, fill, rows, deadline=deadline, terminal_state=terminal)
         except InputError as e:
             raise HTTPError(400, str(e), "prompt") from None
         except (EngineOverloaded, EngineStopped) as e:
@@ -219,13 +221,13 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         if body.echo:
             raise HTTPError(400, "echo is not supported", "echo")
         eng = state.ready()
-        rows = rows_for(body, eng)
+        rows, terminal = fill_for(body, eng)
         rq.check_completion_prompt(body, eng.engine.max_model_len)
         params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, server_config.max_stop_strings)
         params = rq.with_speculation(body, params, eng.engine.speculative)
         # NOTE: every cheap check is done; tokenizing may take seconds, in a worker thread.
         prompt = await asyncio.to_thread(rq.completion_prompt, body, eng.engine.tokenizer)
-        handle = submit(request, body, prompt, params, fill, rows)
+        handle = submit(request, body, prompt, params, fill, rows, terminal)
         rid, model = new_id("cmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -243,14 +245,14 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         rq.check_common(body)
         fill = rq.wants_fill(body)
         eng = state.ready()
-        rows = rows_for(body, eng)
+        rows, terminal = fill_for(body, eng)
         rq.check_messages(body.messages)
         params = rq.chat_sampling_params(body, server_config.default_chat_max_tokens, server_config.max_stop_strings)
         params = rq.with_speculation(body, params, eng.engine.speculative)
         # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
         prompt = await asyncio.to_thread(rq.chat_prompt, body.messages, eng.engine.tokenizer)
         params = rq.fit_default_limit(body, params, len(prompt), eng.engine.max_model_len)
-        handle = submit(request, body, prompt, params, fill, rows)
+        handle = submit(request, body, prompt, params, fill, rows, terminal)
         rid, model = new_id("chatcmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -21,13 +21,17 @@ class RidgefillOptions(BaseModel):
     replaces the server's exact-row selectors for this request; the other fill.rows settings
     stay as configured. `speculative` ("off", or "ngram": the server's method) and
     `num_tokens` (at most the server's speculative.num_tokens) set this request's speculative
-    decoding; only greedy requests speculate. Other values are refused in `server/requests.py`."""
+    decoding; only greedy requests speculate. `recipe` (fill/recipes.py) sets this request's
+    exact-row selectors (unless `selectors` is given) and whether the terminal-state correction
+    is added; the split, tail, maps and value rescale stay the server's. Other values are
+    refused in `server/requests.py`."""
 
     model_config = ConfigDict(extra="forbid")
     mode: str | None = None
     selectors: list[str] | None = None
     speculative: str | None = None
     num_tokens: int | None = None
+    recipe: str | None = None
 
 
 class StreamOptions(BaseModel):

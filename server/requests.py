@@ -6,6 +6,7 @@ import dataclasses
 
 from ridgefill_runtime.config import SELECTORS, RowsConfig, SpeculativeConfig
 from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.fill.recipes import RECIPES
 from ridgefill_runtime.fill.settings import needs_counts
 from ridgefill_runtime.sequence import SamplingParams
 
@@ -35,10 +36,36 @@ def wants_fill(req: _SamplingFields) -> bool:
     return mode != "off"
 
 
+def _recipe(req: _SamplingFields):
+    """The request's ridgefill.recipe (fill/recipes.py) or None; unknown names are refused."""
+    name = req.ridgefill.recipe if req.ridgefill is not None else None
+    if name is not None and name not in RECIPES:
+        raise HTTPError(400, f"ridgefill.recipe: unknown recipe {name!r} (known: {', '.join(RECIPES)})",
+                        "ridgefill.recipe")
+    return None if name is None else RECIPES[name]
+
+
+def request_terminal_state(req: _SamplingFields, engine) -> bool | None:
+    """Whether the request's recipe adds the terminal-state correction (None: no recipe, the
+    server's setting). Only a server whose maps hold ΔM can honour a recipe that asks for it."""
+    recipe = _recipe(req)
+    if recipe is None:
+        return None
+    wanted = bool(recipe[0].get("terminal_state", False))
+    try:
+        engine.check_terminal_request(wanted)
+    except InputError as e:
+        raise HTTPError(400, f"ridgefill.recipe {req.ridgefill.recipe!r}: {e}", "ridgefill.recipe") from None
+    return wanted
+
+
 def request_rows(req: _SamplingFields, configured: RowsConfig, has_token_table: bool) -> RowsConfig | None:
     """The request's exact-row selectors over the server's `configured` rows, or None (use the
     configured ones). Only the selectors change; budgets, windows and counts stay configured."""
     selectors = req.ridgefill.selectors if req.ridgefill is not None else None
+    recipe = _recipe(req)
+    if selectors is None and recipe is not None:
+        selectors = recipe[1]["selectors"]  # NOTE: `selectors`, when given too, wins
     if selectors is None:
         return None
     for name in selectors:

@@ -120,7 +120,7 @@ class FillPlanner:
         # the late sweep starts afresh at position 0), the late sweep's first rows a real one.
         acc.add_late(item.num_tokens, self.slots_of(seq, pos), read.shape[0], read, pos, keys, seq.state_slot,
                      fresh=seq.queue_done == 0, filled=self._filled(item, pos))
-        if seq.carry_all_rows and item.kind is Stage.LATE and item.end == seq.fill_boundary:
+        if seq.terminal_state and item.kind is Stage.LATE and item.end == seq.fill_boundary:
             acc.prefix_ends.append(len(acc.ctx) - 1)
         rows = torch.arange(start, start + item.num_tokens, device=self.device)
         if item.kind is Stage.PROBE:

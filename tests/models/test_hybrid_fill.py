@@ -285,3 +285,42 @@ def test_value_rescale_measured_on_the_first_tail_rows_equals_the_reference(tiny
     while eng.has_unfinished():
         eng.step()
     assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4)
+
+
+def test_a_request_turns_the_correction_on_or_off(tiny, fitted, tmp_path):
+    """With maps holding ΔM, each request chooses (Engine.add_request terminal_state): on gives
+    the corrected reference, off the plain one, in the same engine and batch."""
+    import shutil
+
+    from ridgefill_runtime.errors import InputError
+    from ridgefill_runtime.fill.maps import FillMaps, add_terminal_shift
+
+    model, ids, hy = tiny["model"], tiny["ids"], tiny["model"].config.hybrid
+    path = tmp_path / "maps.safetensors"
+    shutil.copy(fitted, path)
+    shifts = {2: 0.5 * torch.randn(hy.value_heads, hy.key_head_dim, hy.value_head_dim,
+                                   generator=torch.Generator().manual_seed(12))}
+    add_terminal_shift(path, shifts, every=64, states=1)
+    maps = FillMaps(path, "resident", model.dtype, model.device)
+    boundary = PROMPT - TAIL
+    refs = {}
+    for on in (True, False):
+        logits, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict, shifts if on else None,
+                                        boundary)
+        refs[on] = logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+    fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(path), rows=RowsConfig(selectors=("special",)))
+    eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=96), fill=fill,
+                                           scheduler=SchedulerConfig(chunk_size=16)), maps)
+    eng.scheduler.select = lambda seq: list(EXACT_ROWS)
+    seqs = {on: eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True), terminal_state=on)
+            for on in (True, False)}
+    default = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))  # the config's: off
+    while eng.has_unfinished():
+        eng.step()
+    for on, seq in seqs.items():
+        assert torch.allclose(torch.tensor(seq.prompt_logprobs), refs[on], atol=1e-4), on
+    assert torch.allclose(torch.tensor(default.prompt_logprobs), refs[False], atol=1e-4)
+    plain = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill),
+                   FillMaps(fitted, "resident", model.dtype, model.device))  # maps without ΔM
+    with pytest.raises(InputError, match="the terminal-state correction needs .* maps holding ΔM"):
+        plain.add_request(ids, SamplingParams(max_tokens=1), terminal_state=True)

@@ -329,3 +329,24 @@ def test_maps_for_another_split_stop_serve_with_one_line(model_and_maps, tmp_pat
     assert p.returncode == 1 and p.stderr.strip() == (
         f"ridgefill: error: command line: key 'fill.maps': {maps[SPLIT]} holds maps fitted for split {SPLIT}, "
         f"but fill.split is 11")
+
+
+def test_request_recipe_sets_the_rows_and_refuses_what_the_server_cannot_do(servers):
+    """ridgefill.recipe per request: its exact-row selectors (and its correction, where the maps
+    allow it); the split, tail and maps stay the server's."""
+    from ridgefill_runtime.fill.recipes import RECIPES
+
+    on, _ = servers
+    plain = _complete(on, ridgefill={"recipe": "flash-next"})  # Flash-Next's plain mode: no exact prefix row
+    n = plain["usage"]["prompt_tokens"]
+    assert plain["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
+                                           "tail_rows": TAIL, "split": SPLIT}
+    _check_rows(_complete(on, ridgefill={"recipe": "qwen3.8-27b"})["usage"])  # its selectors chose some rows
+    both = _complete(on, ridgefill={"recipe": "flash-next", "selectors": ["special"]})  # selectors win
+    assert both["usage"]["ridgefill"]["exact_prefix_rows"] >= 1
+    for recipe, words in (("flash", f"ridgefill.recipe: unknown recipe 'flash' (known: {', '.join(RECIPES)})"),
+                          ("flash-next-quality", "maps holding ΔM")):
+        r = httpx.post(on + "/v1/completions", json={"prompt": LONG, "max_tokens": 2, "ridgefill": {"recipe": recipe}})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "ridgefill.recipe" and words in err["message"], err
+    _check_rows(_complete(on)["usage"])
