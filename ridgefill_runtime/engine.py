@@ -82,9 +82,9 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         cache_spec = spec_of(model)
         self.speculative = config.speculative
-        if self.speculative.enabled and cache_spec.recurrent_layers:
+        if self.speculative.enabled and not cache_spec.rolls_back:
             # NOTE: a rejected draft row has already updated a recurrent state; rolling that back
-            # needs a snapshot of the state slot per verification, which no model needs yet.
+            # needs the layer's per-row snapshots (RecurrentCache.rollback_parts).
             raise ValueError(f"speculative.method = {self.speculative.method!r}: this model has recurrent "
                              f"layers {list(cache_spec.recurrent_layers)}, whose states cannot be rolled back "
                              f"past rejected draft tokens; use speculative.method = \"off\"")
@@ -247,8 +247,10 @@ def engine_budget(config: EngineConfig, max_positions: int) -> CacheBudget:
     """The engine's caches: the configured KV pool, one state slot per sequence that may run
     (admission never waits on a slot, so liveness rests on the blocks alone)."""
     c = config.cache
+    history = config.speculative.num_tokens + 1 if config.speculative.enabled else 0  # rows per verification
     return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib,
-                       state_slots=config.scheduler.max_num_seqs, max_positions=max_positions)
+                       state_slots=config.scheduler.max_num_seqs, max_positions=max_positions,
+                       history_rows=history)
 
 
 def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,

@@ -134,7 +134,8 @@ class Runner:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
         batch = AttentionBatch(query_starts=starts, context_lens=[it.end for it in items],
                                write_slots=cat(write).to(dev), read_slots=read,
-                               state_slots=[it.seq.state_slot for it in items])
+                               state_slots=[it.seq.state_slot for it in items],
+                               verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None)
         return torch.tensor(ids, dtype=torch.int64, device=dev), cat(pos).to(dev), batch
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

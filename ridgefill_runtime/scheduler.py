@@ -223,7 +223,8 @@ class Scheduler:
         if seq.finished:  # everything it held is already given back
             return
         seq.num_computed = seq.num_tokens - 1
-        self.caches.rollback(seq, seq.num_computed, seq.num_tokens)
+        # NOTE: rows 0..appended-1 of the item (the last known token, the accepted drafts) stand
+        self.caches.rollback(seq, seq.num_computed, seq.num_tokens, verified_row=appended - 1)
 
 
 @dataclass

@@ -24,6 +24,7 @@ class CacheBudget:
     kv_cache_gib: float = 1.0
     state_slots: int = 1
     max_positions: int = 4096  # a model with no attention still needs blocks to count positions
+    history_rows: int = 0  # most rows one speculative verification runs (recurrent snapshots)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -58,7 +59,7 @@ class ModelCaches:
         """A manager of these pools' ids; freeing a slot clears what the pools keep in it."""
         return CacheManager(BlockManager(self.num_blocks, self.block_size), self.states.num_slots,
                             self.spec.stash_bytes_per_row(), on_free_slot=self.states.free_slot,
-                            on_stash_done=self.states.drop_stash)
+                            on_stash_done=self.states.drop_stash, on_rollback=self.states.restore_row)
 
 
 def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
@@ -71,7 +72,7 @@ def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | st
     att = spec.attention
     heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)
     kv = KVPool(spec.attention_layers, num_blocks * budget.block_size, heads, dim, spec.dtype, device)
-    states = StatePool(spec, budget.state_slots, device)
+    states = StatePool(spec, budget.state_slots, device, budget.history_rows)
     return ModelCaches(spec, kv, states, budget.block_size, num_blocks)
 
 

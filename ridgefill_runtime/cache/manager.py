@@ -43,13 +43,14 @@ class CacheStats:
 
 class CacheManager:
     def __init__(self, blocks: BlockManager, num_state_slots: int, stash_bytes_per_row: int = 0,
-                 on_free_slot: SlotHook = _ignore, on_stash_done: SlotHook = _ignore):
+                 on_free_slot: SlotHook = _ignore, on_stash_done: SlotHook = _ignore,
+                 on_rollback: Callable[[int, int], None] = lambda slot, row: None):
         if num_state_slots <= 0:
             raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
         self.blocks = blocks
         self.num_state_slots = num_state_slots
         self.stash_bytes_per_row = stash_bytes_per_row
-        self._on_free_slot, self._on_stash_done = on_free_slot, on_stash_done
+        self._on_free_slot, self._on_stash_done, self._on_rollback = on_free_slot, on_stash_done, on_rollback
         # NOTE: a stack, like the blocks: the most recently freed slot is reused first.
         self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
         self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
@@ -86,14 +87,14 @@ class CacheManager:
     def grow(self, seq, num_tokens: int) -> None:
         self.blocks.grow(seq.block_table, num_tokens)
 
-    def rollback(self, seq, num_valid: int, num_kept: int) -> None:
+    def rollback(self, seq, num_valid: int, num_kept: int, verified_row: int | None = None) -> None:
         """A verification step rejected draft rows: positions from `num_valid` on hold rejected
         K/V (overwritten when recomputed, so only the blocks matter) and blocks past those for
-        `num_kept` positions go back. NOTE: recurrent states have already absorbed the
-        rejected rows and would need a snapshot of the state slot to roll back; no current
-        model needs one, so the engine refuses speculation for models with recurrent layers
-        (Engine.__init__) and this hook leaves states alone."""
+        `num_kept` positions go back. Recurrent states have absorbed every verified row: they
+        go back to their snapshot after row `verified_row` of the verification (the pool's)."""
         self.blocks.shrink(seq.block_table, max(num_valid, num_kept))
+        if verified_row is not None and seq.state_slot is not None:
+            self._on_rollback(seq.state_slot, verified_row)
 
     def settle(self, seq) -> None:
         """After a step: a sequence whose two-sweep prefill is over gives its stash back."""

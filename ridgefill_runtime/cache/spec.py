@@ -42,6 +42,9 @@ class RecurrentCache:
     # NOTE: a state that accumulates over the whole sequence (GDN's S) is kept in float32 even
     # when the model runs in bf16; None: the spec's cache dtype.
     dtype: torch.dtype | None = None
+    # Parts the model snapshots after every row of a speculative verification (StatePool.history),
+    # so a rejected draft can be rolled back; empty: the layer cannot take multi-token steps.
+    rollback_parts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -52,6 +55,9 @@ class RecurrentCache:
         for name, shape in self.parts:
             if not shape or any(n <= 0 for n in shape):
                 raise ValueError(f"recurrent state part {name!r} needs a positive shape, got {shape}")
+        unknown = set(self.rollback_parts) - set(names)
+        if unknown:
+            raise ValueError(f"rollback parts {sorted(unknown)} are not state parts {names}")
 
     def bytes_per_sequence(self, dtype: torch.dtype) -> int:
         return sum(math.prod(shape) for _, shape in self.parts) * (self.dtype or dtype).itemsize
@@ -104,6 +110,11 @@ class CacheSpec:
 
     def kv_bytes_per_token(self) -> int:
         return sum(c.bytes_per_token(self.dtype) for c in self.layers if isinstance(c, AttentionCache))
+
+    @property
+    def rolls_back(self) -> bool:
+        """Every recurrent layer snapshots its state per verified row: multi-token steps are safe."""
+        return all(c.rollback_parts for c in self.layers if isinstance(c, RecurrentCache))
 
     def state_bytes_per_sequence(self) -> int:
         return sum(c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, RecurrentCache))

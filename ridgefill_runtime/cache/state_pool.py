@@ -14,7 +14,8 @@ from .spec import CacheSpec, RecurrentCache
 
 
 class StatePool:
-    def __init__(self, spec: CacheSpec, num_slots: int, device: torch.device | str):
+    def __init__(self, spec: CacheSpec, num_slots: int, device: torch.device | str, history_rows: int = 0):
+        """history_rows: the most rows a speculative verification runs (0: none does)."""
         self.num_slots = num_slots
         self.dtype, self.device = spec.dtype, torch.device(device)
         self.stash_width = spec.stash_width
@@ -26,12 +27,29 @@ class StatePool:
             for i, c in enumerate(spec.layers) if isinstance(c, RecurrentCache)
         }  # layer -> part -> [num_slots, *shape]
         self._stashes: dict[int, SplitStash] = {}  # slot -> stash, only while its prefill runs
+        # layer -> part -> [num_slots, history_rows, *shape]: the state after each row of the
+        # slot's last verification, written by the model, read back by restore_row
+        self.histories: dict[int, dict[str, torch.Tensor]] = {
+            i: {name: torch.zeros((num_slots, history_rows, *shape), dtype=c.dtype or spec.dtype, device=device)
+                for name, shape in c.parts if name in c.rollback_parts}
+            for i, c in enumerate(spec.layers) if isinstance(c, RecurrentCache) and history_rows > 0
+        }
 
     # -- recurrent states --------------------------------------------------------------------
 
     def state(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer's state parts, each [num_slots, *shape]; rows are indexed by state slot."""
         return self.states[layer]
+
+    def history(self, layer: int) -> dict[str, torch.Tensor]:
+        """Layer's per-row snapshots of its rollback parts, each [num_slots, history_rows, *shape]."""
+        return self.histories[layer]
+
+    def restore_row(self, slot: int, row: int) -> None:
+        """A verification accepted rows 0..row only: put the states after that row back."""
+        for layer, parts in self.histories.items():
+            for name, hist in parts.items():
+                self.states[layer][name][slot] = hist[slot, row]
 
     def free_slot(self, slot: int) -> None:
         """The slot's sequence is gone (finished or preempted): zero its states, drop its stash."""

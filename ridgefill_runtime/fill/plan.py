@@ -104,7 +104,8 @@ class FillPlanner:
                                    dtype=torch.int64, device=self.device)
             read = self.slots_of(seq, key_pos)
         acc.stay_rows.append(rows)
-        acc.add_late(item.num_tokens, batch.write_slots[rows], item.end, read, None, key_pos, seq.state_slot)
+        acc.add_late(item.num_tokens, batch.write_slots[rows], item.end, read, None, key_pos, seq.state_slot,
+                     verifies=bool(item.draft))
 
     def _late_item(self, item, acc: "_Parts") -> None:
         seq = item.seq
@@ -188,15 +189,16 @@ class _Parts:
         self.starts, self.ctx, self.read, self.q_pos, self.k_pos, self.write = [0], [], [], [], [], []
         self.lower_mass, self.late_mass, self.rescales = [], [], []
         self.lower_into, self.late_into = [], []  # the stash accumulator of each mass request
-        self.slots, self.fresh, self.filled, self.prefix_ends = [], [], [], []
+        self.slots, self.fresh, self.filled, self.prefix_ends, self.verifies = [], [], [], [], []
 
     @property
     def late_size(self) -> int:
         return self.starts[-1]
 
-    def add_late(self, n, write, ctx, read, q_pos, k_pos, slot, fresh=None, filled=None) -> None:
+    def add_late(self, n, write, ctx, read, q_pos, k_pos, slot, fresh=None, filled=None, verifies=False) -> None:
         """fresh None: the rows' recurrent states start from zero iff they start at position 0."""
         self.slots.append(slot)
+        self.verifies.append(verifies)
         self.fresh.append(fresh if fresh is not None else ctx == n)
         self.filled.append(filled)
         self.starts.append(self.starts[-1] + n)
@@ -212,7 +214,8 @@ class _Parts:
                    for k in range(len(self.ctx)) if self.q_pos[k] is None]
         batch = AttentionBatch(query_starts=self.starts, context_lens=self.ctx, write_slots=cat(self.write),
                                read_slots=self.read, query_pos=self.q_pos, key_pos=self.k_pos,
-                               state_slots=self.slots, state_fresh=self.fresh)
+                               state_slots=self.slots, state_fresh=self.fresh,
+                               verifies=self.verifies if any(self.verifies) else None)
         filled, exact, exact_batch = self._exact_part(batch, device)
         late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
         step = FillStep(split=split, exit_rows=cat(self.exit_rows), fill_rows=cat(self.fill_rows),

@@ -33,6 +33,9 @@ class AttentionBatch:
     # Per sequence, whether its recurrent states start from zero at its first row this step; None:
     # where its rows start at position 0 (the probe starts a scratch state mid-sequence).
     state_fresh: list[bool] | None = None
+    # Per sequence, whether its rows verify a speculative draft: a recurrent layer then keeps
+    # its state after every row (StatePool.history) so the rejected rows can be rolled back.
+    verifies: list[bool] | None = None
 
     @property
     def num_seqs(self) -> int:

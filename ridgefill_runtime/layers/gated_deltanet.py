@@ -47,11 +47,13 @@ def state_shapes(cfg: HybridConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
 
 def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: AttentionBatch,
               state: dict[str, torch.Tensor], eps: float, out_rows: torch.Tensor | None = None,
-              filled: torch.Tensor | None = None) -> torch.Tensor:
+              filled: torch.Tensor | None = None, history: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Normed layer input [N, d] -> mixer output [N, d] (or [R, d] for `out_rows`: the other rows
     only update the state); writes each sequence's new conv state and S into `state`
     (conv [slots, K-1, C], ssm [slots, Hv, Dk, Dv] float32). With `filled` [N] bool (a
-    two-sweep late step) it also carries each sequence's gate-product sums (state["share"])."""
+    two-sweep late step) it also carries each sequence's gate-product sums (state["share"]).
+    `history` (StatePool.history): where a sequence verifying a speculative draft keeps its
+    conv state and S after each row, for the rollback."""
     n = x.shape[0]
     hv, dv = cfg.value_heads, cfg.value_head_dim
     carried = cfg.conv_channels + 2 * hv  # rows of in_proj every row needs; z only the rows with output
@@ -66,8 +68,11 @@ def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: Attentio
     steps, runs = _split_rows(batch)
     if steps:
         _decode_rows(steps, mixed, g, beta, w, cfg, state, core)
-    for seq, lo, hi, fresh in runs:
-        _prefill_rows(seq, lo, hi, fresh, mixed, g, beta, w, cfg, state, core)
+    for slot, lo, hi, fresh in runs:
+        if history is not None and _verifies(batch, slot):
+            _verify_rows(slot, lo, hi, mixed, g, beta, w, cfg, state, core, history)
+        else:
+            _prefill_rows(slot, lo, hi, fresh, mixed, g, beta, w, cfg, state, core)
     if filled is not None:
         _carry_share(state["share"], g, filled, steps, runs)
     if out_rows is not None:
@@ -105,6 +110,30 @@ def _split_rows(batch: AttentionBatch):
         else:
             runs.append((slot, lo, hi, fresh))
     return steps, runs
+
+
+def _verifies(batch: AttentionBatch, slot: int) -> bool:
+    if batch.verifies is None:
+        return False
+    return any(v and s == slot for v, s in zip(batch.verifies, batch.state_slots))
+
+
+def _verify_rows(slot, lo, hi, mixed, g, beta, w, cfg, state, core, history) -> None:
+    """A decode with a draft: the rows one at a time, exactly as decode steps would run them
+    (so accepted tokens are the ones plain decoding picks), keeping the states after each."""
+    conv_state, ssm = state["conv"], state["ssm"]
+    width = conv_state.shape[1]  # K - 1
+    conv_in = torch.cat([conv_state[slot].to(mixed.dtype), mixed[lo:hi]])  # [K-1+n, C]
+    s = ssm[slot:slot + 1]
+    for j in range(hi - lo):
+        window = conv_in[j:j + width + 1]  # [K, C]: the row and its K-1 predecessors
+        q, k, v = _split_qkv(F.silu((window * w.conv.T).sum(0))[None], cfg)
+        o, s = gdn_step(q, k, v, g[lo + j:lo + j + 1], beta[lo + j:lo + j + 1], s, use_qk_l2norm=True)
+        core[lo + j] = o[0]
+        history["conv"][slot, j] = window[1:]
+        history["ssm"][slot, j] = s[0]
+    conv_state[slot] = conv_in[conv_in.shape[0] - width:]
+    ssm[slot] = s[0]
 
 
 def _carry_share(share: torch.Tensor, g: torch.Tensor, filled: torch.Tensor, steps, runs) -> None:

@@ -43,7 +43,7 @@ class HybridLM:
         """GDN layers keep a conv + recurrent state per sequence (float32); attention layers paged K/V;
         the fill's stash keeps hidden-size split states."""
         cfg = self.config
-        gdn = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32)
+        gdn = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32, rollback_parts=("conv", "ssm"))
         att = AttentionCache(cfg.num_kv_heads, cfg.head_dim)
         return CacheSpec(tuple(gdn if cfg.hybrid.is_linear(i) else att for i in range(cfg.num_layers)), self.dtype,
                          stash_width=cfg.hidden_size)
@@ -104,7 +104,9 @@ class HybridLM:
         cfg, w = self.config, self.weights.layers[i]
         x = zero_centred_rms_norm(h, w.input_norm, cfg.rms_norm_eps)
         if cfg.hybrid.is_linear(i):
-            mixed = gdn_mixer(x, w.mixer, cfg.hybrid, batch, caches.states.state(i), cfg.rms_norm_eps)
+            states = caches.states
+            mixed = gdn_mixer(x, w.mixer, cfg.hybrid, batch, states.state(i), cfg.rms_norm_eps,
+                              history=states.histories.get(i) if batch.verifies is not None else None)
             if rows is not None:
                 mixed, h = mixed[rows], h[rows]
         else:

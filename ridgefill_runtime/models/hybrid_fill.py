@@ -75,8 +75,9 @@ def _late_layers(model, h: torch.Tensor, rope, fill: FillStep, caches, kv, on_q)
                 x_in[filled] = fill.predict(i, x_split)  # x̂_l: filled rows only carry the state
             xn = _norm(x_in, w.input_norm, cfg)
             state = caches.states.state(i)
+            history = caches.states.histories.get(i) if fill.late_batch.verifies is not None else None
             mixed = gdn_mixer(xn, w.mixer, cfg.hybrid, fill.late_batch, state, cfg.rms_norm_eps,
-                              out_rows=exact, filled=_filled_or_none(fill, h))
+                              out_rows=exact, filled=_filled_or_none(fill, h), history=history)
             _terminal_correction(i, fill, state)
             h_exact = (x_in if exact is None else x_in[exact]) + mixed
         elif exact is not None and exact.numel() == 0:

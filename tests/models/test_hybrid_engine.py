@@ -3,13 +3,15 @@ over the state pool, against transformers' greedy continuations."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig, SpeculativeConfig
 from ridgefill_runtime.llm import LLM, build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import HYBRID_CONFIGS, build_tiny_hybrid
@@ -74,9 +76,45 @@ def test_abort_frees_the_state_slot_and_others_go_on(tiny):
     assert engine.stats().state_slots_used == 0
 
 
-def test_speculation_is_refused_by_name(tiny):
-    with pytest.raises(ValueError, match="recurrent layers \\[0, 1, 2\\]"):
-        build_engine(_engine_config(tiny, speculative=SpeculativeConfig(method="ngram")))
+@pytest.mark.parametrize("fill", [FillConfig(), FillConfig(arm="identity", split=2, tail=16)], ids=["exact", "filled"])
+def test_speculative_steps_roll_the_gdn_states_back_to_plain_greedy_decoding(tiny, fill):
+    """Drafts verified k+1 rows at a time: each GDN layer keeps its state after every verified
+    row and a rejection rolls it back to the last accepted one, so the output is plain greedy's,
+    with speculating and plain requests in the same steps. The random model never repeats
+    itself, so n-gram drafts would all be rejected: an oracle proposer drafts the true greedy
+    continuation with one token spoiled at a random place (or none), so every accepted-run
+    length 0..k is verified and rolled back to. With the fill on, verifications share steps
+    with other prompts' two-sweep prefills (their rows join the late part there)."""
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = tiny["prompts"]
+    small = SchedulerConfig(chunk_size=32, max_num_batched_tokens=96)  # prefills spread over many steps
+    want = [o.token_ids for o in LLM(_engine_config(tiny, cache=CacheConfig(num_blocks=160), fill=fill,
+                                                    scheduler=small)).generate(prompts, greedy)]
+    spec = LLM(_engine_config(tiny, cache=CacheConfig(num_blocks=160), fill=fill, scheduler=small,
+                              speculative=SpeculativeConfig(method="ngram", num_tokens=4)))
+    rng = random.Random(3)
+    truth = {}
+
+    def oracle(seq, limit: int) -> list[int]:
+        done = len(seq.output_ids)
+        draft = list(truth[seq.seq_id][done:done + limit])
+        spoil = rng.randrange(len(draft) + 1)  # len(draft): nothing spoiled, the whole draft stands
+        if spoil < len(draft):
+            draft[spoil] = (draft[spoil] + 1) % 320
+        return draft
+
+    spec.engine.scheduler.propose = oracle
+    off = dataclasses.replace(greedy, speculative=0)  # every third request does not speculate
+    seqs = []
+    for i, (p, w) in enumerate(zip(prompts, want)):
+        seqs.append(spec.engine.add_request(p, greedy if i % 3 else off))
+        truth[seqs[-1].seq_id] = w
+    while spec.engine.has_unfinished():
+        spec.engine.step()
+    assert [list(s.output_ids) for s in seqs] == want
+    stats = spec.engine.stats()
+    assert stats.spec_steps_total > 0 and 0 < stats.spec_accepted_tokens_total < stats.spec_draft_tokens_total
+    assert stats.state_slots_used == 0 and stats.kv_blocks_used == 0
 
 
 def test_the_text_path_of_a_vision_language_checkpoint(tmp_path):
