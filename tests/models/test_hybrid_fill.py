@@ -62,6 +62,23 @@ def rel_err(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+def tail_logprobs(ref_logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    """log p(next prompt token) of the tail rows (those the fill's scores cover) [T - 1]."""
+    boundary = PROMPT - TAIL
+    return ref_logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+
+
+def engine_scores(model, fill: FillConfig, maps, ids: list[int], chunk: int) -> torch.Tensor:
+    """The prompt's tail scores through an engine with these fill settings and fixed exact rows."""
+    eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill,
+                                           scheduler=SchedulerConfig(chunk_size=chunk)), maps)
+    eng.scheduler.select = lambda seq: list(EXACT_ROWS)
+    seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
+    while eng.has_unfinished():
+        eng.step()
+    return torch.tensor(seq.prompt_logprobs)
+
+
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("chunk", [512, 16])
 def test_two_sweep_state_cache_and_output_equal_the_reference(tiny, split, chunk):
@@ -98,7 +115,7 @@ def test_scores_of_the_tail_equal_the_reference(tiny):
     while eng.has_unfinished():
         eng.step()
     boundary = PROMPT - TAIL
-    want = ref_logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+    want = tail_logprobs(ref_logits, ids)
     assert seq.fill_boundary == boundary
     assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4)
 
@@ -182,7 +199,7 @@ def test_fitted_maps_fill_resident_equals_streamed_and_the_reference(tiny, fitte
     ref_maps = FillMaps(fitted, "resident", model.dtype, model.device)
     ref_logits, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), ref_maps.predict)
     boundary = PROMPT - TAIL
-    want = ref_logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+    want = tail_logprobs(ref_logits, ids)
     assert torch.allclose(outs["resident"], want, atol=1e-4)
     identity, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), lambda layer, x: x)
     assert not torch.allclose(ref_logits[boundary:], identity[boundary:], atol=1e-3)  # the maps did act
@@ -206,19 +223,13 @@ def test_terminal_state_correction_equals_the_reference(tiny, fitted, tmp_path):
     maps = FillMaps(path, "resident", model.dtype, model.device)
     boundary = PROMPT - TAIL
     ref_logits, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict, shifts, boundary)
-    want = ref_logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+    want = tail_logprobs(ref_logits, ids)
     plain, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict)
     assert not torch.allclose(ref_logits[boundary:], plain[boundary:], atol=1e-3)  # the correction acts
     fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(path), terminal_state=True,
                       rows=RowsConfig(selectors=("special",)))
     for chunk in (512, 13):
-        eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill,
-                                               scheduler=SchedulerConfig(chunk_size=chunk)), maps)
-        eng.scheduler.select = lambda seq: list(EXACT_ROWS)
-        seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
-        while eng.has_unfinished():
-            eng.step()
-        assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4), chunk
+        assert torch.allclose(engine_scores(model, fill, maps, ids, chunk), want, atol=1e-4), chunk
 
 
 def test_the_correction_needs_a_shift_for_every_late_gdn_layer(tiny, fitted):
@@ -275,16 +286,10 @@ def test_value_rescale_measured_on_the_first_tail_rows_equals_the_reference(tiny
                                         rescale_rows=c)
     plain, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict)
     assert not torch.allclose(ref_logits[boundary:], plain[boundary:], atol=1e-3)  # the rescale acts
-    want = ref_logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+    want = tail_logprobs(ref_logits, ids)
     fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(fitted), value_rescale=True, rescale_rows=c,
                       rows=RowsConfig(selectors=("special",)))
-    eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill,
-                                           scheduler=SchedulerConfig(chunk_size=chunk)), maps)
-    eng.scheduler.select = lambda seq: list(EXACT_ROWS)
-    seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
-    while eng.has_unfinished():
-        eng.step()
-    assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4)
+    assert torch.allclose(engine_scores(model, fill, maps, ids, chunk), want, atol=1e-4)
 
 
 def test_a_request_turns_the_correction_on_or_off(tiny, fitted, tmp_path):
@@ -307,7 +312,7 @@ def test_a_request_turns_the_correction_on_or_off(tiny, fitted, tmp_path):
     for on in (True, False):
         logits, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict, shifts if on else None,
                                         boundary)
-        refs[on] = logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+        refs[on] = tail_logprobs(logits, ids)
     fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(path), rows=RowsConfig(selectors=("special",)))
     eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=96), fill=fill,
                                            scheduler=SchedulerConfig(chunk_size=16)), maps)
