@@ -71,7 +71,7 @@ def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | st
     num_blocks = _num_blocks(spec, budget)
     att = spec.attention
     heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)
-    kv = KVPool(spec.attention_layers, num_blocks * budget.block_size, heads, dim, spec.dtype, device)
+    kv = KVPool(spec.paged_keys, num_blocks * budget.block_size, heads, dim, spec.dtype, device)
     states = StatePool(spec, budget.state_slots, device, budget.history_rows)
     return ModelCaches(spec, kv, states, budget.block_size, num_blocks)
 

@@ -3,7 +3,9 @@
 A model family says, layer by layer, which kind of cache the layer needs:
   - AttentionCache: paged K/V, one entry per token position (grows with the sequence);
   - RecurrentCache: a fixed-size per-sequence state (e.g. a Gated DeltaNet layer's conv state
-    and recurrent state), one slot per running sequence whatever its length.
+    and recurrent state), one slot per running sequence whatever its length;
+  - LoopPlanesCache: a looped model's core layer, run R times per token (seed 001 §2): the
+    K/V "planes" it keeps, per cache kind (full, deepest plane, RIPE with a window W).
 On top of the layers, the two-sweep prefill keeps a split-state stash (N x d) per filled
 sequence while it is in its prefill; CacheSpec.stash_width sizes it.
 
@@ -63,7 +65,53 @@ class RecurrentCache:
         return sum(math.prod(shape) for _, shape in self.parts) * (self.dtype or dtype).itemsize
 
 
-LayerCache = AttentionCache | RecurrentCache
+LOOP_CACHE_KINDS = ("full", "deepest", "ripe")
+
+
+@dataclass(frozen=True)
+class LoopPlanesCache:
+    """A core layer of a looped model, whose loop r = 1..R emits K/V for every token (plane r).
+
+    full     every plane of every position, paged (seed 001 Eq. (3));
+    deepest  plane R only, paged (Eq. (3)'s M_deep);
+    ripe     plane R paged for every position, plus a per-sequence ring holding planes
+             1..R-1 of the `window` most recent positions (Eq. (10)).
+    Paged planes live in the KV pool under the keys (layer, plane); the ring in the state pool."""
+
+    num_kv_heads: int
+    head_dim: int
+    loops: int
+    kind: str = "full"
+    window: int = 0  # W, for kind "ripe"
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads <= 0 or self.head_dim <= 0 or self.loops <= 0:
+            raise ValueError(f"loop planes need positive heads, head_dim and loops, got {self}")
+        if self.kind not in LOOP_CACHE_KINDS:
+            raise ValueError(f"loop cache kind must be one of {', '.join(LOOP_CACHE_KINDS)}, got {self.kind!r}")
+        if self.window < 0 or (self.kind != "ripe" and self.window):
+            raise ValueError(f"a window W >= 0 is for kind 'ripe' only, got {self.kind!r} with W = {self.window}")
+
+    @property
+    def paged_planes(self) -> tuple[int, ...]:
+        """The planes kept for every position (1-based loop numbers)."""
+        return tuple(range(1, self.loops + 1)) if self.kind == "full" else (self.loops,)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return len(self.paged_planes) * 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    @property
+    def ring_shape(self) -> tuple[int, ...] | None:
+        """[W, R-1, Hkv, D] per sequence, for K and for V; None without a ring."""
+        if self.kind != "ripe" or self.window == 0 or self.loops == 1:
+            return None
+        return (self.window, self.loops - 1, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        return 0 if self.ring_shape is None else 2 * math.prod(self.ring_shape) * dtype.itemsize
+
+
+LayerCache = AttentionCache | RecurrentCache | LoopPlanesCache
 
 
 @dataclass(frozen=True)
@@ -77,7 +125,7 @@ class CacheSpec:
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a cache spec needs at least one layer")
-        geometry = {(c.num_kv_heads, c.head_dim) for c in self.layers if isinstance(c, AttentionCache)}
+        geometry = {(c.num_kv_heads, c.head_dim) for c in self.layers if isinstance(c, (AttentionCache, LoopPlanesCache))}
         # NOTE: one K/V slab shape for every attention layer keeps one block table per sequence
         # valid across layers; mixed geometries would need per-group pools (vLLM's KV cache groups).
         if len(geometry) > 1:
@@ -104,12 +152,31 @@ class CacheSpec:
         return tuple(i for i, c in enumerate(self.layers) if isinstance(c, RecurrentCache))
 
     @property
+    def loop_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, c in enumerate(self.layers) if isinstance(c, LoopPlanesCache))
+
+    @property
+    def paged_keys(self) -> tuple:
+        """The KV pool's slabs: an attention layer's index, or (layer, plane) for loop planes."""
+        keys: list = []
+        for i, c in enumerate(self.layers):
+            if isinstance(c, AttentionCache):
+                keys.append(i)
+            elif isinstance(c, LoopPlanesCache):
+                keys += [(i, plane) for plane in c.paged_planes]
+        return tuple(keys)
+
+    @property
     def attention(self) -> AttentionCache | None:
-        """The attention layers' (shared) geometry; None when no layer attends."""
-        return next((c for c in self.layers if isinstance(c, AttentionCache)), None)
+        """The (shared) K/V geometry of the layers that attend; None when none does."""
+        found = next((c for c in self.layers if isinstance(c, (AttentionCache, LoopPlanesCache))), None)
+        if found is None or isinstance(found, AttentionCache):
+            return found
+        return AttentionCache(found.num_kv_heads, found.head_dim)
 
     def kv_bytes_per_token(self) -> int:
-        return sum(c.bytes_per_token(self.dtype) for c in self.layers if isinstance(c, AttentionCache))
+        return sum(c.bytes_per_token(self.dtype) for c in self.layers
+                   if isinstance(c, (AttentionCache, LoopPlanesCache)))
 
     @property
     def rolls_back(self) -> bool:
@@ -117,7 +184,8 @@ class CacheSpec:
         return all(c.rollback_parts for c in self.layers if isinstance(c, RecurrentCache))
 
     def state_bytes_per_sequence(self) -> int:
-        return sum(c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, RecurrentCache))
+        return sum(c.bytes_per_sequence(self.dtype) for c in self.layers
+                   if isinstance(c, (RecurrentCache, LoopPlanesCache)))
 
     def stash_bytes_per_row(self) -> int:
         return self.stash_width * self.dtype.itemsize

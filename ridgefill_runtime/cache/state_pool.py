@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..fill.stash import SplitStash
-from .spec import CacheSpec, RecurrentCache
+from .spec import CacheSpec, LoopPlanesCache, RecurrentCache
 
 
 class StatePool:
@@ -27,6 +27,12 @@ class StatePool:
             for i, c in enumerate(spec.layers) if isinstance(c, RecurrentCache)
         }  # layer -> part -> [num_slots, *shape]
         self._stashes: dict[int, SplitStash] = {}  # slot -> stash, only while its prefill runs
+        # layer -> {"k", "v"} [num_slots, W, R-1, Hkv, D]: a RIPE loop layer's ring of the window's
+        # non-deepest planes (seed 001 Eq. (10))
+        self.rings: dict[int, dict[str, torch.Tensor]] = {
+            i: {part: torch.zeros((num_slots, *c.ring_shape), dtype=spec.dtype, device=device) for part in ("k", "v")}
+            for i, c in enumerate(spec.layers) if isinstance(c, LoopPlanesCache) and c.ring_shape is not None
+        }
         # layer -> part -> [num_slots, history_rows, *shape]: the state after each row of the
         # slot's last verification, written by the model, read back by restore_row
         self.histories: dict[int, dict[str, torch.Tensor]] = {
@@ -53,7 +59,7 @@ class StatePool:
 
     def free_slot(self, slot: int) -> None:
         """The slot's sequence is gone (finished or preempted): zero its states, drop its stash."""
-        for parts in self.states.values():
+        for parts in (*self.states.values(), *self.rings.values()):
             for t in parts.values():
                 t[slot].zero_()
         self.drop_stash(slot)
