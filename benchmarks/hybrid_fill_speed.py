@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's engine TTFT timer
+from prefill import time_ours as ttft  # noqa: E402
 
 CONFIG = dict(model_type="qwen3_5_text", hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
               num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
@@ -65,16 +69,6 @@ def engine(model, fill, maps, n: int):
     config = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5), fill=fill,
                           scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n))
     return Engine(model, None, config, maps)
-
-
-def ttft(eng, ids: list[int]) -> float:
-    from ridgefill_runtime.sequence import SamplingParams
-
-    t = time.perf_counter()
-    eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
-    while eng.has_unfinished():
-        eng.step()
-    return time.perf_counter() - t
 
 
 @torch.inference_mode()

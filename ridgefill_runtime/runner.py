@@ -10,9 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from .cache.build import ModelCaches
-from .cache.kv_pool import KVPool
-from .cache.spec import spec_of
-from .cache.state_pool import StatePool
 from .config import FillConfig
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.stash import SplitStash
@@ -34,12 +31,11 @@ class StepLogits:
 
 
 class Runner:
-    def __init__(self, model, caches: ModelCaches | KVPool, block_size: int, fill: FillConfig | None = None,
+    def __init__(self, model, caches: ModelCaches, block_size: int, fill: FillConfig | None = None,
                  maps=None):
-        """`caches`: what build_caches made for this model (a bare KVPool gets a one-slot state
-        pool: the tests that drive the model's tensors by hand)."""
+        """`caches`: what build_caches made for this model."""
         self.model = model
-        self.caches = caches if isinstance(caches, ModelCaches) else _around(model, caches, block_size)
+        self.caches = caches
         self.kv = self.caches.kv
         self.states = self.caches.states  # recurrent states and split-state stashes, by state slot
         self.block_size = block_size
@@ -234,12 +230,6 @@ def _add_key_mass(requests, found, into) -> None:
         at = request.key_pos[keep]
         for mass in per_layer:
             acc.index_add_(0, at, mass[keep])
-
-
-def _around(model, kv: KVPool, block_size: int) -> ModelCaches:
-    """A bare KV pool inside ModelCaches, with a one-slot state pool beside it."""
-    spec = spec_of(model)
-    return ModelCaches(spec, kv, StatePool(spec, 1, model.device), block_size, kv.num_slots // block_size)
 
 
 def _holds_terminal_shift(maps, spec, split: int) -> bool:

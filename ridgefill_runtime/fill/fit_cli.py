@@ -65,7 +65,7 @@ def run_fit(args, config) -> int:
 def fit_terminal_into(model, path: Path, prompts: list[Document], split: int, every: int, log=print) -> int:
     """Fit ΔM for the maps at `path` (the filled states use those maps) and store it there."""
     maps = FillMaps(path, "resident", model.dtype, model.device)
-    shifts, states = fit_terminal_shift(model, maps, prompts, split, every)
+    shifts, states = fit_terminal_shift(model, maps, [list(d.ids) for d in prompts], split, every)
     add_terminal_shift(path, shifts, every, states)
     log(f"fit: split {split}: terminal-state ΔM for {len(shifts)} GDN layers from {states} states -> {path}")
     return states

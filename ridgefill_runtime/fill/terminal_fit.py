@@ -14,16 +14,15 @@ from .capture import run_layer_inputs
 
 
 @torch.inference_mode()
-def fit_terminal_shift(model, maps, docs, split: int, every: int = 2048) -> tuple[dict[int, torch.Tensor], int]:
+def fit_terminal_shift(model, maps, docs: list[list[int]], split: int, every: int = 2048) -> tuple[dict[int, torch.Tensor], int]:
     """ΔM per late GDN layer: the mean, over every `every`-th position t of every document, of
-    S_exact(t) − S_filled(t), the layer's state after t rows of true input and after t rows of
+    S_exact(t) − S_filled(t) (docs: token ids), the layer's state after t rows of true input and after t rows of
     x̂ = maps.predict(l, x_S) (a fully filled prefix, what ΔM stands for in Appendix H).
     Returns ({layer: ΔM [Hv, Dk, Dv] float32}, the number of states averaged)."""
     late = [l for l in range(split, model.config.num_layers) if model.config.hybrid.is_linear(l)]
     sums: dict[int, torch.Tensor] = {}
     count = 0
-    for doc in docs:
-        ids = list(doc.ids if hasattr(doc, "ids") else doc)
+    for ids in docs:
         if len(ids) < every:
             continue
         xs: dict[int, torch.Tensor] = {}

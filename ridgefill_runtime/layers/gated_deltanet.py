@@ -68,8 +68,8 @@ def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: Attentio
     steps, runs = _split_rows(batch)
     if steps:
         _decode_rows(steps, mixed, g, beta, w, cfg, state, core)
-    for slot, lo, hi, fresh in runs:
-        if history is not None and _verifies(batch, slot):
+    for i, slot, lo, hi, fresh in runs:
+        if history is not None and batch.verifies is not None and batch.verifies[i]:
             _verify_rows(slot, lo, hi, mixed, g, beta, w, cfg, state, core, history)
         else:
             _prefill_rows(slot, lo, hi, fresh, mixed, g, beta, w, cfg, state, core)
@@ -91,7 +91,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def _split_rows(batch: AttentionBatch):
     """Sequences with one row continuing a history (decode) go through one batched step;
     the others (prefill chunks, one-token prompts) run their own scan.
-    Returns ([(slot, row)], [(slot, lo, hi, fresh)])."""
+    Returns ([(slot, row)], [(sequence, slot, lo, hi, fresh)])."""
     slots = batch.state_slots
     if slots is None:
         if batch.num_seqs > 1:
@@ -108,14 +108,8 @@ def _split_rows(batch: AttentionBatch):
         if hi - lo == 1 and not fresh:
             steps.append((slot, lo))
         else:
-            runs.append((slot, lo, hi, fresh))
+            runs.append((i, slot, lo, hi, fresh))
     return steps, runs
-
-
-def _verifies(batch: AttentionBatch, slot: int) -> bool:
-    if batch.verifies is None:
-        return False
-    return any(v and s == slot for v, s in zip(batch.verifies, batch.state_slots))
 
 
 def _verify_rows(slot, lo, hi, mixed, g, beta, w, cfg, state, core, history) -> None:
@@ -140,7 +134,7 @@ def _carry_share(share: torch.Tensor, g: torch.Tensor, filled: torch.Tensor, ste
     """share [slots, 2, Hv] after this step's rows (see fill/terminal_state.py)."""
     for slot, row in steps:
         share[slot] = share_update(share[slot], g[row:row + 1], filled[row:row + 1])
-    for slot, lo, hi, fresh in runs:
+    for _, slot, lo, hi, fresh in runs:
         share[slot] = share_update(torch.zeros_like(share[slot]) if fresh else share[slot], g[lo:hi], filled[lo:hi])
 
 

@@ -66,6 +66,7 @@ def _late_layers(model, h: torch.Tensor, rope, fill: FillStep, caches, kv, on_q)
     rescale_x = [h[r.rows] for r in fill.rescales]  # split states of the rows measuring a rescale
     rope_exact = rope if exact is None else tuple(t[exact] for t in rope)
     q_hook = on_q if on_q is None or exact is None else _scattered_hook(on_q, exact, h.shape[0])
+    carried = _filled_or_none(fill, h)  # which rows' gates count as filled in ρ's sums
     for i in range(fill.split, cfg.num_layers):
         w = model.weights.layers[i]
         if cfg.hybrid.is_linear(i):
@@ -77,7 +78,7 @@ def _late_layers(model, h: torch.Tensor, rope, fill: FillStep, caches, kv, on_q)
             state = caches.states.state(i)
             history = caches.states.histories.get(i) if fill.late_batch.verifies is not None else None
             mixed = gdn_mixer(xn, w.mixer, cfg.hybrid, fill.late_batch, state, cfg.rms_norm_eps,
-                              out_rows=exact, filled=_filled_or_none(fill, h), history=history)
+                              out_rows=exact, filled=carried, history=history)
             _terminal_correction(i, fill, state)
             h_exact = (x_in if exact is None else x_in[exact]) + mixed
         elif exact is not None and exact.numel() == 0:

@@ -114,9 +114,7 @@ def _fused_in_proj(f: _Fetcher, p: str, hy: HybridConfig, d: int) -> torch.Tenso
 
 
 def _dense_mlp(f: _Fetcher, p: str, cfg: ModelConfig) -> DenseMLPWeights:
-    d, inter = cfg.hidden_size, cfg.intermediate_size
-    gate_up = torch.cat([f.get(p + "gate_proj.weight", (inter, d)), f.get(p + "up_proj.weight", (inter, d))])
-    return DenseMLPWeights(gate_up.contiguous(), f.get(p + "down_proj.weight", (d, inter)))
+    return _dense_mlp_sized(f, p, cfg.hidden_size, cfg.intermediate_size)
 
 
 def _moe(f: _Fetcher, p: str, cfg: ModelConfig) -> MoEWeights:

@@ -5,19 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridgefill_runtime.cache.block_manager import BlockManager
-from ridgefill_runtime.cache.kv_pool import KVPool
 from ridgefill_runtime.config import CacheConfig, EngineConfig
 from ridgefill_runtime.llm import LLM
 from ridgefill_runtime.loader.hf import load_hf_folder
 from ridgefill_runtime.models.dense import DenseLM
-from ridgefill_runtime.runner import Runner
 from ridgefill_runtime.scheduler import ScheduledSeq
-from ridgefill_runtime.sequence import SamplingParams, Sequence
+from ridgefill_runtime.sequence import SamplingParams
+from harness import Harness, rel_err
 from tiny_models import TINY_CONFIGS, build_tiny
 
 SEQ_LEN = 300
-BLOCK = 16
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -31,36 +28,6 @@ def tiny(request, tmp_path_factory):
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0].float()  # [L, V]
     return dict(name=request.param, folder=folder, ref=ref, ours=ours, ids=ids, ref_logits=ref_logits)
-
-
-class Harness:
-    """Drives the runner's tensor preparation and the model directly, keeping every row's logits."""
-
-    def __init__(self, model: DenseLM, num_blocks: int = 128):
-        cfg = model.config
-        self.blocks = BlockManager(num_blocks, BLOCK)
-        self.kv = KVPool(cfg.num_layers, num_blocks * BLOCK, cfg.num_kv_heads, cfg.head_dim, model.dtype, "cpu")
-        self.runner = Runner(model, self.kv, BLOCK)
-        self.model = model
-
-    def new_seq(self, ids: list[int]) -> Sequence:
-        return Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0))
-
-    def step(self, spans: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
-        """Compute `n` more rows for each (seq, n) in one flat batch; logits per seq."""
-        items = []
-        for seq, n in spans:
-            self.blocks.grow(seq.block_table, seq.num_computed + n)
-            items.append(ScheduledSeq(seq, seq.num_computed, n))
-        ids, pos, batch = self.runner._prepare(items)
-        logits = self.model.forward(ids, pos, batch, self.kv)
-        for item in items:
-            item.seq.num_computed = item.end
-        return list(logits.split([n for _, n in spans]))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def test_one_prefill_matches(tiny):
@@ -132,16 +99,13 @@ def test_last_layer_on_chosen_rows_equals_full(tiny):
         seqs = [h.new_seq(p) for p in prompts]
         h.step([(seqs[1], 40), (seqs[2], 59), (seqs[3], 20)])  # earlier context for three of them
         spans = [(seqs[0], 120), (seqs[1], 50), (seqs[2], 1), (seqs[3], 10)]
-        items = []
-        for seq, n in spans:
-            h.blocks.grow(seq.block_table, seq.num_computed + n)
-            items.append(ScheduledSeq(seq, seq.num_computed, n))
+        items = h.items(spans)
         ids, pos, batch = h.runner._prepare(items)
         wanted = torch.tensor([5, 119, 120 + 49, 120 + 50])  # two rows of seq 0, last of 1, the decode
         if mode == "full":
-            results[mode] = h.model.forward(ids, pos, batch, h.kv)[wanted]
+            results[mode] = h.model.forward(ids, pos, batch, h.caches)[wanted]
         else:
-            results[mode] = h.model.forward(ids, pos, batch, h.kv, wanted)
+            results[mode] = h.model.forward(ids, pos, batch, h.caches, wanted)
     assert rel_err(results["rows"], results["full"]) < 1e-5
 
 
@@ -150,7 +114,7 @@ def test_chunk_without_logit_rows_still_writes_last_layer_kv(tiny):
     seq = h.new_seq(tiny["ids"])
     h.blocks.grow(seq.block_table, 200)
     ids, pos, batch = h.runner._prepare([ScheduledSeq(seq, 0, 200)])
-    out = h.model.forward(ids, pos, batch, h.kv, torch.empty(0, dtype=torch.int64))
+    out = h.model.forward(ids, pos, batch, h.caches, torch.empty(0, dtype=torch.int64))
     assert out.shape == (0, tiny["ours"].config.vocab_size)
     seq.num_computed = 200
     rest = h.step([(seq, SEQ_LEN - 200)])[0]

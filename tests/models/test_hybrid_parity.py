@@ -6,20 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridgefill_runtime.cache.block_manager import BlockManager
-from ridgefill_runtime.cache.build import CacheBudget, build_caches
 from ridgefill_runtime.cache.spec import spec_of
 from ridgefill_runtime.config import CacheConfig, EngineConfig
 from ridgefill_runtime.llm import LLM
 from ridgefill_runtime.loader.hf import load_hf_folder
 from ridgefill_runtime.models.hybrid import HybridLM
-from ridgefill_runtime.runner import Runner
-from ridgefill_runtime.scheduler import ScheduledSeq
-from ridgefill_runtime.sequence import SamplingParams, Sequence
+from ridgefill_runtime.sequence import SamplingParams
+from harness import Harness, rel_err
 from tiny_models import HYBRID_CONFIGS, build_tiny_hybrid
 
 SEQ_LEN = 300
-BLOCK = 16
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRID_CONFIGS))
@@ -33,42 +29,6 @@ def tiny(request, tmp_path_factory):
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0].float()  # [L, V]
     return dict(name=request.param, folder=folder, ref=ref, ours=ours, ids=ids, ref_logits=ref_logits)
-
-
-class Harness:
-    """Drives the runner's tensor preparation and the model directly over real caches (paged K/V
-    plus a state slot per sequence), keeping every row's logits."""
-
-    def __init__(self, model: HybridLM, num_blocks: int = 128, slots: int = 4):
-        self.caches = build_caches(spec_of(model), CacheBudget(block_size=BLOCK, num_blocks=num_blocks,
-                                                               state_slots=slots), "cpu")
-        self.blocks = BlockManager(num_blocks, BLOCK)
-        self.runner = Runner(model, self.caches, BLOCK)
-        self.model = model
-        self._next_slot = 0
-
-    def new_seq(self, ids: list[int]) -> Sequence:
-        seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0))
-        # NOTE: a slot that held another sequence: a fresh prefill must not read what is left there.
-        seq.state_slot = self._next_slot % self.caches.states.num_slots
-        self._next_slot += 1
-        return seq
-
-    def step(self, spans: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
-        """Compute `n` more rows for each (seq, n) in one flat batch; logits per seq."""
-        items = []
-        for seq, n in spans:
-            self.blocks.grow(seq.block_table, seq.num_computed + n)
-            items.append(ScheduledSeq(seq, seq.num_computed, n))
-        ids, pos, batch = self.runner._prepare(items)
-        logits = self.model.forward(ids, pos, batch, self.caches)
-        for item in items:
-            item.seq.num_computed = item.end
-        return list(logits.split([n for _, n in spans]))
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def test_the_checkpoint_parses_as_a_hybrid(tiny):
@@ -146,10 +106,7 @@ def test_last_layer_on_chosen_rows_equals_full(tiny):
     for h, rows in ((h_full, None), (h_rows, torch.tensor([5, 119, 120]))):
         seqs = [h.new_seq(tiny["ids"][:120]), h.new_seq(tiny["ids"][:60])]
         h.step([(seqs[1], 59)])
-        items = []
-        for seq, n in ((seqs[0], 120), (seqs[1], 1)):
-            h.blocks.grow(seq.block_table, seq.num_computed + n)
-            items.append(ScheduledSeq(seq, seq.num_computed, n))
+        items = h.items([(seqs[0], 120), (seqs[1], 1)])
         ids, pos, batch = h.runner._prepare(items)
         out = h.model.forward(ids, pos, batch, h.caches, rows)
         results.append(out if rows is not None else out[[5, 119, 120]])
