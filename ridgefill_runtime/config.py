@@ -86,6 +86,34 @@ class HybridConfig:
 
 
 @dataclass(frozen=True)
+class LoopedConfig:
+    """A looped (recurrent-depth) model in Huginn's layout (seed 001 §2): a prelude of
+    `prelude` layers embeds each token, a core block of `core` layers runs R times on a state
+    that starts at random, a coda of `coda` layers reads the last state out. Layer indices:
+    prelude 0..P-1, core P..P+C-1, coda P+C.. (each core layer is run once per loop)."""
+
+    prelude: int
+    core: int
+    coda: int
+    mean_recurrence: int  # the loops R a request runs unless it asks otherwise
+    embed_scale: float  # input embeddings (and the initial state) are multiplied by this
+    init_std: float  # the initial state: truncated normal (+-3 std) of this std, times embed_scale
+    adapter_bias: bool = False
+    qk_bias: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("prelude", "core", "coda", "mean_recurrence"):
+            if getattr(self, name) < (0 if name in ("prelude", "coda") else 1):
+                raise ModelLoadError(f"model config: looped.{name} must be positive, got {getattr(self, name)}")
+        if self.embed_scale <= 0 or self.init_std < 0:
+            raise ModelLoadError(f"model config: looped embed_scale must be > 0 and init_std >= 0, "
+                                 f"got {self.embed_scale}, {self.init_std}")
+
+    def is_core(self, layer: int) -> bool:
+        return self.prelude <= layer < self.prelude + self.core
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model math needs; filled from config.json or GGUF metadata."""
 
@@ -107,6 +135,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hybrid: HybridConfig | None = None  # Gated DeltaNet layers beside attention; None: every layer attends
+    looped: LoopedConfig | None = None  # prelude / core x R / coda; None: each layer runs once
 
     def __post_init__(self) -> None:
         # NOTE: imported here, not at the top: the registry imports the model classes (torch),
@@ -123,6 +152,8 @@ class ModelConfig:
                 f"model config: num_heads {self.num_heads} is not a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
             )
+        if self.looped is not None and self.looped.prelude + self.looped.core + self.looped.coda != self.num_layers:
+            raise ModelLoadError(f"model config: prelude + core + coda layers != {self.num_layers} layers")
         if self.hybrid is not None and len(self.hybrid.layer_types) != self.num_layers:
             raise ModelLoadError(f"model config: {len(self.hybrid.layer_types)} layer types for "
                                  f"{self.num_layers} layers")
@@ -160,6 +191,56 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
+
+
+LOOP_CACHES = ("full", "deepest", "ripe")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Serving a looped model (seed 001 §4), the operator's [looped] table; a request may
+    override every field but `cache_budget` ones (its "ridgefill" object, server/requests.py).
+
+    loops: R per token (None: the model's mean_recurrence); the cache stores planes 1..R.
+    cache: what is stored: "full" (every plane, Eq. (3)), "deepest" (plane R only) or "ripe"
+      (plane R plus a ring of the `window` most recent positions' other planes, Eq. (10)).
+      A request may read a stored cache under a narrower policy (full -> any, ripe W -> ripe
+      W' <= W or deepest).
+    block: γ, draft tokens per self-speculative step (Algorithm 1), greedy requests only;
+      0 decodes sequentially. draft_loops: d, loops per draft token (d < R).
+    allow_short_window: a ripe window W < γ breaks Proposition 1 (batched verification then
+      depends on where blocks start); refused unless this is set."""
+
+    loops: int | None = None
+    cache: str = "ripe"
+    window: int = 64
+    block: int = 4
+    draft_loops: int = 4
+    allow_short_window: bool = False
+
+    def __post_init__(self) -> None:
+        check_loop_settings(self.loops, self.cache, self.window, self.block, self.draft_loops,
+                            self.allow_short_window, "looped")
+
+
+def check_loop_settings(loops, cache, window, block, draft_loops, allow_short_window, where: str) -> None:
+    """One rule set for the operator table and a request's overrides; errors name the field."""
+    if loops is not None and loops < 1:
+        raise ValueError(f"{where}.loops must be >= 1, got {loops}")
+    if cache not in LOOP_CACHES:
+        raise ValueError(f"{where}.cache must be one of {', '.join(LOOP_CACHES)}, got {cache!r}")
+    if window < 0:
+        raise ValueError(f"{where}.window must be >= 0, got {window}")
+    if block < 0:
+        raise ValueError(f"{where}.block must be >= 0, got {block}")
+    if draft_loops < 1:
+        raise ValueError(f"{where}.draft_loops must be >= 1, got {draft_loops}")
+    if loops is not None and block and draft_loops >= loops:
+        raise ValueError(f"{where}.draft_loops must be < loops ({loops}), got {draft_loops}")
+    if cache == "ripe" and block > window and not allow_short_window:
+        raise ValueError(f"{where}.window {window} < block {block}: with W < γ batched verification is not "
+                         f"block-independent (seed 001 Proposition 1); set {where}.allow_short_window = true "
+                         f"to accept that")
 
 
 SPECULATIVE_METHODS = ("off", "ngram")
@@ -201,6 +282,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fill: "FillConfig" = field(default_factory=lambda: FillConfig())
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    looped: LoopConfig = field(default_factory=LoopConfig)  # read only for looped models
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):

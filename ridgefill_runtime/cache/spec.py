@@ -191,7 +191,10 @@ class CacheSpec:
         return self.stash_width * self.dtype.itemsize
 
 
-def spec_of(model) -> CacheSpec:
-    """The model's declared cache spec; a model that declares none attends in every layer."""
+def spec_of(model, looped=None) -> CacheSpec:
+    """The model's declared cache spec; a model that declares none attends in every layer.
+    `looped` (config.LoopConfig): the loop planes an operator chose to store for a looped model."""
     declared = getattr(model, "cache_spec", None)
-    return declared() if callable(declared) else CacheSpec.dense(model.config, model.dtype)
+    if not callable(declared):
+        return CacheSpec.dense(model.config, model.dtype)
+    return declared(looped) if getattr(model.config, "looped", None) is not None else declared()

@@ -33,6 +33,17 @@ class StatePool:
             i: {part: torch.zeros((num_slots, *c.ring_shape), dtype=spec.dtype, device=device) for part in ("k", "v")}
             for i, c in enumerate(spec.layers) if isinstance(c, LoopPlanesCache) and c.ring_shape is not None
         }
+        # layer -> {"k", "v"} [num_slots, history_rows, R-1, Hkv, D]: a verification's ring rows,
+        # committed to the ring by restore_row once the accepted rows are known (Algorithm 1 line 7)
+        self.pending: dict[int, dict[str, torch.Tensor]] = {
+            i: {part: torch.zeros((num_slots, history_rows, *c.ring_shape[1:]), dtype=spec.dtype, device=device)
+                for part in ("k", "v")}
+            for i, c in enumerate(spec.layers)
+            if isinstance(c, LoopPlanesCache) and c.ring_shape is not None and history_rows > 0
+        }
+        self.pending_from: dict[int, int] = {}  # slot -> position of its pending row 0
+        self.ring_width = {i: c.window for i, c in enumerate(spec.layers)
+                           if isinstance(c, LoopPlanesCache) and c.ring_shape is not None}
         # layer -> part -> [num_slots, history_rows, *shape]: the state after each row of the
         # slot's last verification, written by the model, read back by restore_row
         self.histories: dict[int, dict[str, torch.Tensor]] = {
@@ -52,16 +63,28 @@ class StatePool:
         return self.histories[layer]
 
     def restore_row(self, slot: int, row: int) -> None:
-        """A verification accepted rows 0..row only: put the states after that row back."""
+        """A verification accepted rows 0..row only: put the states after that row back, and
+        move those rows' pending ring planes into the ring (the rest never enter it)."""
         for layer, parts in self.histories.items():
             for name, hist in parts.items():
                 self.states[layer][name][slot] = hist[slot, row]
+        start = self.pending_from.pop(slot, None)
+        if start is None:
+            return
+        for layer, pending in self.pending.items():
+            width = self.ring_width[layer]
+            keep = min(row + 1, width)  # NOTE: only the window's positions stay
+            rows = torch.arange(row + 1 - keep, row + 1, device=self.device)
+            at = (rows + start) % width
+            for part in ("k", "v"):
+                self.rings[layer][part][slot, at] = pending[part][slot, rows]
 
     def free_slot(self, slot: int) -> None:
         """The slot's sequence is gone (finished or preempted): zero its states, drop its stash."""
         for parts in (*self.states.values(), *self.rings.values()):
             for t in parts.values():
                 t[slot].zero_()
+        self.pending_from.pop(slot, None)
         self.drop_stash(slot)
 
     # -- the two-sweep prefill's stash -------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import HybridConfig, ModelConfig, MoEConfig, RopeScaling
+from ..config import HybridConfig, LoopedConfig, ModelConfig, MoEConfig, RopeScaling
 from ..errors import ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -46,4 +46,6 @@ def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
         hybrid = dict(values["hybrid"])
         hybrid["moe"] = None if hybrid.get("moe") is None else MoEConfig(**hybrid["moe"])
         values["hybrid"] = HybridConfig(**hybrid)
+    if values.get("looped") is not None:
+        values["looped"] = LoopedConfig(**values["looped"])
     return ModelConfig(**values)

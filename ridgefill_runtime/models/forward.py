@@ -26,6 +26,9 @@ class ForwardBatch:
     # [R] sorted rows, among those reaching the top layer, that need logits; None: every one
     logit_rows: torch.Tensor | None = None
     fill: FillStep | None = None  # the two-sweep prefill's plan for this step; None: exact
+    # looped models: per sequence, its loops and cache policy (layers/loop_attention.LoopRead);
+    # None: every sequence runs the storage's own policy
+    loops: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ from .llama import LLAMA
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_TEXT
 from .qwen3_next import QWEN3_NEXT
+from .huginn import HUGINN_RAVEN
 
-BUILT_IN = (LLAMA, QWEN3, QWEN3_5_TEXT, QWEN3_5, QWEN3_NEXT)
+BUILT_IN = (LLAMA, QWEN3, QWEN3_5_TEXT, QWEN3_5, QWEN3_NEXT, HUGINN_RAVEN)
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

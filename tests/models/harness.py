@@ -17,9 +17,11 @@ BLOCK = 16
 
 
 class Harness:
-    def __init__(self, model, num_blocks: int = 128, slots: int = 4):
-        self.caches = build_caches(spec_of(model), CacheBudget(block_size=BLOCK, num_blocks=num_blocks,
-                                                               state_slots=slots), "cpu")
+    def __init__(self, model, num_blocks: int = 128, slots: int = 4, looped=None, history_rows: int = 0):
+        """`looped`: a looped model's stored planes (config.LoopConfig; None: the full cache)."""
+        self.caches = build_caches(spec_of(model, looped), CacheBudget(block_size=BLOCK, num_blocks=num_blocks,
+                                                                       state_slots=slots, history_rows=history_rows),
+                                   "cpu")
         self.blocks = BlockManager(num_blocks, BLOCK)
         self.runner = Runner(model, self.caches, BLOCK)
         self.model = model
@@ -40,11 +42,12 @@ class Harness:
             out.append(ScheduledSeq(seq, seq.num_computed, n))
         return out
 
-    def step(self, spans: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
-        """Compute `n` more rows for each (seq, n) in one flat batch; logits per seq."""
+    def step(self, spans: list[tuple[Sequence, int]], **model_args) -> list[torch.Tensor]:
+        """Compute `n` more rows for each (seq, n) in one flat batch; logits per seq.
+        `model_args` go to the model's forward (a looped model's per-sequence `reads`)."""
         items = self.items(spans)
         ids, pos, batch = self.runner._prepare(items)
-        logits = self.model.forward(ids, pos, batch, self.caches)
+        logits = self.model.forward(ids, pos, batch, self.caches, **model_args)
         for item in items:
             item.seq.num_computed = item.end
         return list(logits.split([n for _, n in spans]))
