@@ -243,6 +243,28 @@ def check_loop_settings(loops, cache, window, block, draft_loops, allow_short_wi
                          f"to accept that")
 
 
+@dataclass(frozen=True)
+class LoopOverrides:
+    """A request's "ridgefill" loop settings; None fields take the operator's [looped] table."""
+
+    loops: int | None = None
+    cache: str | None = None
+    window: int | None = None
+    block: int | None = None
+    draft_loops: int | None = None
+    allow_short_window: bool | None = None
+
+
+@dataclass(frozen=True)
+class LoopPlan:
+    """One sequence's resolved loop settings (what the runner runs for it)."""
+
+    loops: int  # R
+    window: int | None  # read policy: None full, W >= 0 RIPE(W) (0: deepest plane)
+    block: int  # γ (0: sequential decoding)
+    draft_loops: int  # d
+
+
 SPECULATIVE_METHODS = ("off", "ngram")
 
 

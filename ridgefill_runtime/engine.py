@@ -18,7 +18,8 @@ from .fill.tokens import TokenTable, load_counts
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
-from .speculative import NgramProposer, no_drafts
+from .loop_plan import resolve_loops
+from .speculative import NgramProposer, no_drafts, self_draft_slots
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A step that finds nothing to run while work exists is a scheduler bug; sleeping this long
@@ -80,20 +81,23 @@ class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None):
         cfg = model.config
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        cache_spec = spec_of(model)
+        cache_spec = spec_of(model, config.looped)
         self.speculative = config.speculative
+        self.loop_store = _loop_store(cache_spec, config)
         if self.speculative.enabled and not cache_spec.rolls_back:
             # NOTE: a rejected draft row has already updated a recurrent state; rolling that back
             # needs the layer's per-row snapshots (RecurrentCache.rollback_parts).
             raise ValueError(f"speculative.method = {self.speculative.method!r}: this model has recurrent "
                              f"layers {list(cache_spec.recurrent_layers)}, whose states cannot be rolled back "
                              f"past rejected draft tokens; use speculative.method = \"off\"")
-        self.caches = build_caches(cache_spec, engine_budget(config, cfg.max_position_embeddings), model.device)
+        self.caches = build_caches(cache_spec, engine_budget(config, cfg.max_position_embeddings, self.loop_store is not None), model.device)
         self.kv = self.caches.kv
         manager = self.caches.manager()  # the scheduler owns it; freeing a slot clears the pools
         self.blocks = manager.blocks
         self.fill = config.fill
         propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
+        if self.loop_store is not None and config.looped.block > 0:
+            propose = self_draft_slots
         self.scheduler = Scheduler(config.scheduler, manager, RowSelector(token_table(tokenizer, self.fill.rows)),
                                    propose)
         if self.fill.enabled and cache_spec.stash_width == 0:
@@ -128,6 +132,12 @@ class Engine:
         if terminal_state is not None:
             seq.terminal_state = seq.carry_all_rows and terminal_state
         seq.spec_tokens = spec_tokens(self.speculative, params)
+        if self.loop_store is not None:
+            seq.loop = resolve_loops(self.config.looped, self.loop_store, params.looped,
+                                     speculates=params.greedy and not params.prompt_logprobs)
+            seq.spec_tokens = seq.loop.block
+        elif params.looped is not None:
+            raise InputError("ridgefill.loops: loop settings are for looped models; this one runs each layer once")
         self.scheduler.add(seq)
         return seq
 
@@ -243,11 +253,28 @@ def spec_tokens(config: SpeculativeConfig, params: SamplingParams) -> int:
     return min(asked, config.num_tokens)
 
 
-def engine_budget(config: EngineConfig, max_positions: int) -> CacheBudget:
+def _loop_store(spec, config: EngineConfig):
+    """A looped model's stored planes (None for other models), its [looped] table checked against them."""
+    if not spec.loop_layers:
+        return None
+    if config.speculative.enabled:
+        raise ValueError("speculative.method: a looped model drafts for itself (looped.block, Algorithm 1); "
+                         "use speculative.method = \"off\"")
+    store = spec.layers[spec.loop_layers[0]]
+    try:
+        resolve_loops(config.looped, store, None, speculates=True)
+    except InputError as e:
+        raise ValueError(str(e).replace("ridgefill.", "looped.")) from None
+    return store
+
+
+def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False) -> CacheBudget:
     """The engine's caches: the configured KV pool, one state slot per sequence that may run
     (admission never waits on a slot, so liveness rests on the blocks alone)."""
     c = config.cache
     history = config.speculative.num_tokens + 1 if config.speculative.enabled else 0  # rows per verification
+    if looped and config.looped.block > 0:
+        history = config.looped.block + 1
     return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib,
                        state_slots=config.scheduler.max_num_seqs, max_positions=max_positions,
                        history_rows=history)

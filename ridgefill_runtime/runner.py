@@ -16,6 +16,7 @@ from .fill.stash import SplitStash
 from .layers.attention import AttentionBatch
 from .models.forward import ForwardBatch, ForwardOutput, run_model
 from .sampling import sample_token
+from .self_draft import SelfDrafter, loop_read
 from .speculative import accept_greedy
 from .scheduler import ScheduledSeq, StepResult
 from .stages import Stage
@@ -28,6 +29,7 @@ class StepLogits:
     logits: torch.Tensor  # [R, V] float32
     owners: list[tuple[int, int]]  # each item's (lo, hi) range of rows in logits
     row_scores: list[dict[str, list[float]] | None]  # selector scores per prefix row the step finished
+    drafts: dict[int, list[int]] | None = None  # seq_id -> the tokens a looped model drafted for itself
 
 
 class Runner:
@@ -46,18 +48,22 @@ class Runner:
         # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.terminal_state)
         self.has_terminal_shift = _holds_terminal_shift(maps, self.caches.spec, self.fill_config.split)
         terminal = maps.terminal_shift if self.has_terminal_shift else None
+        self.looped = getattr(model.config, "looped", None) is not None
+        self.drafter = SelfDrafter(model, self.caches, self._slots) if self.looped else None
         self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self.states,
                                    model.config, model.dtype, self.device, self.caches.spec.attention_layers,
                                    terminal)
 
     def forward(self, items: list[ScheduledSeq]) -> StepLogits:
-        """Run the step's one model call and keep what the fill measured in it."""
-        ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens])
+        """Run the step's model call (a looped model's self-drafts first) and keep what the fill
+        measured in it."""
+        drafts = self.drafter(items) if self.drafter is not None and any(it.draft for it in items) else None
+        ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items)
         out = run_model(self.model, ForwardBatch(ids, positions, batch, self.caches, rows,
-                                                 None if plan is None else plan.step))
-        return StepLogits(out.logits, owners, self._keep_fill_outputs(items, plan, out))
+                                                 None if plan is None else plan.step, self._loop_reads(items)))
+        return StepLogits(out.logits, owners, self._keep_fill_outputs(items, plan, out), drafts)
 
     def run(self, items: list[ScheduledSeq]) -> StepResult:
         step = self.forward(items)
@@ -67,7 +73,8 @@ class Runner:
         for k, item in enumerate(items):
             lo, hi = owners[k]
             scores.append(self._prompt_scores(item, logits[lo:hi]) if _scored(item) else None)
-            next_tokens.append(self._accepted(item, logits[hi - item.num_sampled:hi]) if item.samples else None)
+            draft = step.drafts[item.seq.seq_id] if step.drafts and item.seq.seq_id in step.drafts else item.draft
+            next_tokens.append(self._accepted(item, draft, logits[hi - item.num_sampled:hi]) if item.samples else None)
         return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=step.row_scores)
 
     def forget(self, seq_id: int) -> None:
@@ -111,7 +118,13 @@ class Runner:
 
     # -- building the step's tensors ----------------------------------------------------------
 
-    def _prepare(self, items: list[ScheduledSeq]):
+    def _loop_reads(self, items: list[ScheduledSeq]):
+        """A looped model's per-sequence loops and read policy (None for other models)."""
+        if self.drafter is None and not self.looped:
+            return None
+        return tuple(loop_read(it.seq) for it in items)
+
+    def _prepare(self, items: list[ScheduledSeq], drafts: dict[int, list[int]] | None = None):
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
@@ -119,7 +132,10 @@ class Runner:
         starts = [0]
         for item in items:
             seq = item.seq
-            ids.extend(item.token_ids())  # NOTE: a speculating decode ends with its draft
+            tokens = item.token_ids()  # NOTE: a speculating decode ends with its draft
+            if drafts and seq.seq_id in drafts:  # a looped model's own draft replaces the placeholders
+                tokens = tokens[:len(tokens) - len(item.draft)] + drafts[seq.seq_id]
+            ids.extend(tokens)
             p = torch.arange(item.start, item.end)
             table = torch.tensor(seq.block_table, dtype=torch.int64)
             pos.append(p)
@@ -187,13 +203,13 @@ class Runner:
         chosen = logp.gather(1, targets[:, None])[:, 0]
         return start, chosen.tolist(), logp.argmax(-1).tolist()
 
-    def _accepted(self, item: ScheduledSeq, logits: torch.Tensor) -> list[int] | None:
+    def _accepted(self, item: ScheduledSeq, draft: list[int], logits: torch.Tensor) -> list[int] | None:
         """The item's new tokens from its sampled rows' logits [1 + len(draft), V]: one sampled
         token, or, verifying a draft (greedy only), the accepted run."""
-        if not item.draft:
+        if not draft:
             token = self._sample(item, logits[-1])
             return None if token is None else [token]
-        return accept_greedy(item.draft, logits.argmax(-1).tolist())
+        return accept_greedy(draft, logits.argmax(-1).tolist())
 
     def _sample(self, item: ScheduledSeq, logits: torch.Tensor) -> int | None:
         params = item.seq.params

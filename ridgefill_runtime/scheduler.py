@@ -218,6 +218,8 @@ class Scheduler:
         known token and the accepted drafts only; blocks past the known tokens go back."""
         seq = item.seq
         self.spec.steps += 1
+        seq.verifications += 1
+        seq.verified_tokens += appended
         self.spec.proposed += len(item.draft)
         self.spec.accepted += max(appended - 1, 0)
         if seq.finished:  # everything it held is already given back

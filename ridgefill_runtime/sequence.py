@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .config import RowsConfig
+from .config import LoopOverrides, LoopPlan, RowsConfig
 from .errors import InputError
 from .stages import Stage
 
@@ -33,6 +33,7 @@ class SamplingParams:
     # NOTE: a per-request decoding option, carried here so it travels with the request:
     # most draft tokens a step may verify; None takes the engine's setting, 0 turns it off.
     speculative: int | None = None
+    looped: "LoopOverrides | None" = None  # a looped model's loops / cache policy / self-speculation
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -99,6 +100,9 @@ class Sequence:
     prompt_argmax: list[int] = field(default_factory=list)
     text: str = ""  # detokenized output, kept by the detokenizer
     spec_tokens: int = 0  # most draft tokens a decode step verifies (0: no speculation); set at add
+    loop: LoopPlan | None = None  # a looped model's resolved loop settings; set at add
+    verifications: int = 0  # decode steps that verified a draft
+    verified_tokens: int = 0  # tokens those steps emitted
 
     @property
     def num_tokens(self) -> int:

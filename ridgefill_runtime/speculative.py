@@ -47,6 +47,12 @@ class NgramProposer:
         return ngram_draft(seq.prompt_ids + seq.output_ids, limit, self.max_ngram, self.min_ngram)
 
 
+def self_draft_slots(seq: Sequence, limit: int) -> list[int]:
+    """A looped model drafts with its own first loops (Algorithm 1), in the runner, once the step's
+    batch is known: the scheduler reserves the rows and blocks with placeholders it never reads."""
+    return [0] * limit
+
+
 def accept_greedy(draft: list[int], choices: list[int]) -> list[int]:
     """The accepted run: `choices` (the greedy token after each of the len(draft) + 1 rows)
     up to and including the first one that disagrees with the draft."""

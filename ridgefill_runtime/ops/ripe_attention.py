@@ -1,30 +1,46 @@
-"""ripe_attention: attention of one loop r of a looped (recurrent-depth) model under the RIPE cache.
+"""ripe_attention: one loop's attention for a block of query tokens, over caller-gathered loop planes.
 
-RIPE (seed 001 §4, Eq. 9): loop r of the token at position t reads key position j from
-    plane r      if t − j <= W          (the recent window, own loop's plane)
-    plane R      otherwise              (the deepest loop's plane, stored for every position)
-A block of Tq query tokens (a decode step, Tq = 1, or a γ+1 verification block) at positions
-t0 .. t0+Tq−1 is processed in one pass. Block tokens' deepest planes do not exist yet while loop r < R
-runs, so block positions are always read from plane r (Algorithm 1 line 5; with W >= γ this is exactly
-Eq. 9, Proposition 1; with W < γ it is what "batched verification reads plane r there" describes).
+A looped (recurrent-depth) model runs loops r = 0..R per token; each loop has its own K/V "plane".
+Under the RIPE cache (seed 001 §4, Eq. 9) loop r of the token at position t reads cached position j
+from plane r if t − j <= W and from the deepest plane R otherwise. This op does not know about loops
+or planes: the caller (the cache manager) gathers the two planes a loop needs and passes
 
-Storage layout (per layer; the caller owns and fills it):
-  deep_k, deep_v  [B, T, Hkv, D]       plane R of every cached position: entry [b, j] is position j of
-                                       sequence b. Positions 0..t0−1 must be valid (and t0..t0+Tq−1 too
-                                       when loop == P, see below).
-  ring_k, ring_v  [B, P, C, Hkv, D]    planes 0..P−1 (the non-deepest loops, P = R − 1 in the paper) of
-                                       the most recent positions: plane p of position j sits at slot
-                                       j % C. The block's own plane-`loop` K/V must be written before
-                                       the call. C >= W + Tq is required: the pass reads positions
-                                       t0 − W .. t0 + Tq − 1 from the ring at once.
-  cache_lens      int32 [B]            t0 per sequence (positions cached before the block)
-  q               [B, Tq, H, D]        the block's queries at loop `loop`
-  loop            int in [0, P]        the loop being run; loop == P is the deepest loop: every
-                                       position, block included, is read from the deep plane (the
-                                       caller writes the block's plane R there first)
-  window          int W >= 0
-  -> out [B, Tq, H, D] in q's dtype. Causal: query i sees positions <= t0 + i.
-GQA: head h reads KV head h // (H // Hkv). Scores and softmax in fp32.
+  q                [B, Tq, H, D]      the block's queries at this loop; query a sits at position
+                                      t = t0 + a (a decode step: Tq = 1; a verification block: γ + 1)
+  block_k, block_v [B, Tq, Hkv, D]    the block's own keys/values at this loop (position t0 + a at
+                                      index a)
+  deep_k, deep_v   [B, T, Hkv, D]     the far plane of the cached positions, by position: entry [b, j]
+                                      is position j of sequence b (T >= max t0; rows >= t0 are never
+                                      read)
+  ring_k, ring_v   [B, C, Hkv, D]     the near plane of the recent cached positions: position j at
+                                      slot j % C
+  cache_lens       int32 [B]          t0 per sequence (positions cached before the block)
+  window           int W >= 0         query t reads cached position j (< t0) from the ring if
+                                      t − j <= W, else from deep
+  scale            float              softmax scale (e.g. D ** -0.5)
+  -> out [B, Tq, H, D] in q's dtype
+
+Query a (t = t0 + a) sees key positions j <= t (causal), each read from
+  j >= t0                  block[b, j − t0]
+  j <  t0, t − j <= W      ring[b, j % C]
+  j <  t0, t − j >  W      deep[b, j]
+GQA: head h reads KV head h // (H // Hkv). Scores and softmax in float32 with the given scale.
+
+Requirements (checked, with errors naming the problem): C >= W when W > 0, so that the positions
+t0 − W .. t0 − 1 occupy distinct slots (with W == 0 the ring is never read and may be any
+[B, C >= 1, Hkv, D]); H a multiple of Hkv; D in [1, 256]; all float tensors share one dtype among
+float32/bfloat16/float16; cache_lens int32 [B]; batch sizes agree; T >= t0 for every sequence.
+The last one depends on cache_lens' values: the reference (CPU) raises; the CUDA kernel does not
+synchronise to check it and writes NaN for a sequence with t0 < 0 or t0 > T instead of reading out
+of bounds. The CUDA kernel also needs deep/ring with a contiguous last dim (they are cache-sized, so
+they are never copied silently).
+
+How the runtime calls it, per cache kind (LoopPlanesCache in ridgefill_runtime/cache/spec.py):
+  full cache (every plane of every position)  deep = plane r gathered, W = 0
+  deepest-plane cache (plane R only)          deep = plane R gathered, W = 0
+  RIPE(W)                                     deep = plane R gathered, ring = the sequence's ring of
+                                              plane r (a ring of exactly W slots), window = W
+  the deepest loop r = R (any kind)           deep = plane R gathered, W = 0
 """
 
 from __future__ import annotations
@@ -38,100 +54,109 @@ _OP_NAME = "ridgefill::ripe_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
-def _check_args(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window) -> None:
-    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in (deep_k, deep_v, ring_k, ring_v)):
-        raise TypeError("ripe_attention: q and the planes must share a float dtype")
+def _check_args(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window) -> None:
+    """Shape/dtype contract shared by every path (the data-dependent T >= t0 lives in the reference)."""
+    floats = {"q": q, "block_k": block_k, "block_v": block_v, "deep_k": deep_k, "deep_v": deep_v,
+              "ring_k": ring_k, "ring_v": ring_v}
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"ripe_attention: q must be float32, bfloat16 or float16, got {q.dtype}")
+    wrong = {name: t.dtype for name, t in floats.items() if t.dtype != q.dtype}
+    if wrong:
+        raise TypeError(f"ripe_attention: all float tensors must share q's dtype {q.dtype}; got {wrong}")
     if cache_lens.dtype != torch.int32:
-        raise TypeError("ripe_attention: cache_lens must be int32")
-    if q.dim() != 4 or deep_k.dim() != 4 or deep_k.shape != deep_v.shape or ring_k.dim() != 5 \
-            or ring_k.shape != ring_v.shape:
-        raise ValueError("ripe_attention: need q [B, Tq, H, D], deep_k = deep_v [B, T, Hkv, D], "
-                         "ring_k = ring_v [B, P, C, Hkv, D]")
+        raise TypeError(f"ripe_attention: cache_lens must be int32, got {cache_lens.dtype}")
+    bad_rank = [name for name, t in floats.items() if t.dim() != 4]
+    if bad_rank:
+        raise ValueError(f"ripe_attention: {', '.join(bad_rank)} must be 4-D: q [B, Tq, H, D], block_k/v "
+                         "[B, Tq, Hkv, D], deep_k/v [B, T, Hkv, D], ring_k/v [B, C, Hkv, D]")
+    for k_name, v_name in (("block_k", "block_v"), ("deep_k", "deep_v"), ("ring_k", "ring_v")):
+        if floats[k_name].shape != floats[v_name].shape:
+            raise ValueError(f"ripe_attention: {k_name} {tuple(floats[k_name].shape)} and {v_name} "
+                             f"{tuple(floats[v_name].shape)} differ in shape")
     batch, block_len, heads, head_dim = q.shape
-    kv_heads = deep_k.shape[2]
-    planes, capacity = ring_k.shape[1], ring_k.shape[2]
-    if deep_k.shape[0] != batch or ring_k.shape[0] != batch or tuple(cache_lens.shape) != (batch,):
-        raise ValueError("ripe_attention: batch sizes differ")
-    if deep_k.shape[3] != head_dim or ring_k.shape[4] != head_dim or ring_k.shape[3] != kv_heads:
-        raise ValueError("ripe_attention: head counts/dims of q, deep and ring planes differ")
-    if kv_heads == 0 or heads % kv_heads or not 1 <= head_dim <= 256:
-        raise ValueError(f"ripe_attention: H={heads} must be a multiple of Hkv={kv_heads}, D in [1, 256]")
-    if window < 0 or not 0 <= loop <= planes:
-        raise ValueError(f"ripe_attention: need window >= 0 and 0 <= loop <= P={planes}")
-    if loop < planes and capacity < window + block_len:
-        raise ValueError(f"ripe_attention: ring capacity C={capacity} must hold W + Tq = {window + block_len}")
+    kv_heads = block_k.shape[2]
+    capacity = ring_k.shape[1]
+    if cache_lens.dim() != 1 or any(t.shape[0] != batch for t in (block_k, deep_k, ring_k, cache_lens)):
+        raise ValueError(f"ripe_attention: batch sizes differ: q {batch}, block {block_k.shape[0]}, deep "
+                         f"{deep_k.shape[0]}, ring {ring_k.shape[0]}, cache_lens {tuple(cache_lens.shape)}")
+    if block_k.shape[1] != block_len:
+        raise ValueError(f"ripe_attention: block_k/v hold {block_k.shape[1]} tokens, q has Tq={block_len}")
+    if any(t.shape[2] != kv_heads for t in (deep_k, ring_k)) or any(
+            t.shape[3] != head_dim for t in (block_k, deep_k, ring_k)):
+        raise ValueError(f"ripe_attention: [Hkv, D] of block {tuple(block_k.shape[2:])}, deep "
+                         f"{tuple(deep_k.shape[2:])}, ring {tuple(ring_k.shape[2:])} and q's D={head_dim} differ")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"ripe_attention: H={heads} must be a multiple of Hkv={kv_heads}")
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"ripe_attention: head dim D must be in [1, 256], got {head_dim}")
+    if window < 0:
+        raise ValueError(f"ripe_attention: window W must be >= 0, got {window}")
+    if capacity < 1:
+        raise ValueError("ripe_attention: ring_k/v need at least one slot (C >= 1), even when W == 0")
+    if window > 0 and capacity < window:
+        raise ValueError(f"ripe_attention: ring capacity C={capacity} < window W={window}: positions t0-W..t0-1 "
+                         "must occupy distinct slots (need C >= W)")
 
 
-def ripe_plane_of(t: torch.Tensor, j: torch.Tensor, t0: int, loop: int, planes: int, window: int) -> torch.Tensor:
-    """True where query position t reads key position j from the ring (plane `loop`), False: deep plane."""
-    if loop == planes:
-        return torch.zeros(torch.broadcast_shapes(t.shape, j.shape), dtype=torch.bool, device=t.device)
-    return (j >= t0) | (t - j <= window)
-
-
-def ripe_attention_reference(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop: int, window: int,
+def ripe_attention_reference(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window: int,
                              scale: float) -> torch.Tensor:
     """Pure torch, one sequence at a time; fp32 scores/softmax. Returns [B, Tq, H, D] in q's dtype."""
-    _check_args(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window)
+    _check_args(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window)
     batch, block_len, heads, head_dim = q.shape
-    kv_heads = deep_k.shape[2]
-    planes, capacity = ring_k.shape[1], ring_k.shape[2]
-    group = heads // kv_heads
-    deep_only = loop == planes
+    group = heads // block_k.shape[2]
+    deep_len, capacity = deep_k.shape[1], ring_k.shape[1]
     out = torch.zeros(batch, block_len, heads, head_dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
         t0 = int(cache_lens[b])
-        n_keys = t0 + block_len
-        need_deep = n_keys if deep_only else t0
-        if t0 < 0 or deep_k.shape[1] < need_deep:
-            raise ValueError(f"ripe_attention: sequence {b} needs {need_deep} deep positions, has {deep_k.shape[1]}")
+        if not 0 <= t0 <= deep_len:
+            raise ValueError(f"ripe_attention: sequence {b} has t0={t0} cached positions; deep_k/v hold T={deep_len} "
+                             "(need 0 <= t0 <= T)")
         if block_len == 0:
             continue
-        t = torch.arange(t0, n_keys, device=q.device)  # [Tq] query positions
-        j = torch.arange(n_keys, device=q.device)  # [L] key positions
-        from_ring = ripe_plane_of(t[:, None], j[None, :], t0, loop, planes, window)  # [Tq, L]
-        deep_rows_k = deep_k[b, : min(n_keys, deep_k.shape[1])].float()
-        deep_rows_v = deep_v[b, : min(n_keys, deep_v.shape[1])].float()
-        pad = n_keys - deep_rows_k.shape[0]  # block positions absent from deep are never read from it
-        deep_rows_k = torch.cat([deep_rows_k, deep_rows_k.new_zeros(pad, kv_heads, head_dim)])  # [L, Hkv, D]
-        deep_rows_v = torch.cat([deep_rows_v, deep_rows_v.new_zeros(pad, kv_heads, head_dim)])
-        if deep_only:
-            ring_rows_k = ring_rows_v = deep_rows_k  # never selected
-        else:
-            ring_rows_k = ring_k[b, loop, j % capacity].float()  # [L, Hkv, D]
-            ring_rows_v = ring_v[b, loop, j % capacity].float()
-        # Per (query, key) choice of plane: [Tq, L, Hkv, D], then GQA expansion to H heads.
-        sel = from_ring[:, :, None, None]
-        k = torch.where(sel, ring_rows_k[None], deep_rows_k[None]).repeat_interleave(group, dim=2)  # [Tq, L, H, D]
-        v = torch.where(sel, ring_rows_v[None], deep_rows_v[None]).repeat_interleave(group, dim=2)
-        scores = torch.einsum("thd,tlhd->thl", q[b].float(), k) * scale  # [Tq, H, L]
-        causal = j[None, :] <= t[:, None]  # [Tq, L]
+        t = torch.arange(t0, t0 + block_len, device=q.device)  # [Tq] query positions
+        j = torch.arange(t0, device=q.device)  # [t0] cached key positions
+        # Cached keys: per (query, key) either the ring's slot j % C or the deep row j.
+        from_ring = (t[:, None] - j[None, :] <= window)[:, :, None, None]  # [Tq, t0, 1, 1]
+        deep_rows_k, deep_rows_v = deep_k[b, :t0].float(), deep_v[b, :t0].float()  # [t0, Hkv, D]
+        if window > 0:
+            ring_rows_k, ring_rows_v = ring_k[b, j % capacity].float(), ring_v[b, j % capacity].float()
+        else:  # t - j >= 1 > W for every cached key: the ring is never read
+            ring_rows_k, ring_rows_v = deep_rows_k, deep_rows_v
+        cached_k = torch.where(from_ring, ring_rows_k[None], deep_rows_k[None])  # [Tq, t0, Hkv, D]
+        cached_v = torch.where(from_ring, ring_rows_v[None], deep_rows_v[None])
+        # Block keys: position t0 + c at index c, the same for every query (causality masks the rest).
+        own_k = block_k[b].float()[None].expand(block_len, -1, -1, -1)  # [Tq, Tq, Hkv, D]
+        own_v = block_v[b].float()[None].expand(block_len, -1, -1, -1)
+        k = torch.cat([cached_k, own_k], dim=1).repeat_interleave(group, dim=2)  # [Tq, L, H, D], L = t0 + Tq
+        v = torch.cat([cached_v, own_v], dim=1).repeat_interleave(group, dim=2)
+        scores = torch.einsum("ahd,alhd->ahl", q[b].float(), k) * scale  # [Tq, H, L]
+        causal = torch.arange(t0 + block_len, device=q.device)[None, :] <= t[:, None]  # [Tq, L]
         probs = torch.softmax(scores.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
-        out[b] = torch.einsum("thl,tlhd->thd", probs, v)
+        out[b] = torch.einsum("ahl,alhd->ahd", probs, v)
     return out.to(q.dtype)
 
 
 if op_available("ripe_attention"):
 
     @torch.library.register_fake(_OP_NAME)
-    def _fake(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window, scale):
-        _check_args(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window)
+    def _fake(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale):
+        _check_args(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window)
         return q.new_empty(q.shape)
 
     @torch.library.register_kernel(_OP_NAME, "cpu")
-    def _cpu(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window, scale):
-        return ripe_attention_reference(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window, scale)
+    def _cpu(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale):
+        return ripe_attention_reference(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window,
+                                        scale)
 
     _cuda_impl = torch.ops.ridgefill.ripe_attention.default
 else:
     _cuda_impl = ripe_attention_reference
 
 
-def ripe_attention(q: torch.Tensor, deep_k: torch.Tensor, deep_v: torch.Tensor, ring_k: torch.Tensor,
-                   ring_v: torch.Tensor, cache_lens: torch.Tensor, loop: int, window: int,
-                   scale: float) -> torch.Tensor:
-    """Loop `loop` attention for a block of query tokens under the RIPE cache; see the module docstring."""
+def ripe_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor, deep_k: torch.Tensor,
+                   deep_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, cache_lens: torch.Tensor,
+                   window: int, scale: float) -> torch.Tensor:
+    """One loop's attention for a block of Tq query tokens per sequence; see the module docstring."""
     if q.is_cuda:
-        return _cuda_impl(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window, scale)
-    return ripe_attention_reference(q, deep_k, deep_v, ring_k, ring_v, cache_lens, loop, window, scale)
+        return _cuda_impl(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale)
+    return ripe_attention_reference(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale)

@@ -101,6 +101,8 @@ class LoopedReference:
             h = self._block(li, h, t, plane=0)
         e = h
         s = initial_state(self.seed, t, d, math.sqrt(2 / (5 * d)), math.sqrt(d)).double()
+        if self.raw.get("state_init") == "zero":
+            s = torch.zeros_like(s)
         for r in range(1, self.loops + 1):
             s = self.w["transformer.adapter.weight"] @ torch.cat([s, e])
             if "transformer.adapter.bias" in self.w:

@@ -1,0 +1,62 @@
+"""Self-speculative drafting for looped models (seed 001 Algorithm 1, lines 2-4), run by the
+runner before the step's verification pass.
+
+For every item verifying γ draft tokens (placeholders from the scheduler), draft i is the argmax
+of a d-loop pass on draft i-1 (draft 0 on the last known token x) that reads plane R of every
+cached position. The γ passes are batched over all drafting sequences (one row each per pass);
+a pass writes its prelude/coda K/V and its deepest-plane slot at its own position, which the
+verification of [x, ŷ1..ŷγ] then overwrites. No scheduling state changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layers.attention import AttentionBatch
+from .layers.loop_attention import LoopRead
+from .models.forward import ForwardBatch, run_model
+from .sequence import Sequence
+
+
+def loop_read(seq: Sequence, draft: bool = False) -> LoopRead:
+    """The sequence's loops and read policy this step (its draft pass when `draft`)."""
+    plan, seed = seq.loop, seq.params.seed or 0
+    if plan is None:
+        raise ValueError("a looped model's sequence needs its loop plan (Engine.add_request sets it)")
+    if draft:
+        return LoopRead(plan.draft_loops, 0, draft=True, seed=seed)
+    return LoopRead(plan.loops, plan.window, seed=seed)
+
+
+class SelfDrafter:
+    def __init__(self, model, caches, slots_at):
+        """slots_at(table [blocks] int64, positions [n]) -> cache slots [n]."""
+        self.model, self.caches, self.slots_at = model, caches, slots_at
+
+    def __call__(self, items) -> dict[int, list[int]]:
+        spec = [it for it in items if it.draft]
+        drafts: dict[int, list[int]] = {it.seq.seq_id: [] for it in spec}
+        for g in range(max(len(it.draft) for it in spec)):
+            live = [it for it in spec if len(it.draft) > g]
+            last = [it.token_ids()[0] if g == 0 else drafts[it.seq.seq_id][-1] for it in live]
+            logits = self._pass(live, last, g)  # [len(live), V]
+            for it, token in zip(live, logits.argmax(-1).tolist()):
+                drafts[it.seq.seq_id].append(token)
+        return drafts
+
+    def _pass(self, live, tokens: list[int], g: int) -> torch.Tensor:
+        """One d-loop pass: row k is token k at position start + g of live[k]'s sequence."""
+        device = self.model.device
+        positions = torch.tensor([it.start + g for it in live], dtype=torch.int64)
+        write, read = [], []
+        for it, p in zip(live, positions.tolist()):
+            table = torch.tensor(it.seq.block_table, dtype=torch.int64)
+            write.append(self.slots_at(table, torch.tensor([p])))
+            read.append(self.slots_at(table, torch.arange(p + 1)).to(device))
+        batch = AttentionBatch(query_starts=list(range(len(live) + 1)), context_lens=[p + 1 for p in positions.tolist()],
+                               write_slots=torch.cat(write).to(device), read_slots=read,
+                               state_slots=[it.seq.state_slot for it in live])
+        reads = tuple(loop_read(it.seq, draft=True) for it in live)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+        out = run_model(self.model, ForwardBatch(ids, positions.to(device), batch, self.caches, None, None, reads))
+        return out.logits
