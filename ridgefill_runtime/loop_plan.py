@@ -20,8 +20,8 @@ def resolve_loops(config: LoopConfig, store: LoopPlanesCache, asked: LoopOverrid
     """`speculates`: the request may self-speculate (greedy, not scoring); otherwise block = 0."""
     asked = asked or LoopOverrides()
     given = {k: v for k, v in dataclasses.asdict(asked).items() if v is not None}
-    merged = dataclasses.replace(config, **given) if given else config
-    loops = merged.loops or store.loops
+    merged = _Merged(**{**dataclasses.asdict(config), **given})  # NOTE: checked below, naming ridgefill.*
+    loops = store.loops if merged.loops is None else merged.loops
     window = merged.window if merged.cache == "ripe" else 0
     block = merged.block if speculates else 0
     try:
@@ -37,6 +37,16 @@ def resolve_loops(config: LoopConfig, store: LoopPlanesCache, asked: LoopOverrid
         raise InputError(f"ridgefill.block must be <= {config.block} (looped.block), got {block}")
     return LoopPlan(loops=loops, window=None if merged.cache == "full" else window,
                     block=min(block, config.block), draft_loops=merged.draft_loops)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Merged:
+    loops: int | None
+    cache: str
+    window: int
+    block: int
+    draft_loops: int
+    allow_short_window: bool
 
 
 def _check_readable(cache: str, window: int, store: LoopPlanesCache) -> None:

@@ -87,6 +87,11 @@ class ScheduledSeq:
 def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
     """The sequence's next piece of work, at most min(chunk, budget) rows."""
     n = min(chunk, budget)
+    if seq.loop is not None and seq.loop.window:
+        # NOTE: a looped model's RIPE(W) prefill in chunks of at most W + 1 rows reads every
+        # position by Eq. (9) (within a chunk t - j <= W: plane r, which the pass computes), so it
+        # does not depend on where chunks start (seed 001 Proposition 1, applied to the prompt)
+        n = min(n, seq.loop.window + 1)
     if seq.stage.from_tokens:
         return ScheduledSeq(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, n), seq.stage)
     if seq.carry_all_rows and seq.stage is Stage.LATE and seq.queue_done < seq.fill_boundary:
