@@ -238,6 +238,7 @@ class AsyncEngine:
             raise EngineStopped(self._refusal())
         self.engine.validate(prompt_ids, params)  # reads only immutable model facts
         self.engine.check_terminal_request(terminal_state)  # NOTE: immutable engine facts, like validate
+        self.engine.plan_loops(params)
         handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop(), fill=fill, rows=rows,
                                deadline=deadline, terminal_state=terminal_state)
         with self._lock:

@@ -21,7 +21,7 @@ ARMS = ("exact", "nofill", "identity", "ridgefill")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -18,6 +18,7 @@ from .fill.tokens import TokenTable, load_counts
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
+from .config import LoopPlan
 from .loop_plan import resolve_loops
 from .speculative import NgramProposer, no_drafts, self_draft_slots
 
@@ -132,14 +133,21 @@ class Engine:
         if terminal_state is not None:
             seq.terminal_state = seq.carry_all_rows and terminal_state
         seq.spec_tokens = spec_tokens(self.speculative, params)
-        if self.loop_store is not None:
-            seq.loop = resolve_loops(self.config.looped, self.loop_store, params.looped,
-                                     speculates=params.greedy and not params.prompt_logprobs)
+        seq.loop = self.plan_loops(params)
+        if seq.loop is not None:
             seq.spec_tokens = seq.loop.block
-        elif params.looped is not None:
-            raise InputError("ridgefill.loops: loop settings are for looped models; this one runs each layer once")
         self.scheduler.add(seq)
         return seq
+
+    def plan_loops(self, params: SamplingParams) -> LoopPlan | None:
+        """A looped model's loop plan for a request (its overrides checked against the stored
+        planes; InputError names the field); None for other models."""
+        if self.loop_store is None:
+            if params.looped is not None:
+                raise InputError("ridgefill.loops: loop settings are for looped models; this one runs each layer once")
+            return None
+        return resolve_loops(self.config.looped, self.loop_store, params.looped,
+                             speculates=params.greedy and not params.prompt_logprobs)
 
     def check_terminal_request(self, terminal_state: bool | None) -> None:
         """A request may ask for the terminal-state correction only where maps hold ΔM."""

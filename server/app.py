@@ -29,6 +29,7 @@ from ridgefill_runtime.async_engine import AsyncEngine, EngineOverloaded, Engine
 from ridgefill_runtime.config import EngineConfig
 from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.errors import InputError, RidgefillError
+from ridgefill_runtime.loop_plan import field_of
 
 from . import requests as rq
 from .access import HostAllowList, RequestContext, deadline_for, note_usage
@@ -167,7 +168,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         try:
             return eng.submit(prompt_ids, params, fill, rows, deadline=deadline, terminal_state=terminal)
         except InputError as e:
-            raise HTTPError(400, str(e), "prompt") from None
+            raise HTTPError(400, str(e), field_of(str(e)) or "prompt") from None
         except (EngineOverloaded, EngineStopped) as e:
             raise HTTPError(503, str(e), headers={"Retry-After": str(server_config.retry_after_s)}) from None
 
@@ -225,6 +226,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         rq.check_completion_prompt(body, eng.engine.max_model_len)
         params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, server_config.max_stop_strings)
         params = rq.with_speculation(body, params, eng.engine.speculative)
+        params = rq.with_loops(body, params)
         # NOTE: every cheap check is done; tokenizing may take seconds, in a worker thread.
         prompt = await asyncio.to_thread(rq.completion_prompt, body, eng.engine.tokenizer)
         handle = submit(request, body, prompt, params, fill, rows, terminal)
@@ -249,6 +251,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         rq.check_messages(body.messages)
         params = rq.chat_sampling_params(body, server_config.default_chat_max_tokens, server_config.max_stop_strings)
         params = rq.with_speculation(body, params, eng.engine.speculative)
+        params = rq.with_loops(body, params)
         # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
         prompt = await asyncio.to_thread(rq.chat_prompt, body.messages, eng.engine.tokenizer)
         params = rq.fit_default_limit(body, params, len(prompt), eng.engine.max_model_len)

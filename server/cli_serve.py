@@ -41,7 +41,7 @@ _FLAG_KEYS = {
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--config", default=None, help="operator TOML file (see examples/ridgefill.toml); flags override it")
-    p.add_argument("--model", help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -18,7 +18,9 @@ from typing import Any
 
 # NOTE: nothing here may import torch at module level (ridgefill_runtime.fill.maps does): a
 # bad flag or file must fail in well under a second, not after a 4-8 s torch import.
-from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig, SpeculativeConfig
+from ridgefill_runtime.config import (CacheConfig, EngineConfig, FillConfig, LoopConfig, SchedulerConfig,
+                                      SpeculativeConfig)
+from ridgefill_runtime.loader.embedded import model_path
 from ridgefill_runtime.errors import ConfigError, ModelLoadError
 from ridgefill_runtime.fill.settings import (FILL_KEYS, FillSettings, new_fill_values, put_fill_value,
                                              resolve_fill, rows_origin)
@@ -109,7 +111,7 @@ _SERVER_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 # section -> key -> Key (accepted types, the dataclass the value is passed to, its field).
-# "engine", "cache", "scheduler", "speculative", "server" name that dataclass; [fill] is the runtime's schema
+# "engine", "cache", "scheduler", "speculative", "looped", "server" name that dataclass; [fill] is the runtime's schema
 # (FILL_KEYS), whose nested tables flatten to dotted keys ("corrections.key_rescale", "rows.selectors").
 _SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
@@ -129,6 +131,9 @@ _SCHEMA: dict[str, dict[str, Key]] = {
     },
     "speculative": {name: Key(types, "speculative", name) for name, types in
                     (("method", (str,)), ("num_tokens", (int,)), ("max_ngram", (int,)), ("min_ngram", (int,)))},
+    "looped": {name: Key(types, "looped", name) for name, types in
+               (("loops", (int,)), ("cache", (str,)), ("window", (int,)), ("block", (int,)),
+                ("draft_loops", (int,)), ("allow_short_window", (bool,)))},
     "fill": FILL_KEYS,
     "server": {name: Key(types, "server", name, items=str if list in types else None)
                for name, types in _SERVER_TYPES.items()},
@@ -139,7 +144,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
                 ) -> tuple[EngineConfig, ServerConfig, FillSettings]:
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
     values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, "speculative": {},
-                                         **new_fill_values(), "server": {}}
+                                         "looped": {}, **new_fill_values(), "server": {}}
     origin: dict[str, str] = {}  # dotted key -> where its value came from, for errors found later
     source = str(path) if path else "command line"
     if path:
@@ -157,7 +162,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         scheduler = SchedulerConfig(**values["scheduler"])
         speculative = SpeculativeConfig(**values["speculative"])
         engine = EngineConfig(cache=cache, scheduler=scheduler, fill=fill, speculative=speculative,
-                              **values["engine"])
+                              looped=LoopConfig(**values["looped"]), **values["engine"])
         server = ServerConfig(**values["server"])
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
@@ -197,7 +202,7 @@ def _read_api_key_file(server: dict[str, Any], origin: dict[str, str]) -> None:
 def _check_model_path(model: str | None, origin: dict[str, str]) -> None:
     """A model path that does not exist is an operator error at startup, not a load failure
     found after the server has started."""
-    if model is not None and not Path(model).exists():
+    if model is not None and not model_path(model).exists():
         raise ConfigError(f"{origin['model.path']}: key 'model.path': {model} not found")
 
 

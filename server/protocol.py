@@ -23,8 +23,10 @@ class RidgefillOptions(BaseModel):
     `num_tokens` (at most the server's speculative.num_tokens) set this request's speculative
     decoding; only greedy requests speculate. `recipe` (fill/recipes.py) sets this request's
     exact-row selectors (unless `selectors` is given) and whether the terminal-state correction
-    is added; the split, tail, maps and value rescale stay the server's. Other values are
-    refused in `server/requests.py`."""
+    is added; the split, tail, maps and value rescale stay the server's. On a looped model,
+    `loops`, `cache`, `window`, `block`, `draft_loops` and `allow_short_window` override the
+    operator's [looped] table (ridgefill_runtime/config.LoopConfig) within what it stores. Other
+    values are refused in `server/requests.py` and the engine (a 400 naming the field)."""
 
     model_config = ConfigDict(extra="forbid")
     mode: str | None = None
@@ -32,6 +34,12 @@ class RidgefillOptions(BaseModel):
     speculative: str | None = None
     num_tokens: int | None = None
     recipe: str | None = None
+    loops: int | None = None
+    cache: str | None = None
+    window: int | None = None
+    block: int | None = None
+    draft_loops: int | None = None
+    allow_short_window: bool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -104,24 +112,38 @@ class FillUsage(BaseModel):
     split: int
 
 
+class SpeculationUsage(BaseModel):
+    """Speculative decoding of one request: its verification steps and the tokens each emitted."""
+
+    verifications: int
+    tokens_per_verification: float
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # NOTE: present exactly when the request's prefix was filled
     ridgefill: FillUsage | None = Field(default=None, exclude_if=lambda v: v is None)
+    # NOTE: present exactly when the request verified drafts (n-gram or a looped model's own)
+    speculation: SpeculationUsage | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, fill: FillRows | None = None) -> Usage:
+def make_usage(prompt_tokens: int, completion_tokens: int, fill: FillRows | None = None,
+               verifications: int = 0, verified_tokens: int = 0) -> Usage:
     fill_usage = None if fill is None else FillUsage(
         filled_rows=fill.filled, exact_prefix_rows=fill.exact_prefix, tail_rows=fill.tail, split=fill.split)
+    spec = None if not verifications else SpeculationUsage(
+        verifications=verifications, tokens_per_verification=verified_tokens / verifications)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, ridgefill=fill_usage)
+                 total_tokens=prompt_tokens + completion_tokens, ridgefill=fill_usage, speculation=spec)
 
 
 def usage_of(handle: RequestHandle) -> Usage:
     """The usage of a finished request, streamed or not."""
-    return make_usage(handle.num_prompt_tokens, handle.num_output_tokens, handle.fill_rows)
+    seq = handle.seq
+    return make_usage(handle.num_prompt_tokens, handle.num_output_tokens, handle.fill_rows,
+                      seq.verifications if seq is not None else 0, seq.verified_tokens if seq is not None else 0)
 
 
 def new_id(prefix: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ridgefill_runtime.config import SELECTORS, RowsConfig, SpeculativeConfig
+from ridgefill_runtime.config import SELECTORS, LoopOverrides, RowsConfig, SpeculativeConfig
 from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.fill.recipes import RECIPES
 from ridgefill_runtime.fill.settings import needs_counts
@@ -102,6 +102,16 @@ def with_speculation(req: _SamplingFields, params: SamplingParams, configured: S
         raise HTTPError(400, f"ridgefill.num_tokens must be in 0..{configured.num_tokens} "
                              f"(speculative.num_tokens), got {num}", "ridgefill.num_tokens")
     return dataclasses.replace(params, speculative=num)
+
+
+LOOP_FIELDS = ("loops", "cache", "window", "block", "draft_loops", "allow_short_window")
+
+
+def with_loops(req: _SamplingFields, params: SamplingParams) -> SamplingParams:
+    """params with the request's loop settings (a looped model's; the engine checks them)."""
+    opts = req.ridgefill
+    given = {} if opts is None else {k: getattr(opts, k) for k in LOOP_FIELDS if getattr(opts, k) is not None}
+    return dataclasses.replace(params, looped=LoopOverrides(**given)) if given else params
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int, max_stop_strings: int,

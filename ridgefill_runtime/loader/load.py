@@ -1,4 +1,5 @@
-"""One entry point: a path (HF folder or .gguf file, or None for the embedded default)."""
+"""One entry point: a path (HF folder or .gguf file, None for the embedded default, or the name of
+an embedded model: "looped", the small Huginn-layout demonstration model trained here)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 from .checkpoint import Checkpoint
+from .embedded import model_path
 
 
 def load_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
     if path is None:
         from .gguf import default_model_path
         path = default_model_path()
-    p = Path(path)
+    p = model_path(path)
     if not p.exists():
         raise ModelLoadError(f"{p}: model path not found")
     if p.is_dir():

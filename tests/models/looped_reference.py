@@ -56,12 +56,20 @@ def tiny_huginn_tensors(raw: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_tiny_huginn(folder: Path, raw: dict = TINY_HUGINN, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A Hugging Face folder (config.json + model.safetensors) of a random tiny Huginn-layout model."""
+def write_tiny_huginn(folder: Path, raw: dict = TINY_HUGINN, seed: int = 0, tokenizer: bool = False) -> dict[str, torch.Tensor]:
+    """A Hugging Face folder (config.json + model.safetensors) of a random tiny Huginn-layout model;
+    with `tokenizer`, a word-level tokenizer.json whose token i is the word "w{i}"."""
     folder.mkdir(parents=True, exist_ok=True)
     tensors = tiny_huginn_tensors(raw, seed)
     (folder / "config.json").write_text(json.dumps(raw))
     save_file(tensors, str(folder / "model.safetensors"))
+    if tokenizer:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        vocab = {f"w{i}": i for i in range(raw["padded_vocab_size"])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+        tok.save(str(folder / "tokenizer.json"))
     return tensors
 
 

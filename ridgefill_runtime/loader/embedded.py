@@ -1,0 +1,14 @@
+"""Models shipped inside the package, by name (torch-free: the server's config check reads it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# "looped": the small Huginn-layout demonstration model trained here (scripts/train_looped.py)
+EMBEDDED = {"looped": Path(__file__).resolve().parent.parent / "data" / "looped"}
+
+
+def model_path(path: str | os.PathLike) -> Path:
+    """The path of a model argument: an embedded model's name, or the path itself."""
+    return EMBEDDED.get(str(path), Path(path))
