@@ -114,17 +114,21 @@ def bench_scattered(copy_bw: float, quick: bool):
 
 
 def bench_ripe(copy_bw: float, quick: bool):
-    heads, kv_heads, head_dim, planes, window = 32, 8, 128, 3, 64
+    # RIPE(W) as the runtime calls it: deep = plane R gathered for the cached positions, ring = the
+    # sequence's ring of plane r (exactly W slots), block = this loop's K/V of the Tq block tokens.
+    heads, kv_heads, head_dim, window = 32, 8, 128, 64
     for batch, ctx, block in ([(32, 4096, 1)] if quick else [(32, 4096, 1), (8, 16384, 1), (32, 4096, 5)]):
-        deep_k = torch.randn(batch, ctx + block, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        deep_k = torch.randn(batch, ctx, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         deep_v = torch.randn_like(deep_k)
-        ring_k = torch.randn(batch, planes, window + block, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        ring_k = torch.randn(batch, window, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         ring_v = torch.randn_like(ring_k)
+        block_k = torch.randn(batch, block, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        block_v = torch.randn_like(block_k)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, block, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-        t = timed(lambda: torch.ops.ridgefill.ripe_attention(q, deep_k, deep_v, ring_k, ring_v, lens, 1, window,
-                                                             head_dim**-0.5))
-        moved = batch * (ctx + block) * kv_heads * head_dim * 2 * 2
+        t = timed(lambda: torch.ops.ridgefill.ripe_attention(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v,
+                                                             lens, window, head_dim**-0.5))
+        moved = batch * (ctx + block) * kv_heads * head_dim * 2 * 2  # each key's K and V row read once
         report("ripe_attention", f"B={batch} ctx={ctx} Tq={block} W={window}", t, moved / t, copy_bw, "GB/s",
                0.6 if block == 1 else None)
 

@@ -46,15 +46,18 @@ TORCH_LIBRARY(ridgefill, m) {
       "gdn_state_update(Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? initial_state, "
       "bool use_qk_l2norm) -> Tensor");
 
-  // RIPE (seed 001, Eq. 9): loop `loop` of a looped model for a block of Tq
-  // query tokens per sequence. q [B, Tq, H, D]; deep_k/deep_v [B, T, Hkv, D]
-  // (deepest plane by position); ring_k/ring_v [B, P, C, Hkv, D] (plane p of
-  // position j at slot j % C); cache_lens int32 [B] = positions before the
-  // block. loop == P means the deepest loop (deep plane everywhere). Layout
-  // and policy: ridgefill_runtime/ops/ripe_attention.py. ripe_attention.cu.
+  // RIPE (seed 001, Eq. 9): one loop's attention for a block of Tq query
+  // tokens per sequence, over planes the caller gathered. q [B, Tq, H, D],
+  // query a at position t = t0 + a; block_k/block_v [B, Tq, Hkv, D] (the
+  // block's own K/V at this loop); deep_k/deep_v [B, T, Hkv, D] (far plane by
+  // position); ring_k/ring_v [B, C, Hkv, D] (near plane, position j at slot
+  // j % C); cache_lens int32 [B] = t0. Key j <= t reads block[j - t0] if
+  // j >= t0, ring[j % C] if t - j <= window, else deep[j]; C >= window when
+  // window > 0. Layout and policy: ridgefill_runtime/ops/ripe_attention.py.
+  // ripe_attention.cu.
   m.def(
-      "ripe_attention(Tensor q, Tensor deep_k, Tensor deep_v, Tensor ring_k, Tensor ring_v, "
-      "Tensor cache_lens, int loop, int window, float scale) -> Tensor");
+      "ripe_attention(Tensor q, Tensor block_k, Tensor block_v, Tensor deep_k, Tensor deep_v, "
+      "Tensor ring_k, Tensor ring_v, Tensor cache_lens, int window, float scale) -> Tensor");
 }
 
 // A bare Python module: the ops live in torch.ops.ridgefill, so the module

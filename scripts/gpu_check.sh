@@ -27,7 +27,7 @@ timeout 240 bash scripts/install.sh
 echo "gpu_check: install done at $((SECONDS - start))s"
 
 export RIDGEFILL_REQUIRE_EXTENSION=1
-timeout 240 .venv/bin/python -m pytest -m gpu -q -p no:cacheprovider tests/ops
+timeout 240 .venv/bin/python -m pytest -m gpu -q -p no:cacheprovider tests/ops tests/models/test_looped_gpu.py
 echo "gpu_check: gpu tests done at $((SECONDS - start))s"
 
 # Also the CPU suite once with the extension loaded (schema/fake checks).

@@ -50,9 +50,13 @@ def default_reads(storage: LoopPlanesCache, num_seqs: int, loops: int | None = N
 class LoopAttention:
     """One forward's loop attention: binds the batch, its reads and the caches; call per (layer, loop)."""
 
-    def __init__(self, storage: LoopPlanesCache, caches, batch, reads: tuple[LoopRead, ...], scale: float):
+    def __init__(self, storage: LoopPlanesCache, caches, batch, reads: tuple[LoopRead, ...], scale: float,
+                 use_op: bool | None = None):
+        """use_op: run the compiled ripe_attention op (None: on CUDA where it is built; the
+        tests force it on CPU, where it is its reference, to check the layout it is given)."""
         self.storage, self.kv, self.states = storage, caches.kv, caches.states
         self.batch, self.reads, self.scale = batch, reads, scale
+        self.use_op = use_op
         self.row_starts = batch.query_starts
         self._deep: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, seq) -> far K/V, reused by every loop
 
@@ -127,6 +131,8 @@ class LoopAttention:
         window = self.window_of(r, i)
         if t0 == 0:
             return _sdpa(q, k_new, v_new, None, self.scale, causal=True)
+        if self.use_op if self.use_op is not None else on_ripe_kernel(q):
+            return self._attend_op(layer, r, q, k_new, v_new, i, t0, window)
         if window is None:  # full policy: plane r of every cached position
             far_k, far_v = self.kv.read((layer, r), self.batch.read_slots[i][:t0])
             near = 0
@@ -145,6 +151,35 @@ class LoopAttention:
                 k, v = k[keep], v[keep]
             return _sdpa(q, k, v, None, self.scale)
         return _sdpa(q, k, v, _mask(n, t0, near, window, q.device), self.scale)
+
+    def _attend_op(self, layer, r, q, k_new, v_new, i, t0, window) -> torch.Tensor:
+        """The compiled op over the planes laid out as it reads them: far = the deep rows by
+        position, near = a ring whose slot j % C holds position j's plane r."""
+        from ..ops.ripe_attention import ripe_attention
+
+        n = q.shape[0]
+        if window is None:  # full policy: plane r everywhere, read as the "deep" plane
+            far_k, far_v = self.kv.read((layer, r), self.batch.read_slots[i][:t0])
+            near_k, near_v, window = far_k[:1], far_v[:1], 0
+        else:
+            far_k, far_v = self._far(layer, i, t0)
+            near_k, near_v = self._ring_view(layer, r, i, t0, window, far_k)
+        out = ripe_attention(q[None], k_new[None], v_new[None], far_k[None], far_v[None], near_k[None], near_v[None],
+                             torch.tensor([t0], dtype=torch.int32, device=q.device), window, self.scale)
+        return out[0].reshape(n, -1)  # [n, H*D]
+
+    def _ring_view(self, layer, r, i, t0, window, far_k):
+        """Plane r of the window's positions as a ring [C >= W, Hkv, D], slot j % C."""
+        if window == 0:
+            return far_k[:1], far_k[:1]
+        if self.storage.kind == "ripe":
+            ring, slot = self.states.rings[layer], self.batch.state_slots[i]
+            return ring["k"][slot, :, r - 1], ring["v"][slot, :, r - 1]
+        # NOTE: a full store read under RIPE(W): plane r of every cached position, slot j == j,
+        # padded to W slots (a padding slot is a position >= t0, never read from the ring)
+        k, v = self.kv.read((layer, r), self.batch.read_slots[i][:t0])
+        pad = max(0, window - t0)
+        return (torch.cat([k, k.new_zeros(pad, *k.shape[1:])]), torch.cat([v, v.new_zeros(pad, *v.shape[1:])]))
 
     def _far(self, layer: int, i: int, t0: int):
         """The deepest plane of positions 0..t0-1 [t0, Hkv, D]: the same for every loop of the step."""

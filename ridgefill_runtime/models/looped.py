@@ -40,6 +40,7 @@ class LoopedLM:
         self.prelude = range(lc.prelude)
         self.core = range(lc.prelude, lc.prelude + lc.core)
         self.coda = range(lc.prelude + lc.core, config.num_layers)
+        self.use_ripe_op: bool | None = None  # None: the compiled op on CUDA (tests force it on CPU)
 
     def cache_spec(self, serve: LoopConfig | None = None) -> CacheSpec:
         """Prelude and coda layers: paged K/V; core layers: the loop planes the operator chose
@@ -70,7 +71,7 @@ class LoopedLM:
         h = self.weights.embed[input_ids] * self.config.looped.embed_scale  # [N, d]
         for layer in self.prelude:
             h = self.block(layer, h, rope, self._paged(layer, batch, caches))
-        s = self.loop(h, positions, rope, LoopAttention(storage, caches, batch, reads, self.scale), reads)
+        s = self.loop(h, positions, rope, LoopAttention(storage, caches, batch, reads, self.scale, self.use_ripe_op), reads)
         h = self.norm(s)
         for layer in self.coda:
             h = self.block(layer, h, rope, self._paged(layer, batch, caches))

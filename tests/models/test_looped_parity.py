@@ -163,3 +163,26 @@ def test_sequential_ripe_decode_equals_reference_policy(tiny):
     got = torch.cat([deepest.step([(seq, 1)], reads=(LoopRead(4, 0),))[0] for _ in PROMPT])
     assert close(got, reference_logits(tensors, PROMPT, policy=ripe_policy(0)))
     assert not close(got, reference_logits(tensors, PROMPT), 1e-6)  # the policy matters
+
+
+@pytest.mark.parametrize("kind,window", [("full", None), ("full", 3), ("ripe", 4), ("deepest", 0)])
+def test_compiled_op_layout_equals_the_torch_path(tiny, kind, window):
+    """The loop attention as the ripe_attention op is handed it (forced on CPU, where the op is its
+    reference) equals the torch path: a chunked prefill, a verification block and decode steps."""
+    _, _, model = tiny
+    looped = LoopConfig(cache=kind, window=window or 0 if kind == "ripe" else 0, block=3, draft_loops=2,
+                        allow_short_window=True)
+    outs = {}
+    for use_op in (False, True):
+        model.use_ripe_op = use_op
+        try:
+            harness = Harness(model, looped=looped, history_rows=4)
+            seq = harness.new_seq(PROMPT + [21, 34, 8, 50, 13])
+            read = LoopRead(4, window)
+            got = [harness.step([(seq, n)], reads=(read,))[0] for n in (5, 4, 4)]
+            got.append(_verify(harness, seq, (PROMPT + [21, 34, 8, 50])[12:16], read))
+            got.append(harness.step([(seq, 1)], reads=(read,))[0])
+            outs[use_op] = torch.cat(got)
+        finally:
+            model.use_ripe_op = None
+    assert close(outs[True], outs[False], 1e-5)  # NOTE: the op scores in float32

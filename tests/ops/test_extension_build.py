@@ -153,8 +153,8 @@ NEW_OP_SCHEMAS = {
         "bool use_qk_l2norm) -> Tensor"
     ),
     "ripe_attention": (
-        "ridgefill::ripe_attention(Tensor q, Tensor deep_k, Tensor deep_v, Tensor ring_k, Tensor ring_v, "
-        "Tensor cache_lens, int loop, int window, float scale) -> Tensor"
+        "ridgefill::ripe_attention(Tensor q, Tensor block_k, Tensor block_v, Tensor deep_k, Tensor deep_v, "
+        "Tensor ring_k, Tensor ring_v, Tensor cache_lens, int window, float scale) -> Tensor"
     ),
 }
 
@@ -203,10 +203,12 @@ def test_new_ops_opcheck_on_cpu():
     torch.library.opcheck(torch.ops.ridgefill.gdn_step.default,
                           (qg[:, 0], kg[:, 0], vg[:, 0], g[:, 0], beta[:, 0], state, True))
 
-    deep = torch.randn(2, 9, 1, 8, generator=gen)
-    ring = torch.randn(2, 2, 5, 1, 8, generator=gen)
     qr = torch.randn(2, 2, 2, 8, generator=gen)
+    block = torch.randn(2, 2, 1, 8, generator=gen)
+    deep = torch.randn(2, 9, 1, 8, generator=gen)
+    ring = torch.randn(2, 5, 1, 8, generator=gen)
     cache_lens = torch.tensor([4, 7], dtype=torch.int32)
-    for loop in (0, 2):
+    for window in (0, 3):
         torch.library.opcheck(torch.ops.ridgefill.ripe_attention.default,
-                              (qr, deep, deep.clone(), ring, ring.clone(), cache_lens, loop, 3, 0.3))
+                              (qr, block, block.clone(), deep, deep.clone(), ring, ring.clone(), cache_lens, window,
+                               0.3))
