@@ -38,6 +38,7 @@ class StreamRecord:
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     fill: dict | None = None  # the usage's `ridgefill` object: present when the prefix was filled
+    speculation: dict | None = None  # the usage's `speculation` object: present when drafts were verified
     error: str | None = None
 
     @property
@@ -93,6 +94,7 @@ class Client:
                     if chunk.get("usage"):
                         rec.completion_tokens = chunk["usage"]["completion_tokens"]
                         rec.fill = chunk["usage"].get("ridgefill")
+                        rec.speculation = chunk["usage"].get("speculation")
                     if chunk.get("choices") and chunk["choices"][0].get("text"):
                         rec.chunk_times.append(now)
                         if started is not None and not started.is_set():
@@ -187,6 +189,10 @@ async def run_plain(args) -> dict:
              "output_throughput_tok_s": sum(r.completion_tokens for r in ok) / duration,
              "request_throughput_req_s": len(ok) / duration,
              "errors": [r.error for r in recs if r.error]}
+    verified = [r.speculation for r in ok if r.speculation]
+    if verified:  # NOTE: tokens per verification over all the run's verifications
+        steps = sum(v["verifications"] for v in verified)
+        stats["tokens_per_verification"] = sum(v["verifications"] * v["tokens_per_verification"] for v in verified) / steps
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         stats[f"{name}_mean_s"] = sum(vals) / len(vals) if vals else math.nan
         for q in (50, 90, 99):
@@ -231,8 +237,9 @@ def mixed_side_by_side(results: list[dict], labels: list[str]) -> str:
 
 def plain_table(result: dict) -> str:
     s = result["summary"]
+    spec = f", {s['tokens_per_verification']:.2f} tokens per verification" if "tokens_per_verification" in s else ""
     rows = [f"completed {s['completed']}, failed {s['failed']}, {s['duration_s']:.1f} s, "
-            f"{s['output_throughput_tok_s']:.1f} output tok/s", "", "| metric | mean (ms) | p50 | p90 | p99 |", "|---|---|---|---|---|"]
+            f"{s['output_throughput_tok_s']:.1f} output tok/s{spec}", "", "| metric | mean (ms) | p50 | p90 | p99 |", "|---|---|---|---|---|"]
     for name in ("ttft", "tpot", "itl"):
         rows.append(f"| {name.upper()} | " + " | ".join(f"{s[f'{name}_{k}_s'] * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")) + " |")
     return "\n".join(rows)

@@ -222,6 +222,7 @@ class Scheduler:
         seq.verified_tokens += appended
         self.spec.proposed += len(item.draft)
         self.spec.accepted += max(appended - 1, 0)
+        self.spec.all_accepted += appended == len(item.draft) + 1
         if seq.finished:  # everything it held is already given back
             return
         seq.num_computed = seq.num_tokens - 1
@@ -236,6 +237,7 @@ class SpecCounts:
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
+    all_accepted: int = 0  # verifications that accepted every draft (the others rejected one)
 
 
 @dataclass

@@ -3,7 +3,7 @@ runner before the step's verification pass.
 
 For every item verifying γ draft tokens (placeholders from the scheduler), draft i is the argmax
 of a d-loop pass on draft i-1 (draft 0 on the last known token x) that reads plane R of every
-cached position. The γ passes are batched over all drafting sequences (one row each per pass);
+cached position (plane r for a request on the full policy). The γ passes are batched over all drafting sequences (one row each per pass);
 a pass writes its prelude/coda K/V and its deepest-plane slot at its own position, which the
 verification of [x, ŷ1..ŷγ] then overwrites. No scheduling state changes.
 """
@@ -23,8 +23,8 @@ def loop_read(seq: Sequence, draft: bool = False) -> LoopRead:
     plan, seed = seq.loop, seq.params.seed or 0
     if plan is None:
         raise ValueError("a looped model's sequence needs its loop plan (Engine.add_request sets it)")
-    if draft:
-        return LoopRead(plan.draft_loops, 0, draft=True, seed=seed)
+    if draft:  # NOTE: drafts on a full policy read plane r, on any other plane R (seed 001 §3.3)
+        return LoopRead(plan.draft_loops, None if plan.window is None else 0, draft=True, seed=seed)
     return LoopRead(plan.loops, plan.window, seed=seed)
 
 

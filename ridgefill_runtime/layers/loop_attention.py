@@ -15,9 +15,10 @@ positions' planes 1..R-1 (StatePool.rings, position j at slot j % W). A verifica
 go to StatePool.pending first: the cache manager's rollback commits the accepted ones
 (Algorithm 1 line 7), so rejected rows never evict a window position the next step still reads.
 
-A draft pass (Algorithm 1 line 3) runs d loops reading plane R of every cached position; each loop
-overwrites the row's deepest-plane slot, so later drafts read earlier drafts at loop d. The
-verification then rewrites every plane of those positions.
+A draft pass (Algorithm 1 line 3) runs d loops. Under RIPE or the deepest plane it reads plane R
+of every cached position and each loop overwrites the row's deepest-plane slot, so later drafts
+read earlier drafts at loop d; under the full policy it reads and writes plane r (the draft of a
+full cache, seed 001 §3.3). The verification then rewrites every plane of those positions.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class LoopRead:
 
     loops: int  # R: loops its rows run (<= the stored planes)
     window: int | None = None  # None: full policy; W >= 0: RIPE(W) (W = 0: deepest plane)
-    draft: bool = False  # a draft pass: deepest plane only, no ring
+    draft: bool = False  # a draft pass: window 0 reads plane R, None plane r; never the ring
     seed: int = 0  # its initial states' seed (with each row's position)
 
 
@@ -79,6 +80,8 @@ class LoopAttention:
 
     def _paged_write_key(self, layer: int, r: int, i: int) -> tuple[int, int] | None:
         read = self.reads[i]
+        if read.draft and read.window is None:  # a full-policy draft keeps its own planes
+            return (layer, r)
         if read.draft or r == read.loops:
             return self.deep_key(layer, i)
         return (layer, r) if self.storage.kind == "full" else None
@@ -120,10 +123,13 @@ class LoopAttention:
     # -- reading -------------------------------------------------------------------------------
 
     def window_of(self, r: int, i: int) -> int | None:
-        """Sequence i's W at loop r: None reads plane r everywhere; at the deepest loop (and in a
-        draft) every cached position is read at the deepest plane, W = 0."""
+        """Sequence i's W at loop r: None reads plane r everywhere; at the deepest loop every
+        cached position is read at the deepest plane, W = 0. A draft reads plane r (full policy)
+        or plane R (any other) throughout."""
         read = self.reads[i]
-        return 0 if read.draft or r == read.loops else read.window
+        if read.draft:
+            return read.window
+        return 0 if r == read.loops else read.window
 
     def _attend_one(self, layer, r, q, k_new, v_new, i) -> torch.Tensor:
         n = q.shape[0]

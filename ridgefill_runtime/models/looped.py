@@ -43,15 +43,7 @@ class LoopedLM:
         self.use_ripe_op: bool | None = None  # None: the compiled op on CUDA (tests force it on CPU)
 
     def cache_spec(self, serve: LoopConfig | None = None) -> CacheSpec:
-        """Prelude and coda layers: paged K/V; core layers: the loop planes the operator chose
-        (default: the full cache at the model's mean_recurrence)."""
-        cfg = self.config
-        loops = (serve.loops if serve is not None else None) or cfg.looped.mean_recurrence
-        kind = serve.cache if serve is not None else "full"
-        window = serve.window if kind == "ripe" else 0
-        planes = LoopPlanesCache(cfg.num_kv_heads, cfg.head_dim, loops, kind, window)
-        att = AttentionCache(cfg.num_kv_heads, cfg.head_dim)
-        return CacheSpec(tuple(planes if i in self.core else att for i in range(cfg.num_layers)), self.dtype)
+        return loop_cache_spec(self.config, serve, self.dtype)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> ForwardOutput:
@@ -132,6 +124,19 @@ class LoopedLM:
 
     def _paged(self, layer: int, batch: AttentionBatch, caches):
         return lambda q, k, v: paged_attention(q, k, v, caches.kv, layer, batch, self.scale)
+
+
+def loop_cache_spec(cfg: ModelConfig, serve: LoopConfig | None, dtype: torch.dtype) -> CacheSpec:
+    """Prelude and coda layers: paged K/V; core layers: the loop planes the operator chose
+    (default: the full cache at the model's mean_recurrence)."""
+    lc = cfg.looped
+    loops = (serve.loops if serve is not None else None) or lc.mean_recurrence
+    kind = serve.cache if serve is not None else "full"
+    window = serve.window if kind == "ripe" else 0
+    planes = LoopPlanesCache(cfg.num_kv_heads, cfg.head_dim, loops, kind, window)
+    att = AttentionCache(cfg.num_kv_heads, cfg.head_dim)
+    core = range(lc.prelude, lc.prelude + lc.core)
+    return CacheSpec(tuple(planes if i in core else att for i in range(cfg.num_layers)), dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

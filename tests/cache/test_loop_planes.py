@@ -75,3 +75,23 @@ def test_bad_loop_caches_are_refused_naming_the_setting(kwargs, words):
     args = dict(num_kv_heads=1, head_dim=4, loops=4) | kwargs
     with pytest.raises(ValueError, match=words):
         LoopPlanesCache(**args)
+
+
+def test_the_served_spec_of_huginn_0125_gives_table_2():
+    """The same table from the runtime's own path: Huginn-0125's config.json keys parsed by the
+    huginn_raven family, the looped model's cache spec for each [looped] cache setting."""
+    from ridgefill_runtime.config import LoopConfig
+    from ridgefill_runtime.models.huginn import HUGINN_RAVEN
+    from ridgefill_runtime.models.looped import loop_cache_spec
+
+    raw = {"model_type": "huginn_raven", "n_embd": 5280, "n_heads": 55, "num_key_value_heads": 55,
+           "intermediate_size": 17920, "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
+           "n_layers_in_coda": 2, "mean_recurrence": 32, "vocab_size": 65536, "block_size": 4096,
+           "rope_base": 50000, "qk_bias": True, "tie_embeddings": True, "injection_type": "linear"}
+    cfg = HUGINN_RAVEN.config_from_hf(raw, {}, "config.json")
+    table = {}
+    for name, kind, window in (("full", "full", 0), ("deepest", "deepest", 0), ("W=16", "ripe", 16),
+                               ("W=64", "ripe", 64), ("W=256", "ripe", 256)):
+        spec = loop_cache_spec(cfg, LoopConfig(cache=kind, window=window, block=0), torch.bfloat16)
+        table[name] = round((spec.kv_bytes_per_token() * 1024 + spec.state_bytes_per_sequence()) / 1e6)
+    assert table == {"full": 2855, "deepest": 173, "W=16": 215, "W=64": 341, "W=256": 843}
