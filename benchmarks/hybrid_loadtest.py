@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from serving import ROOT, start_server
 
 
 def build_model(folder: Path) -> None:
@@ -68,26 +68,11 @@ def chunk_seconds(folder: Path, chunk: int, prompt: int, threads: int, reps: int
 
 
 def serve(folder: Path, fill: str, threads: int, port: int, tail: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     config = folder / f"serve_{fill}.toml"
     # NOTE: the identity fill (x̂ = x_S) needs no maps and does the same work as fitted maps but the map GEMM
     config.write_text(f'[model]\npath = "{folder}"\n[fill]\nmode = "{fill}"\nsplit = 8\ntail = {tail}\n'
                       '[fill.rows]\nselectors = ["special"]\n')
-    args = [sys.executable, "-m", "server", "serve", "--config", str(config), "--threads", str(threads),
-            "--port", str(port)]
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    import httpx
-
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.5)
-    raise RuntimeError("server did not become healthy")
+    return start_server(["--config", str(config), "--threads", str(threads)], port)
 
 
 def main() -> None:

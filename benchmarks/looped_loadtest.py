@@ -12,29 +12,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def serve(config: Path, threads: int, port: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, "-m", "server", "serve", "--model", "looped", "--config", str(config),
-            "--threads", str(threads), "--port", str(port)]
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-2000:]}")
-        time.sleep(0.5)
-    raise RuntimeError("server did not become healthy")
+from serving import ROOT, start_server
 
 
 def main() -> None:
@@ -54,7 +34,7 @@ def main() -> None:
         config.write_text(f"[looped]\nloops = {args.loops}\ncache = \"ripe\"\nwindow = 64\nblock = {block}\n"
                           f"draft_loops = 4\n[scheduler]\nmax_num_seqs = {args.users}\n")
         out = args.out / f"plain_block{block}.json"
-        proc = serve(config, args.threads, port)
+        proc = start_server(["--model", "looped", "--config", str(config), "--threads", str(args.threads)], port)
         try:
             subprocess.run([sys.executable, "-m", "clients.loadtest", "plain", "--url", f"http://127.0.0.1:{port}",
                             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.users),
