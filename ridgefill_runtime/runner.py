@@ -73,7 +73,7 @@ class Runner:
         for k, item in enumerate(items):
             lo, hi = owners[k]
             scores.append(self._prompt_scores(item, logits[lo:hi]) if _scored(item) else None)
-            draft = step.drafts[item.seq.seq_id] if step.drafts and item.seq.seq_id in step.drafts else item.draft
+            draft = (step.drafts or {}).get(item.seq.seq_id, item.draft)  # a looped model's own, else the scheduler's
             next_tokens.append(self._accepted(item, draft, logits[hi - item.num_sampled:hi]) if item.samples else None)
         return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=step.row_scores)
 
@@ -120,7 +120,7 @@ class Runner:
 
     def _loop_reads(self, items: list[ScheduledSeq]):
         """A looped model's per-sequence loops and read policy (None for other models)."""
-        if self.drafter is None and not self.looped:
+        if not self.looped:
             return None
         return tuple(loop_read(it.seq) for it in items)
 
