@@ -168,21 +168,32 @@ def test_sequential_ripe_decode_equals_reference_policy(tiny):
 @pytest.mark.parametrize("kind,window", [("full", None), ("full", 3), ("ripe", 4), ("deepest", 0)])
 def test_compiled_op_layout_equals_the_torch_path(tiny, kind, window):
     """The loop attention as the ripe_attention op is handed it (forced on CPU, where the op is its
-    reference) equals the torch path: a chunked prefill, a verification block and decode steps."""
-    _, _, model = tiny
-    looped = LoopConfig(cache=kind, window=window or 0 if kind == "ripe" else 0, block=3, draft_loops=2,
+    reference) against the torch path: a chunked prefill, a verification block and decode steps.
+    The op runs in float32, so both float32 paths are measured against the float64 torch path:
+    the op's error stays at the torch path's float32 error (a wrong layout is off by O(1))."""
+    folder, _, model64 = tiny
+    ckpt = load_checkpoint(str(folder))
+    model32 = family("huginn_raven").build_model(ckpt.config, ckpt.tensors, dtype=torch.float32, device="cpu")
+    looped = LoopConfig(cache=kind, window=(window or 0) if kind == "ripe" else 0, block=3, draft_loops=2,
                         allow_short_window=True)
-    outs = {}
-    for use_op in (False, True):
+    read = LoopRead(4, window)
+
+    def run(model, use_op):
         model.use_ripe_op = use_op
         try:
             harness = Harness(model, looped=looped, history_rows=4)
             seq = harness.new_seq(PROMPT + [21, 34, 8, 50, 13])
-            read = LoopRead(4, window)
             got = [harness.step([(seq, n)], reads=(read,))[0] for n in (5, 4, 4)]
-            got.append(_verify(harness, seq, (PROMPT + [21, 34, 8, 50])[12:16], read))
+            got.append(_verify(harness, seq, [21, 34, 8, 50], read))
             got.append(harness.step([(seq, 1)], reads=(read,))[0])
-            outs[use_op] = torch.cat(got)
+            return torch.cat(got).double()
         finally:
             model.use_ripe_op = None
-    assert close(outs[True], outs[False], 1e-5)  # NOTE: the op scores in float32
+
+    exact, torch32, op32 = run(model64, False), run(model32, False), run(model32, True)
+    scale = float(exact.abs().max())
+    torch_err, op_err = float((torch32 - exact).abs().max()), float((op32 - exact).abs().max())
+    # NOTE: the random tiny model amplifies float32 rounding (up to ~1% of the logits' scale under the
+    # deepest plane), which is why the bound is relative to the torch path's own error
+    assert op_err <= 4 * torch_err + 1e-6 * scale, (op_err, torch_err)
+    assert op_err < 0.05 * scale
