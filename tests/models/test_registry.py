@@ -39,14 +39,14 @@ def tiny_family():
 
 
 def test_one_list_names_the_built_in_families():
-    assert registry.supported() == ("llama", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_next")
-    assert registry.gguf_architectures() == ("llama", "qwen3")  # no GGUF reader for the hybrids
+    assert registry.supported() == ("llama", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_next", "huginn_raven")
+    assert registry.gguf_architectures() == ("llama", "qwen3")  # no GGUF reader for the hybrids or looped models
     assert registry.family("qwen3").qk_norm and not registry.family("llama").qk_norm
     assert registry.family("llama").gguf.interleaved_rope_rows and not registry.family("qwen3").gguf.interleaved_rope_rows
 
 
 def test_unsupported_architecture_messages_name_the_supported_list():
-    every = "llama, qwen3, qwen3_5_text, qwen3_5, qwen3_next"
+    every = "llama, qwen3, qwen3_5_text, qwen3_5, qwen3_next, huginn_raven"
     with pytest.raises(UnsupportedError, match=rf"unsupported architecture 'mamba' \(supported: {every}\)"):
         _config("mamba")
     with pytest.raises(UnsupportedError, match=r"^cfg.json: unsupported architecture model_type='mamba' "
