@@ -65,10 +65,14 @@ class LoopAttention:
                  seqs: list[int], starts: list[int]) -> torch.Tensor:
         """Rows of `seqs` (laid out by `starts`): q [n, H, D], k/v [n, Hkv, D] at loop r -> [n, H*D]."""
         self._write_paged(layer, r, k, v, seqs, starts)
-        outs = [self._attend_one(layer, r, q[lo:hi], k[lo:hi], v[lo:hi], i)
-                for i, lo, hi in zip(seqs, starts, starts[1:])]
+        if self.use_op if self.use_op is not None else on_ripe_kernel(q):
+            out = self._attend_op(layer, r, q, k, v, seqs, starts)
+        else:
+            outs = [self._attend_one(layer, r, q[lo:hi], k[lo:hi], v[lo:hi], i)
+                    for i, lo, hi in zip(seqs, starts, starts[1:])]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         self._write_ring(layer, r, k, v, seqs, starts)
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out
 
     # -- where a plane lives ----------------------------------------------------------------
 
@@ -137,8 +141,6 @@ class LoopAttention:
         window = self.window_of(r, i)
         if t0 == 0:
             return _sdpa(q, k_new, v_new, None, self.scale, causal=True)
-        if self.use_op if self.use_op is not None else on_ripe_kernel(q):
-            return self._attend_op(layer, r, q, k_new, v_new, i, t0, window)
         if window is None:  # full policy: plane r of every cached position
             far_k, far_v = self.kv.read((layer, r), self.batch.read_slots[i][:t0])
             near = 0
@@ -158,21 +160,42 @@ class LoopAttention:
             return _sdpa(q, k, v, None, self.scale)
         return _sdpa(q, k, v, _mask(n, t0, near, window, q.device), self.scale)
 
-    def _attend_op(self, layer, r, q, k_new, v_new, i, t0, window) -> torch.Tensor:
-        """The compiled op over the planes laid out as it reads them: far = the deep rows by
-        position, near = a ring whose slot j % C holds position j's plane r."""
+    def _attend_op(self, layer, r, q, k, v, seqs, starts) -> torch.Tensor:
+        """The compiled op, one call per read window among `seqs` (in a step almost always one):
+        each sequence's rows padded to the longest block, its far plane by position and its near
+        ring (slot j % C) padded to the longest; padding is never read or is dropped."""
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [n, H*D]
+        by_window: dict = {}
+        for a, i in enumerate(seqs):
+            by_window.setdefault(self.window_of(r, i), []).append(a)
+        for window, members in by_window.items():
+            self._attend_op_group(layer, r, q, k, v, [seqs[a] for a in members],
+                                  [(starts[a], starts[a + 1]) for a in members], window, out)
+        return out
+
+    def _attend_op_group(self, layer, r, q, k, v, seqs, spans, window, out) -> None:
         from ..ops.ripe_attention import ripe_attention
 
-        n = q.shape[0]
-        if window is None:  # full policy: plane r everywhere, read as the "deep" plane
-            far_k, far_v = self.kv.read((layer, r), self.batch.read_slots[i][:t0])
-            near_k, near_v, window = far_k[:1], far_v[:1], 0
-        else:
-            far_k, far_v = self._far(layer, i, t0)
-            near_k, near_v = self._ring_view(layer, r, i, t0, window, far_k)
-        out = ripe_attention(q[None], k_new[None], v_new[None], far_k[None], far_v[None], near_k[None], near_v[None],
-                             torch.tensor([t0], dtype=torch.int32, device=q.device), window, self.scale)
-        return out[0].reshape(n, -1)  # [n, H*D]
+        lens = [hi - lo for lo, hi in spans]
+        t0s = [self.batch.context_lens[i] - n for i, n in zip(seqs, lens)]
+        far, near = [], []
+        for i, t0 in zip(seqs, t0s):
+            if window is None:  # full policy: plane r everywhere, read as the "deep" plane
+                far.append(self.kv.read((layer, r), self.batch.read_slots[i][:t0]) if t0 else _no_rows(k))
+                near.append(_no_rows(k))
+            else:
+                far.append(self._far(layer, i, t0) if t0 else _no_rows(k))
+                # NOTE: padding a ring keeps its slots: a RIPE store's rings all have W slots, and a
+                # full store's "ring" is plane r by position (slot j = j, C >= t0)
+                near.append(self._ring_view(layer, r, i, t0, window, far[-1][0]) if window and t0 else _no_rows(k))
+        tq, t_max = max(lens), max(1, max(t0s))
+        c_max = max(1, window or 0, max(n[0].shape[0] for n in near))  # NOTE: the op wants C >= W
+        qb, kb, vb = (_pad_stack([x[lo:hi] for lo, hi in spans], tq) for x in (q, k, v))  # [B, Tq, *, D]
+        res = ripe_attention(qb, kb, vb, _pad_stack([f[0] for f in far], t_max), _pad_stack([f[1] for f in far], t_max),
+                             _pad_stack([n[0] for n in near], c_max), _pad_stack([n[1] for n in near], c_max),
+                             torch.tensor(t0s, dtype=torch.int32, device=q.device), window or 0, self.scale)
+        for b, (lo, hi) in enumerate(spans):
+            out[lo:hi] = res[b, :hi - lo].reshape(hi - lo, -1)
 
     def _ring_view(self, layer, r, i, t0, window, far_k):
         """Plane r of the window's positions as a ring [C >= W, Hkv, D], slot j % C."""
@@ -204,6 +227,20 @@ class LoopAttention:
         ring, slot = self.states.rings[layer], self.batch.state_slots[i]
         at = torch.arange(t0 - near, t0, device=ring["k"].device) % self.storage.window
         return ring["k"][slot, at, r - 1], ring["v"][slot, at, r - 1]
+
+
+def _no_rows(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty K/V pair [0, Hkv, D] (a sequence with nothing cached, or no ring)."""
+    empty = like.new_zeros(0, *like.shape[1:])
+    return empty, empty
+
+
+def _pad_stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """[len(rows), length, *] with each row's entries first and zeros after."""
+    out = rows[0].new_zeros(len(rows), length, *rows[0].shape[1:])
+    for b, x in enumerate(rows):
+        out[b, :x.shape[0]] = x
+    return out
 
 
 def _mask(n: int, t0: int, near: int, window: int | None, device) -> torch.Tensor:

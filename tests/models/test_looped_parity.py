@@ -190,7 +190,25 @@ def test_compiled_op_layout_equals_the_torch_path(tiny, kind, window):
         finally:
             model.use_ripe_op = None
 
-    exact, torch32, op32 = run(model64, False), run(model32, False), run(model32, True)
+    def run_batched(model, use_op):
+        """Two sequences in every step: one's prefill chunk beside the other's decode rows."""
+        model.use_ripe_op = use_op
+        try:
+            harness = Harness(model, looped=looped, history_rows=4)
+            a, b = harness.new_seq(PROMPT), harness.new_seq(PROMPT[::-1])
+            harness.step([(b, 6)], reads=(read,))
+            got = [torch.cat(harness.step([(a, 5), (b, 1)], reads=(read, read))) for _ in range(2)]
+            got.append(torch.cat(harness.step([(a, 3), (b, 1)], reads=(read, read))))
+            return torch.cat(got).double()
+        finally:
+            model.use_ripe_op = None
+
+    for go in (run, run_batched):
+        exact, torch32, op32 = go(model64, False), go(model32, False), go(model32, True)
+        _check_op_error(exact, torch32, op32)
+
+
+def _check_op_error(exact, torch32, op32):
     scale = float(exact.abs().max())
     torch_err, op_err = float((torch32 - exact).abs().max()), float((op32 - exact).abs().max())
     # NOTE: the random tiny model amplifies float32 rounding (up to ~1% of the logits' scale under the
