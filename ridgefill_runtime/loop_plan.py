@@ -9,6 +9,7 @@ positions (RIPE(W' <= W) or the deepest plane); a deepest-plane store only plane
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 from .cache.spec import LoopPlanesCache
 from .config import LoopConfig, LoopOverrides, LoopPlan, check_loop_settings
@@ -20,7 +21,8 @@ def resolve_loops(config: LoopConfig, store: LoopPlanesCache, asked: LoopOverrid
     """`speculates`: the request may self-speculate (greedy, not scoring); otherwise block = 0."""
     asked = asked or LoopOverrides()
     given = {k: v for k, v in dataclasses.asdict(asked).items() if v is not None}
-    merged = _Merged(**{**dataclasses.asdict(config), **given})  # NOTE: checked below, naming ridgefill.*
+    # NOTE: not a LoopConfig: its own check would name the operator's keys; checked below as ridgefill.*
+    merged = SimpleNamespace(**{**dataclasses.asdict(config), **given})
     loops = store.loops if merged.loops is None else merged.loops
     window = merged.window if merged.cache == "ripe" else 0
     block = merged.block if speculates else 0
@@ -36,17 +38,7 @@ def resolve_loops(config: LoopConfig, store: LoopPlanesCache, asked: LoopOverrid
     if block > config.block and "block" in given:
         raise InputError(f"ridgefill.block must be <= {config.block} (looped.block), got {block}")
     return LoopPlan(loops=loops, window=None if merged.cache == "full" else window,
-                    block=min(block, config.block), draft_loops=merged.draft_loops)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Merged:
-    loops: int | None
-    cache: str
-    window: int
-    block: int
-    draft_loops: int
-    allow_short_window: bool
+                    block=block, draft_loops=merged.draft_loops)
 
 
 def _check_readable(cache: str, window: int, store: LoopPlanesCache) -> None:

@@ -81,7 +81,8 @@ def test_speculating_beside_other_users_and_under_preemption(tiny):
         eng.step()
     assert [s.output_ids for s in seqs] == alone + [alone_sampled]
     assert eng.scheduler.num_preemptions > 0
-    assert eng.caches.manager is not None and eng.blocks.num_free == eng.blocks.num_blocks
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert eng.scheduler.caches.num_free_slots == eng.scheduler.caches.num_state_slots and not eng.caches.states.pending_from
 
 
 def test_abort_mid_speculation_gives_everything_back(tiny):

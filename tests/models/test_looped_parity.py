@@ -144,8 +144,6 @@ def test_proposition_1(tiny, window, block):
         assert close(lb, ls, 1e-12)
         for (deep_b, near_b), (deep_s, near_s) in zip(planes_b, planes_s):
             assert close(deep_b, deep_s, 1e-12) and close(near_b, near_s, 1e-12)
-        # and token by token it is the reference under π_RIPE (its prompt is decoded one token at a
-        # time too, so compare the block's last row only where the prompt reads agree: W >= prompt)
     else:
         assert not close(lb, ls, 1e-6)
 
