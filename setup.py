@@ -18,6 +18,10 @@ ROCm torch exposes them as "cuda". Pick GPU targets with PYTORCH_ROCM_ARCH,
 e.g. `PYTORCH_ROCM_ARCH=gfx1201 pip install --no-build-isolation -e .` for an
 RDNA4 card (wave32; csrc/common.cuh sizes warps accordingly).
 
+CPU kernels (csrc/cpu/: the packed-weight GEMM, batched paged attention) build in
+every case: with the CUDA sources above, or alone as a C++ extension on a CPU-only
+torch, with no toolkit, or when RIDGEFILL_CPU_EXTENSION=1 (a fast local build).
+
 Set RIDGEFILL_SKIP_EXTENSION=1 to install pure Python; everything then runs on
 the torch reference implementations.
 """
@@ -66,6 +70,26 @@ def _pip_cuda_include_dir(torch_cuda_version: str) -> str | None:
     return None
 
 
+# -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The CPU kernels pick
+# their instruction set at run time (csrc/cpu/isa.h), so no -march flag is needed.
+CXX_FLAGS = ["-O3", "-fopenmp"]
+
+
+def _cpu_sources() -> list[str]:
+    return sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+
+
+def _cpu_extension(reason: str) -> dict:
+    """The schemas and CPU kernels alone (no GPU kernels)."""
+    print(f"ridgefill: building CPU kernels only ({reason})")
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
+    extension = CppExtension(name=EXT_NAME, sources=_cpu_sources(), include_dirs=[os.path.join(ROOT, "csrc")],
+                             extra_compile_args={"cxx": CXX_FLAGS})
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+
+
 def _extension_kwargs() -> dict:
     """setup() arguments that add the extension, or {} to build pure Python."""
     if os.environ.get("RIDGEFILL_SKIP_EXTENSION") == "1":
@@ -76,8 +100,10 @@ def _extension_kwargs() -> dict:
         return _skip("torch is not importable; install torch first and use --no-build-isolation")
 
     is_rocm = torch.version.hip is not None
+    if os.environ.get("RIDGEFILL_CPU_EXTENSION") == "1":
+        return _cpu_extension("RIDGEFILL_CPU_EXTENSION=1")
     if not is_rocm and torch.version.cuda is None:
-        return _skip(f"torch {torch.__version__} is a CPU-only build")
+        return _cpu_extension(f"torch {torch.__version__} is a CPU-only build")
 
     # Must be set before cpp_extension computes the -gencode flags (at build).
     if not is_rocm:
@@ -91,12 +117,12 @@ def _extension_kwargs() -> dict:
     nvcc_flags = ["-O3"]  # no --use_fast_math: rms_norm's numerics must match torch
     if is_rocm:
         if not ROCM_HOME:
-            return _skip("ROCm torch but no ROCm installation found (set ROCM_HOME)")
+            return _cpu_extension("ROCm torch but no ROCm installation found (set ROCM_HOME)")
     else:
         nvcc = os.path.join(CUDA_HOME or "", "bin", "nvcc")
         toolkit_include = os.path.join(CUDA_HOME or "", "include")
         if not CUDA_HOME or not os.path.isfile(nvcc):
-            return _skip("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
+            return _cpu_extension("no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)")
         if not os.path.isfile(os.path.join(toolkit_include, "cuda_runtime.h")):
             return _skip(f"CUDA_HOME={CUDA_HOME} has no include/cuda_runtime.h; point CUDA_HOME at the toolkit root")
         if not os.path.isfile(os.path.join(toolkit_include, "cublas_v2.h")):
@@ -106,12 +132,12 @@ def _extension_kwargs() -> dict:
         # Compile the per-arch device code of one .cu file in parallel.
         nvcc_flags.append("--threads=2")
 
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp"))) + sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    sources = _cpu_sources() + sorted(glob.glob(os.path.join("csrc", "*.cu")))
     extension = CUDAExtension(
         name=EXT_NAME,
         sources=sources,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": ["-O3"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": CXX_FLAGS, "nvcc": nvcc_flags},
     )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 
