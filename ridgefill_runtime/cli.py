@@ -23,6 +23,8 @@ ARMS = ("exact", "nofill", "identity", "ridgefill")
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", default="auto", choices=["auto", "packed", "dequantized"],
+                   help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
@@ -111,7 +113,7 @@ def _run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device)
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights)
     if args.command == "eval":
         from .eval.cli import run_eval
         return run_eval(args, LLM(config))

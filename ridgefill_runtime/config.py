@@ -300,6 +300,10 @@ class EngineConfig:
     model: str | None = None  # HF folder or GGUF file; None: the embedded default
     dtype: str = "float32"
     device: str = "cpu"
+    # How a GGUF's quantized linear weights are held: "packed" keeps their blocks and multiplies
+    # with the weight-only kernel (ops/packed_linear.py; CPU), "dequantized" expands them to
+    # `dtype`, "auto" packs where the kernel exists (a dense family on the CPU with the extension).
+    weights: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fill: "FillConfig" = field(default_factory=lambda: FillConfig())
@@ -309,8 +313,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
 
 
+WEIGHT_MODES = ("auto", "packed", "dequantized")
 FILL_ARMS = ("exact", "nofill", "identity", "ridgefill")
 SELECTORS = ("special", "attention", "probe", "lexical", "protected", "digits")
 CONTROLS = ("none", "random", "tail")

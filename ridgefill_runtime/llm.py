@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 from .config import EngineConfig
 from .engine import _DTYPES, Engine
-from .errors import InputError
+from .errors import InputError, UnsupportedError
+from .ops import op_available
+from .ops.grouped_ints import GroupedInts
 from .fill.maps import FillMaps, check_maps_fit
 from .loader.load import load_checkpoint
 from .models.registry import family
@@ -22,13 +24,30 @@ class Completion:
 
 
 def build_engine(config: EngineConfig) -> Engine:
-    ckpt = load_checkpoint(config.model)
+    ckpt = load_checkpoint(config.model, packed=_wants_packed(config))
+    if config.weights == "packed" and not any(isinstance(t, GroupedInts) for t in ckpt.tensors.values()):
+        raise UnsupportedError(f"weights = \"packed\": {ckpt.source} has no packable weights (a GGUF of a dense "
+                               f"llama/qwen3 model with Q8_0, Q4_0, Q4_1, Q4_K or Q6_K linear weights)")
     # The checkpoint's family (models/registry.py) says which model class runs it.
     model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors,
                                                           dtype=_DTYPES[config.dtype], device=config.device)
     model.identity = ckpt.identity
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
     return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model))
+
+
+def _wants_packed(config: EngineConfig) -> bool:
+    """weights = auto packs where the packed kernel runs: the CPU with the compiled extension.
+    NOTE: explicit "packed" on a GPU is refused: it has no packed kernel yet, and the per-call
+    dequantizing fallback would be slower than dense weights."""
+    if config.weights == "dequantized":
+        return False
+    on_kernel = config.device == "cpu" and op_available("packed_linear")
+    if config.weights == "packed" and not on_kernel:
+        where = "this device" if config.device != "cpu" else "this install (the compiled extension is not loaded)"
+        raise UnsupportedError(f"weights = \"packed\" needs the packed kernel, which {where} lacks; "
+                               f"use weights = \"dequantized\" or \"auto\"")
+    return on_kernel
 
 
 def load_fill_maps(config: EngineConfig, model) -> FillMaps | None:

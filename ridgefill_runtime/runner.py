@@ -13,7 +13,7 @@ from .cache.build import ModelCaches
 from .config import FillConfig
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.stash import SplitStash
-from .layers.attention import AttentionBatch
+from .layers.attention import AttentionBatch, ContextSlots
 from .models.forward import ForwardBatch, ForwardOutput, run_model
 from .sampling import sample_token
 from .self_draft import SelfDrafter, loop_read
@@ -125,10 +125,10 @@ class Runner:
         return tuple(loop_read(it.seq) for it in items)
 
     def _prepare(self, items: list[ScheduledSeq], drafts: dict[int, list[int]] | None = None):
+        """The step's rows, positions and attention layout: the one place its metadata is built."""
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
-        read: list[torch.Tensor | None] = []
         starts = [0]
         for item in items:
             seq = item.seq
@@ -137,17 +137,21 @@ class Runner:
                 tokens = tokens[:len(tokens) - len(item.draft)] + drafts[seq.seq_id]
             ids.extend(tokens)
             p = torch.arange(item.start, item.end)
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
             pos.append(p)
-            write.append(self._slots(table, p))
-            read.append(None if item.start == 0 else self._slots(table, torch.arange(item.end)).to(self.device))
+            write.append(self._slots(torch.tensor(seq.block_table, dtype=torch.int64), p))
             starts.append(starts[-1] + item.num_tokens)
         dev = self.device
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
-        batch = AttentionBatch(query_starts=starts, context_lens=[it.end for it in items],
+        ends = [it.end for it in items]
+        # NOTE: a fresh prefill (start 0) has all its K/V in hand and reads no cache
+        read = ContextSlots([None if it.start == 0 else it.seq.block_table for it in items], ends,
+                            self.block_size, dev)
+        batch = AttentionBatch(query_starts=starts, context_lens=ends,
                                write_slots=cat(write).to(dev), read_slots=read,
                                state_slots=[it.seq.state_slot for it in items],
-                               verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None)
+                               verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None,
+                               block_tables=_block_tables([it.seq.block_table for it in items], dev),
+                               block_size=self.block_size)
         return torch.tensor(ids, dtype=torch.int64, device=dev), cat(pos).to(dev), batch
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -223,6 +227,13 @@ class Runner:
                 gen.manual_seed(params.seed if params.seed is not None else torch.seed())
                 self._generators[item.seq.seq_id] = gen
         return sample_token(logits, params, gen)
+
+
+def _block_tables(tables: list[list[int]], device) -> torch.Tensor:
+    """int32 [B, max_blocks], each sequence's table padded with block 0 (never read: a row reads
+    positions below its context length only)."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
 
 
 def _scored(item: ScheduledSeq) -> bool:

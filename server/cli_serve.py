@@ -13,13 +13,13 @@ import errno
 import logging
 import socket
 
-from ridgefill_runtime.config import SPECULATIVE_METHODS
+from ridgefill_runtime.config import SPECULATIVE_METHODS, WEIGHT_MODES
 
 from .config import ConfigError, check_device, effective_config_text, load_config
 
 # flag dest -> dotted config key; a flag left at None does not override the file.
 _FLAG_KEYS = {
-    "model": "model.path", "dtype": "model.dtype", "device": "model.device",
+    "model": "model.path", "dtype": "model.dtype", "weights": "model.weights", "device": "model.device",
     "block_size": "cache.block_size", "kv_cache_gib": "cache.kv_cache_gib", "num_blocks": "cache.num_blocks",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens", "max_num_seqs": "scheduler.max_num_seqs",
     "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
@@ -43,6 +43,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="operator TOML file (see examples/ridgefill.toml); flags override it")
     p.add_argument("--model", help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--weights", choices=list(WEIGHT_MODES),
+                   help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--block-size", type=int)

@@ -117,6 +117,7 @@ _SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
         "path": Key((str,), "engine", "model"),
         "dtype": Key((str,), "engine", "dtype"),
+        "weights": Key((str,), "engine", "weights"),
         "device": Key((str,), "engine", "device"),
     },
     "cache": {

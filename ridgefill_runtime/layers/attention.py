@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
 from ..ops import op_available
+from ..ops.scattered_rows_attention import scattered_rows_attention
+
+# On the CPU a sequence with more rows than this in one step (a prefill chunk) keeps its own
+# gather + SDPA call, whose blocked GEMMs beat the row-wise kernel there; on a GPU every cached
+# row goes to the batched kernel.
+CPU_PAGED_MAX_ROWS = 32
 
 
 @dataclass
@@ -36,10 +43,25 @@ class AttentionBatch:
     # Per sequence, whether its rows verify a speculative draft: a recurrent layer then keeps
     # its state after every row (StatePool.history) so the rejected rows can be rolled back.
     verifies: list[bool] | None = None
+    # The paged cache's layout, for the batched kernel: int32 [B, max_blocks] block tables (each
+    # padded with 0) and the block size; None where the caller built read_slots by hand.
+    block_tables: torch.Tensor | None = None
+    block_size: int = 0
+
+    @cached_property
+    def paged(self) -> "PagedRows | None":
+        """Which rows the batched paged kernel serves this step, built once and read by every layer."""
+        return paged_rows(self)
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+    def reads_cache(self, i: int) -> bool:
+        """Sequence i reads K/V from the cache (not all of its context is in this step)."""
+        if isinstance(self.read_slots, ContextSlots):
+            return self.read_slots.reads(i)
+        return self.read_slots[i] is not None
 
     def scattered(self, i: int) -> bool:
         return self.query_pos is not None and self.query_pos[i] is not None
@@ -56,6 +78,85 @@ class AttentionBatch:
         if self.key_pos is not None and self.key_pos[i] is not None:
             return self.key_pos[i]
         return torch.arange(self.context_lens[i], device=device)
+
+
+class ContextSlots:
+    """An AttentionBatch's read_slots, each computed on first use from its block table: the
+    batched kernel reads the tables themselves, so a decode step builds no per-position list;
+    only the per-sequence paths (a prefill chunk, the probe) gather and ask for one."""
+
+    def __init__(self, tables: list[list[int] | None], lens: list[int], block_size: int, device):
+        self._tables, self._lens, self._block, self._device = tables, lens, block_size, device
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def reads(self, i: int) -> bool:
+        return self._tables[i] is not None
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        """Slots [ctx_i] int64 of positions 0..ctx_i-1; None: all of the context is in this step."""
+        if self._tables[i] is None:
+            return None
+        if i not in self._made:
+            pos = torch.arange(self._lens[i])
+            table = torch.tensor(self._tables[i], dtype=torch.int64)
+            self._made[i] = (table[pos // self._block] * self._block + pos % self._block).to(self._device)
+        return self._made[i]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Per row of the step: its sequence and position; per sequence: whether its rows attend
+    in the one batched call (they read K/V through the block tables, nothing is gathered)."""
+
+    owner: torch.Tensor  # [N] int64 sequence of each row
+    pos: torch.Tensor  # [N] int64 position of each row
+    served: torch.Tensor  # [B] bool: the sequence's rows go to the batched kernel
+    all_served: bool
+    context_lens: torch.Tensor  # [B] int32
+
+
+def paged_rows(batch: AttentionBatch) -> PagedRows | None:
+    """None when no sequence can use the batched kernel (no block tables, no compiled op, or
+    every sequence is a fresh prefill or a chunk that keeps the SDPA path)."""
+    if batch.block_tables is None or not op_available("scattered_rows_attention"):
+        return None
+    device = batch.block_tables.device
+    served, owner, pos = [], [], []
+    for i in range(batch.num_seqs):
+        lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
+        custom_keys = batch.key_pos is not None and batch.key_pos[i] is not None
+        chunk = device.type == "cpu" and hi - lo > CPU_PAGED_MAX_ROWS
+        served.append(batch.reads_cache(i) and not custom_keys and not chunk)
+        owner.append(torch.full((hi - lo,), i, dtype=torch.int64))
+        pos.append(batch.query_pos[i].cpu() if batch.scattered(i) else
+                   torch.arange(batch.context_lens[i] - (hi - lo), batch.context_lens[i]))
+    if not any(served):
+        return None
+    cat = lambda xs: torch.cat(xs).to(device) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
+    return PagedRows(owner=cat(owner), pos=cat(pos), served=torch.tensor(served, device=device),
+                     all_served=all(served),
+                     context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device))
+
+
+def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: AttentionBatch, scale: float):
+    """The batched kernel over step rows `rows` [R] (None: all N); q holds those rows [R, H, D].
+    Returns (out [R', H*D] for the served ones, their indices into q [R'] or None when all)."""
+    paged = batch.paged
+    owner = paged.owner if rows is None else paged.owner[rows]  # [R]
+    pos = paged.pos if rows is None else paged.pos[rows]
+    pick = None
+    if not paged.all_served:
+        pick = paged.served[owner].nonzero().flatten()  # [R']
+        q, owner, pos = q[pick], owner[pick], pos[pick]
+    out, _ = scattered_rows_attention(q, owner.to(torch.int32), pos, kv.k[layer], kv.v[layer], batch.block_tables,
+                                      paged.context_lens, batch.block_size, scale)
+    return out.reshape(q.shape[0], -1), pick
 
 
 def causal_offset_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
@@ -110,37 +211,30 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     q [N, H, D], k_new/v_new [N, Hkv, D] -> [N, H*D].
     """
     kv.write(layer, batch.write_slots, k_new, v_new)
+    served = None
+    if batch.paged is not None:
+        out, pick = _batched(q, None, kv, layer, batch, scale)  # [R', H*D]
+        if pick is None:  # NOTE: the decode step: every row was served in that one call
+            return out
+        served = batch.paged.served.tolist()
     outs = []
     for i in range(batch.num_seqs):
+        if served is not None and served[i]:
+            continue
         lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
         k, v = _context(k_new, v_new, kv, layer, batch, i)
-        if _on_scattered_kernel(q, batch, i):
-            outs.append(_scattered_kernel(q[lo:hi], batch, i, kv, layer, scale))
-        elif batch.scattered(i) or (batch.key_pos is not None and batch.key_pos[i] is not None):
-            outs.append(attend_at(q[lo:hi], batch.row_positions(i, q.device), k, v, scale,
-                                  batch.key_positions(i, q.device)))
+        if batch.scattered(i) or (batch.key_pos is not None and batch.key_pos[i] is not None):
+            outs.append((lo, attend_at(q[lo:hi], batch.row_positions(i, q.device), k, v, scale,
+                                       batch.key_positions(i, q.device))))
         else:
-            outs.append(attend(q[lo:hi], k, v, scale))
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-
-
-def _on_scattered_kernel(q, batch: AttentionBatch, i: int) -> bool:
-    """Scattered rows over keys 0..ctx-1 run on the compiled kernel where it exists (CUDA/HIP)."""
-    return (q.is_cuda and batch.scattered(i) and batch.read_slots[i] is not None
-            and (batch.key_pos is None or batch.key_pos[i] is None) and op_available("scattered_rows_attention"))
-
-
-def _scattered_kernel(q, batch: AttentionBatch, i: int, kv, layer: int, scale: float) -> torch.Tensor:
-    """NOTE: a block table of block size 1 is the sequence's slot list itself, so the kernel
-    reads position p at read_slots[p] without knowing the cache's real block size."""
-    from ..ops.scattered_rows_attention import scattered_rows_attention
-
-    slots = batch.read_slots[i]
-    table = slots.to(torch.int32)[None, :]  # [1, ctx]
-    ctx = torch.tensor([slots.shape[0]], dtype=torch.int32, device=q.device)
-    q_seq = torch.zeros(q.shape[0], dtype=torch.int32, device=q.device)
-    out, _ = scattered_rows_attention(q, q_seq, batch.query_pos[i], kv.k[layer], kv.v[layer], table, ctx, 1, scale)
-    return out.reshape(q.shape[0], -1)  # [n, H*D]
+            outs.append((lo, attend(q[lo:hi], k, v, scale)))
+    if served is None:
+        return outs[0][1] if len(outs) == 1 else torch.cat([o for _, o in outs], dim=0)
+    full = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [N, H*D]
+    full[pick] = out
+    for lo, o in outs:
+        full[lo:lo + o.shape[0]] = o
+    return full
 
 
 def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -148,18 +242,25 @@ def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tenso
     """Like paged_attention, but only the sorted batch rows `rows` [R] attend; all rows' K/V
     are written. q [R, H, D] holds those rows' queries -> [R, H*D]."""
     kv.write(layer, batch.write_slots, k_new, v_new)
+    out = q.new_empty(rows.shape[0], q.shape[1] * q.shape[2])  # [R, H*D]
     starts = torch.tensor(batch.query_starts, device=rows.device)
     owner = torch.searchsorted(starts, rows, right=True) - 1  # [R] sequence of each row
-    outs = []
+    served = None
+    if batch.paged is not None and rows.numel():
+        done, pick = _batched(q, rows, kv, layer, batch, scale)
+        if pick is None:
+            return done
+        out[pick] = done
+        served = batch.paged.served.tolist()
     for i in owner.unique_consecutive().tolist():
+        if served is not None and served[i]:
+            continue
         pick = (owner == i).nonzero().flatten()
         pos = batch.row_positions(i, rows.device)[rows[pick] - batch.query_starts[i]]  # [Ri]
         k, v = _context(k_new, v_new, kv, layer, batch, i)
         k_pos = batch.key_pos[i] if batch.key_pos is not None else None
-        outs.append(attend_at(q[pick], pos, k, v, scale, k_pos))
-    if not outs:  # a step where no sequence wants logits (a mid-prompt chunk)
-        return q.new_empty(0, q.shape[1] * q.shape[2])
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        out[pick] = attend_at(q[pick], pos, k, v, scale, k_pos)
+    return out
 
 
 def key_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,

@@ -3,11 +3,14 @@
 import torch
 import torch.nn.functional as F
 
+from ..ops.packed_linear import linear
 
-def swiglu_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [N, d] -> [N, d]; gate_up [2I, d] holds gate rows then up rows; down [d, I]."""
-    h = F.linear(x, gate_up)  # [N, 2I]
+
+def swiglu_mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """x [N, d] -> [N, d]; gate_up [2I, d] holds gate rows then up rows; down [d, I] (each dense
+    or packed)."""
+    h = linear(x, gate_up)  # [N, 2I]
     gate, up = h.chunk(2, dim=-1)
     # NOTE: in place on the GEMM's output: no [N, I] temporaries on the prefill path.
     F.silu(gate, inplace=True)
-    return F.linear(gate.mul_(up), down)
+    return linear(gate.mul_(up), down)

@@ -66,8 +66,11 @@ def default_model_path() -> Path:
     raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}")
 
 
-def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> Checkpoint:
-    """Config, float32 weights (Hugging Face names), tokenizer and identity of a GGUF file."""
+def load_gguf(path: str | os.PathLike, use_cache: bool = True, packed: bool = False) -> Checkpoint:
+    """Config, float32 weights (Hugging Face names), tokenizer and identity of a GGUF file.
+
+    packed: the quantized linear weights come as GroupedInts (their blocks re-expressed, every
+    value unchanged) in place of their float32 values; see packed_tensors."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
@@ -85,7 +88,41 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True) -> Checkpoint:
         _write_cache_entry(entry, config, tensors, tokenizer, identity)
     else:
         config, tensors, tokenizer = cached
+    if packed:
+        tensors.update(packed_tensors(path, config))
     return Checkpoint(config, tensors, tokenizer, identity, str(path))
+
+
+def packed_tensors(path: Path, config: ModelConfig) -> dict:
+    """Hugging Face name -> GroupedInts for every 2-D quantized tensor of a packable format, with
+    llama.cpp's rope row order undone (a row permutation: the groups run along rows)."""
+    from ..ops.grouped_ints import permute_rows
+    from .gguf_groups import GROUPABLE, grouped_from_gguf
+
+    reader = open_gguf(path)
+    family = family_for_gguf(_field(reader, "general.architecture"), str(path))
+    out = {}
+    if not family.packed_weights:
+        return out
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in GROUPABLE or len(tensor.shape) != 2:
+            continue
+        hf_name = family.gguf.hf_name(tensor.name)
+        g = grouped_from_gguf(tensor)
+        heads = _rope_heads(family, hf_name, config)
+        if heads:
+            g = permute_rows(g, unpermute_rope_rows(torch.arange(g.q.shape[0]), heads))
+        out[hf_name] = g
+    return out
+
+
+def _rope_heads(family: ModelFamily, hf_name: str, config: ModelConfig) -> int:
+    """Heads whose rope rows llama.cpp interleaved in this tensor (0: none)."""
+    if not family.gguf.interleaved_rope_rows:
+        return 0
+    if hf_name.endswith("q_proj.weight"):
+        return config.num_heads
+    return config.num_kv_heads if hf_name.endswith("k_proj.weight") else 0
 
 
 def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:

@@ -11,7 +11,9 @@ from .checkpoint import Checkpoint
 from .embedded import model_path
 
 
-def load_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike | None, packed: bool = False) -> Checkpoint:
+    """packed: a GGUF's quantized linear weights stay quantized (loader/gguf.py packed_tensors);
+    a Hugging Face folder has none, so it loads as it always does."""
     if path is None:
         from .gguf import default_model_path
         path = default_model_path()
@@ -23,5 +25,5 @@ def load_checkpoint(path: str | os.PathLike | None) -> Checkpoint:
         return load_hf_folder(p)
     if p.suffix == ".gguf":
         from .gguf import load_gguf
-        return load_gguf(p)
+        return load_gguf(p, packed=packed)
     raise ModelLoadError(f"{p}: expected a Hugging Face checkpoint folder or a .gguf file")

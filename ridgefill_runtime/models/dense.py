@@ -8,7 +8,6 @@ ForwardOutput rather than writing them into the runner's stash.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..cache.build import kv_pool_of
 from ..cache.spec import CacheSpec
@@ -16,6 +15,7 @@ from ..config import ModelConfig
 from ..layers.attention import AttentionBatch, paged_attention, paged_attention_rows
 from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable, apply_rotary
+from ..ops.packed_linear import linear, weight_rows, weight_slice
 from ..ops.rms_norm import rms_norm
 from ..fill.corrections import rescale_filled
 from ..fill.late_part import late_part, mass_hook
@@ -42,7 +42,7 @@ class DenseLM:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> hidden [N, d]."""
-        return self.weights.embed[input_ids]
+        return weight_rows(self.weights.embed, input_ids, self.dtype)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for rows at `positions` [N]; computed once per forward, used by every layer."""
@@ -52,7 +52,7 @@ class DenseLM:
         """Layer input [N, d] -> q [N, H, D], k/v [N, Hkv, D], RoPE applied."""
         cfg, w = self.config, self.weights.layers[layer]
         x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)  # [N, (H + 2Hkv) * D]
+        qkv = linear(x, w.qkv, w.qkv_bias)  # [N, (H + 2Hkv) * D]
         n, hd = h.shape[0], cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * hd, cfg.num_kv_heads * hd
         q = qkv[:, :q_dim].view(n, cfg.num_heads, hd)
@@ -71,7 +71,7 @@ class DenseLM:
         q_dim, hd = cfg.num_heads * cfg.head_dim, cfg.head_dim
         xn = rms_norm(x, w.input_norm, cfg.rms_norm_eps)
         bias = None if w.qkv_bias is None else w.qkv_bias[q_dim:]
-        kv = F.linear(xn, w.qkv[q_dim:], bias)  # [F, 2 * Hkv * D]
+        kv = linear(xn, weight_slice(w.qkv, q_dim, w.qkv.shape[0]), bias)  # [F, 2 * Hkv * D]
         k, v = kv.view(x.shape[0], 2, cfg.num_kv_heads, hd).unbind(1)
         if cfg.qk_norm:
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
@@ -102,14 +102,14 @@ class DenseLM:
             h = h[rows]
         if on_q is not None:
             on_q(layer, q)
-        h = h + F.linear(attn, w.o)
+        h = h + linear(attn, w.o)
         x = rms_norm(h, w.post_norm, self.config.rms_norm_eps)
         return h + swiglu_mlp(x, w.gate_up, w.down)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden rows [R, d] -> float32 logits [R, V]."""
         x = rms_norm(h, self.weights.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return linear(x, self.weights.lm_head).float()
 
     # -- the whole model --------------------------------------------------------------------
 

@@ -75,6 +75,8 @@ class ModelFamily:
     weight_names: Callable[[ModelConfig], list[str]]
     qk_norm: bool = False
     gguf: GGUFFormat | None = None
+    # its model class takes a GGUF's quantized linear weights packed (GroupedInts; ops/packed_linear)
+    packed_weights: bool = False
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -11,6 +11,7 @@ LLAMA = ModelFamily(
     model_class=DenseLM,
     parse_hf_config=decoder_config.config_from_hf,
     weight_names=decoder_config.weight_names,
+    packed_weights=True,
     gguf=GGUFFormat(
         architecture="llama",
         parse_config=decoder_config.config_from_gguf,

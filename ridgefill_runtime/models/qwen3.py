@@ -11,6 +11,7 @@ QWEN3 = ModelFamily(
     model_class=DenseLM,
     parse_hf_config=decoder_config.config_from_hf,
     weight_names=decoder_config.weight_names,
+    packed_weights=True,
     qk_norm=True,
     gguf=GGUFFormat(
         architecture="qwen3",

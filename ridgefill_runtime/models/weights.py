@@ -1,4 +1,8 @@
-"""Turn a Hugging Face-named state dict into the dense model's fused, typed weights."""
+"""Turn a Hugging Face-named state dict into the dense model's fused, typed weights.
+
+A linear weight may arrive as GroupedInts (the loader's packed GGUF blocks, when the engine runs
+`weights = "packed"`): it stays packed (ops/packed_linear.PackedWeight) and fused parts are joined
+without changing a value; norms and biases are always dense in the run dtype."""
 
 from __future__ import annotations
 
@@ -8,27 +12,31 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
+from ..ops.grouped_ints import GroupedInts, concat_rows
+from ..ops.packed_linear import PackedWeight, pack
+
+Weight = torch.Tensor | PackedWeight  # a linear layer's weight
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [d]
-    qkv: torch.Tensor  # [(H + 2*Hkv) * D, d]: q rows, then k rows, then v rows
+    qkv: Weight  # [(H + 2*Hkv) * D, d]: q rows, then k rows, then v rows
     qkv_bias: torch.Tensor | None  # [(H + 2*Hkv) * D]
-    o: torch.Tensor  # [d, H*D]
+    o: Weight  # [d, H*D]
     q_norm: torch.Tensor | None  # [D] (Qwen3 QK-norm)
     k_norm: torch.Tensor | None  # [D]
     post_norm: torch.Tensor  # [d]
-    gate_up: torch.Tensor  # [2I, d]: gate rows, then up rows
-    down: torch.Tensor  # [d, I]
+    gate_up: Weight  # [2I, d]: gate rows, then up rows
+    down: Weight  # [d, I]
 
 
 @dataclass
 class DenseWeights:
-    embed: torch.Tensor  # [V, d]
+    embed: Weight  # [V, d]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [d]
-    lm_head: torch.Tensor  # [V, d] (the embedding itself when tied)
+    lm_head: Weight  # [V, d] (the embedding itself when tied)
 
 
 class _Fetcher:
@@ -46,7 +54,31 @@ class _Fetcher:
         t = self.tensors[name]
         if tuple(t.shape) != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        if isinstance(t, GroupedInts):
+            return self.tensor(name, t)
         return t.to(device=self.device, dtype=self.dtype)
+
+    def linear(self, names: list[str], shapes: list[tuple[int, int]]) -> Weight:
+        """Row-wise join of linear weights: packed when every part arrived packed."""
+        parts = [self.tensors.get(name) for name in names]
+        if parts and all(isinstance(p, GroupedInts) for p in parts):
+            for name, part, shape in zip(names, parts, shapes):
+                self._check(name, part.q, shape)
+            g = concat_rows(parts)
+            return pack(g.q, g.scale, g.min, g.bits, g.group).to(self.device)
+        tensors = [self.get(name, shape) for name, shape in zip(names, shapes)]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors).contiguous()
+
+    def tensor(self, name: str, g: GroupedInts) -> torch.Tensor:
+        """A packed tensor where a dense one is needed (a norm never is; an untied embedding
+        table feeds only lookups): its values in the run dtype."""
+        from ..ops.grouped_ints import dequantize_groups
+
+        return dequantize_groups(g).to(device=self.device, dtype=self.dtype)
+
+    def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
 
 
 def build_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -57,9 +89,8 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: tor
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat([f.get(p + "self_attn.q_proj.weight", (q_out, d)),
-                         f.get(p + "self_attn.k_proj.weight", (kv_out, d)),
-                         f.get(p + "self_attn.v_proj.weight", (kv_out, d))])
+        qkv = f.linear([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+                       [(q_out, d), (kv_out, d), (kv_out, d)])
         bias = None
         if cfg.attention_bias:
             bias = torch.cat([f.get(p + "self_attn.q_proj.bias", (q_out,)),
@@ -67,20 +98,21 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: tor
                               f.get(p + "self_attn.v_proj.bias", (kv_out,))])
         layers.append(LayerWeights(
             input_norm=f.get(p + "input_layernorm.weight", (d,)),
-            qkv=qkv.contiguous(),
+            qkv=qkv,
             qkv_bias=bias,
-            o=f.get(p + "self_attn.o_proj.weight", (d, q_out)),
+            o=f.linear([p + "self_attn.o_proj.weight"], [(d, q_out)]),
             q_norm=f.get(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
             k_norm=f.get(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
             post_norm=f.get(p + "post_attention_layernorm.weight", (d,)),
-            gate_up=torch.cat([f.get(p + "mlp.gate_proj.weight", (inter, d)),
-                               f.get(p + "mlp.up_proj.weight", (inter, d))]).contiguous(),
-            down=f.get(p + "mlp.down_proj.weight", (d, inter)),
+            gate_up=f.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, d), (inter, d)]),
+            down=f.linear([p + "mlp.down_proj.weight"], [(d, inter)]),
         ))
-    embed = f.get("model.embed_tokens.weight", (cfg.vocab_size, d))
+    # NOTE: a tied table is packed (it is the head, read whole every step); an untied one only
+    # serves lookups, so it is dense and the head alone is packed.
     if cfg.tie_word_embeddings:
-        lm_head = embed
+        embed = lm_head = f.linear(["model.embed_tokens.weight"], [(cfg.vocab_size, d)])
     else:
-        lm_head = f.get("lm_head.weight", (cfg.vocab_size, d))
+        embed = f.get("model.embed_tokens.weight", (cfg.vocab_size, d))
+        lm_head = f.linear(["lm_head.weight"], [(cfg.vocab_size, d)])
     return DenseWeights(embed=embed, layers=layers,
                         final_norm=f.get("model.norm.weight", (d,)), lm_head=lm_head)

@@ -1,0 +1,272 @@
+// Weight-only linear over group-quantized weights, dequantized in registers (CPU).
+//
+// y [M, n] = x [M, K] @ W.T, where W [n, K] is never materialised: weight (row r, column k) is
+// q * scale + min of its group of `group` consecutive k. The weights are stored in panels of 16
+// output rows, k-major inside a panel (layout and reference: ridgefill_runtime/ops/packed_linear.py):
+//
+//   data   bits 4: uint8 [P, K, 8]  row 16p + j < 8 is the low nibble of byte j, row 16p + 8 + j
+//                                   its high nibble (values 0..15)
+//          bits 8: int8  [P, K, 16] (values -128..127)
+//   scale  float16 or float32 [P, K / group, 16];  min: same, or empty (no offset)
+//
+// so one 8- or 16-byte load gives 16 output rows' weights at one k, and a tile of up to 8 input
+// rows reuses each dequantized weight vector. The dequantized weight is computed exactly as the
+// dequantized path computes it (q * scale, then + min: a product, then a sum, no fused multiply-
+// add), so the two paths use the same weight values and differ only in summation order.
+// Instruction set chosen at run time: AVX-512F, AVX2+FMA+F16C, or portable C++.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kPanel = 16;
+
+struct Packed {
+  const uint8_t* data;  // panel p, k: data + (p * K + k) * bytes_per_k
+  const void* scale;
+  const void* min;  // nullptr: no offset
+  bool half_scale;
+  int bits, group;
+  int64_t K, n, panels;
+  int64_t bytes_per_k() const { return bits == 4 ? 8 : 16; }
+};
+
+// -- portable ----------------------------------------------------------------------------------
+
+inline float scale_at(const void* p, bool half, int64_t i) {
+  return half ? float(static_cast<const c10::Half*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline float q_at(const Packed& w, int64_t panel, int64_t k, int j) {
+  const uint8_t* b = w.data + (panel * w.K + k) * w.bytes_per_k();
+  if (w.bits == 8) return float(static_cast<int8_t>(b[j]));
+  return float(j < 8 ? (b[j] & 15) : (b[j - 8] >> 4));
+}
+
+void panel_portable(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
+  float acc[kPanel];
+  const int64_t groups = w.K / w.group;
+  for (int64_t m = 0; m < M; ++m) {
+    std::fill(acc, acc + kPanel, 0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = (panel * groups + g) * kPanel;
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+        const float xk = x[m * w.K + k];
+        for (int j = 0; j < kPanel; ++j) {
+          float wj = q_at(w, panel, k, j) * scale_at(w.scale, w.half_scale, at + j);
+          if (w.min) wj += scale_at(w.min, w.half_scale, at + j);
+          acc[j] += wj * xk;
+        }
+      }
+    }
+    std::memcpy(y + m * kPanel, acc, sizeof acc);
+  }
+}
+
+// -- AVX2 + FMA + F16C: a panel is two 8-lane halves -------------------------------------------
+
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* p, bool half, int64_t i) {
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const c10::Half*>(p) + i)));
+  return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+template <int BITS, bool MIN, int MR>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const float* x, int64_t panel, float* y) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const int64_t groups = w.K / w.group;
+  const uint8_t* base = w.data + panel * w.K * w.bytes_per_k();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (panel * groups + g) * kPanel;
+    const __m256 s0 = load8(w.scale, w.half_scale, at), s1 = load8(w.scale, w.half_scale, at + 8);
+    __m256 z0 = _mm256_setzero_ps(), z1 = z0;
+    if (MIN) z0 = load8(w.min, w.half_scale, at), z1 = load8(w.min, w.half_scale, at + 8);
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+      __m256i q0, q1;
+      if (BITS == 4) {
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + k * 8)));
+        q0 = _mm256_and_si256(b, _mm256_set1_epi32(15));
+        q1 = _mm256_srli_epi32(b, 4);
+      } else {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + k * 16));
+        q0 = _mm256_cvtepi8_epi32(b);
+        q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+      }
+      __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), s0), w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), s1);
+      if (MIN) w0 = _mm256_add_ps(w0, z0), w1 = _mm256_add_ps(w1, z1);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * w.K + k);
+        acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(y + r * kPanel, acc[r][0]);
+    _mm256_storeu_ps(y + r * kPanel + 8, acc[r][1]);
+  }
+}
+
+template <int BITS, bool MIN>
+void panel_avx2(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_avx2<BITS, MIN, 4>(w, x + m * w.K, panel, y + m * kPanel);
+  switch (M - m) {
+    case 3: tile_avx2<BITS, MIN, 3>(w, x + m * w.K, panel, y + m * kPanel); break;
+    case 2: tile_avx2<BITS, MIN, 2>(w, x + m * w.K, panel, y + m * kPanel); break;
+    case 1: tile_avx2<BITS, MIN, 1>(w, x + m * w.K, panel, y + m * kPanel); break;
+    default: break;
+  }
+}
+
+// -- AVX-512F: a panel is one 16-lane vector ---------------------------------------------------
+
+__attribute__((target("avx512f"))) inline __m512 load16(const void* p, bool half, int64_t i) {
+  if (half) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const c10::Half*>(p) + i)));
+  return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+template <int BITS, bool MIN, int MR>
+__attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float* x, int64_t panel, float* y) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t groups = w.K / w.group;
+  const uint8_t* base = w.data + panel * w.K * w.bytes_per_k();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (panel * groups + g) * kPanel;
+    const __m512 s = load16(w.scale, w.half_scale, at);
+    const __m512 z = MIN ? load16(w.min, w.half_scale, at) : _mm512_setzero_ps();
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+      __m512i q;
+      if (BITS == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + k * 8)));
+        // lanes 0..7: bytes 0..7 & 15; lanes 8..15: bytes 0..7 >> 4 (b's lanes 8..15 are zero)
+        const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
+        const __m512i hi = _mm512_srli_epi32(b, 4);
+        q = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
+      } else {
+        q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + k * 16)));
+      }
+      __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+      if (MIN) wv = _mm512_add_ps(wv, z);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * w.K + k]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * kPanel, acc[r]);
+}
+
+template <int BITS, bool MIN, int MR>
+void rest_avx512(const Packed& w, const float* x, int64_t rows, int64_t panel, float* y) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return tile_avx512<BITS, MIN, MR>(w, x, panel, y);
+    return rest_avx512<BITS, MIN, MR - 1>(w, x, rows, panel, y);
+  }
+}
+
+template <int BITS, bool MIN>
+void panel_avx512(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) tile_avx512<BITS, MIN, 8>(w, x + m * w.K, panel, y + m * kPanel);
+  rest_avx512<BITS, MIN, 7>(w, x + m * w.K, M - m, panel, y + m * kPanel);
+}
+
+// -- dispatch ----------------------------------------------------------------------------------
+
+using PanelFn = void (*)(const Packed&, const float*, int64_t, int64_t, float*);
+
+template <template <int, bool> class Pick>
+PanelFn by_format(int bits, bool has_min) {
+  if (bits == 4) return has_min ? Pick<4, true>::fn : Pick<4, false>::fn;
+  return has_min ? Pick<8, true>::fn : Pick<8, false>::fn;
+}
+template <int B, bool Z> struct Avx512 { static constexpr PanelFn fn = panel_avx512<B, Z>; };
+template <int B, bool Z> struct Avx2 { static constexpr PanelFn fn = panel_avx2<B, Z>; };
+
+PanelFn panel_kernel(const Packed& w) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx512) return by_format<Avx512>(w.bits, w.min != nullptr);
+  if (avx2) return by_format<Avx2>(w.bits, w.min != nullptr);
+  return panel_portable;
+}
+
+Packed check_packed(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min, int64_t bits,
+                    int64_t group, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "packed_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.dim() == 3, "packed_linear: data must be a contiguous CPU [P, K, bytes] tensor");
+  TORCH_CHECK(data.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && data.size(2) == (bits == 4 ? 8 : 16),
+              "packed_linear: data must be uint8 [P, K, 8] for 4 bits, int8 [P, K, 16] for 8 bits");
+  const int64_t P = data.size(0), K = data.size(1);
+  TORCH_CHECK(group >= 1 && K % group == 0, "packed_linear: K=", K, " is not a multiple of group=", group);
+  TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "packed_linear: n=", n, " does not fit ", P, " panels of 16 rows");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, "packed_linear: scale must be float16 or float32");
+  TORCH_CHECK(scale.is_contiguous() && scale.sizes() == at::IntArrayRef({P, K / group, kPanel}),
+              "packed_linear: scale must be a contiguous [P, K / group, 16] tensor");
+  const bool has_min = min.numel() > 0;
+  if (has_min)
+    TORCH_CHECK(min.scalar_type() == scale.scalar_type() && min.is_contiguous() && min.sizes() == scale.sizes(),
+                "packed_linear: min must match scale's dtype and shape, or be empty");
+  return Packed{static_cast<const uint8_t*>(data.data_ptr()),
+                scale.data_ptr(), has_min ? min.data_ptr() : nullptr, scale.scalar_type() == at::kHalf,
+                int(bits), int(group), K, n, P};
+}
+
+at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
+                             const at::Tensor& min, int64_t bits, int64_t group, int64_t n) {
+  const Packed w = check_packed(data, scale, min, bits, group, n);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == w.K,
+              "packed_linear: x must be float32 [M, ", w.K, "], got ", x.scalar_type(), " ", x.sizes());
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, n}, xc.options());
+  if (M == 0 || n == 0) return y;
+  const PanelFn kernel = panel_kernel(w);
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // NOTE: a panel's 16 outputs per row land in a small buffer first, so the last, partial panel
+  // writes only its real rows and y needs no padding columns.
+  at::parallel_for(0, w.panels, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> tile(M * kPanel);
+    for (int64_t p = lo; p < hi; ++p) {
+      kernel(w, xp, M, p, tile.data());
+      const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * n + p * kPanel, tile.data() + m * kPanel, cols * sizeof(float));
+    }
+  });
+  return y;
+}
+
+// W [n, K] float32, the same values the linear multiplies by (large batches run a dense GEMM on it).
+at::Tensor packed_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
+                                 int64_t bits, int64_t group, int64_t n) {
+  const Packed w = check_packed(data, scale, min, bits, group, n);
+  at::Tensor out = at::empty({n, w.K}, scale.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const int64_t groups = w.K / w.group;
+  at::parallel_for(0, w.panels, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p)
+      for (int j = 0; j < kPanel && p * kPanel + j < n; ++j)
+        for (int64_t k = 0; k < w.K; ++k) {
+          const int64_t at = (p * groups + k / w.group) * kPanel + j;
+          float v = q_at(w, p, k, j) * scale_at(w.scale, w.half_scale, at);
+          if (w.min) v += scale_at(w.min, w.half_scale, at);
+          o[(p * kPanel + j) * w.K + k] = v;
+        }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ridgefill, CPU, m) {
+  m.impl("packed_linear", &packed_linear_cpu);
+  m.impl("packed_dequantize", &packed_dequantize_cpu);
+}

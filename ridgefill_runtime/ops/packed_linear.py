@@ -1,0 +1,164 @@
+"""packed_linear: a linear layer whose weights stay group-quantized (GGUF's blocks, repacked).
+
+A weight W [n, K] is held as integers q with one scale (and optionally one min) per `group`
+consecutive k of a row: W[r, k] = q[r, k] * scale[r, k // group] + min[r, k // group]. GGUF's
+Q8_0, Q4_0, Q4_1, Q4_K and Q6_K all say exactly this (loader/gguf_groups.py re-expresses them
+without changing a value), so keeping the integers costs ~4.5-8.5 bits a weight instead of 32,
+and decode, which reads every weight once per step, reads 4-7x fewer bytes.
+
+Storage (what csrc/cpu/packed_linear.cpp reads): rows in panels of 16, k-major inside a panel,
+so one load gives 16 rows' weights at one k:
+  data   bits 4: uint8 [P, K, 8]   byte j holds row 16p + j (low nibble) and 16p + 8 + j (high)
+         bits 8: int8  [P, K, 16]
+  scale  float16 (where every scale is an exact fp16) or float32 [P, K / group, 16]
+  min    like scale, or empty: no offset
+Rows past n in the last panel are zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import op_available
+
+PANEL = 16
+# Rows at or above this run one dense GEMM on the dequantized weight (prefill: compute-bound, the
+# dequantization is paid once per call); below it, the kernel dequantizes in registers.
+DENSE_FROM_ROWS = 48
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    data: torch.Tensor  # uint8 [P, K, 8] or int8 [P, K, 16]
+    scale: torch.Tensor  # [P, K // group, 16]
+    min: torch.Tensor  # like scale, or empty
+    bits: int
+    group: int
+    n: int  # output rows
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.data.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
+
+    def to(self, device) -> "PackedWeight":
+        return PackedWeight(self.data.to(device), self.scale.to(device), self.min.to(device), self.bits,
+                            self.group, self.n)
+
+    def rows(self, lo: int, hi: int) -> "PackedWeight":
+        """Output rows lo..hi-1 (a fused projection's part); lo must start a panel."""
+        if lo % PANEL:
+            raise ValueError(f"packed rows must start at a multiple of {PANEL}, got {lo}")
+        p0, p1 = lo // PANEL, -(-hi // PANEL)
+        return PackedWeight(self.data[p0:p1], self.scale[p0:p1], self.min[p0:p1] if self.min.numel() else self.min,
+                            self.bits, self.group, hi - lo)
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, bits: int, group: int) -> PackedWeight:
+    """q [n, K] int (bits 4: 0..15, bits 8: -128..127), scale/min [n, K // group] -> panels."""
+    n, k = q.shape
+    if bits not in (4, 8):
+        raise ValueError(f"packed weights hold 4 or 8 bits, got {bits}")
+    if k % group or tuple(scale.shape) != (n, k // group):
+        raise ValueError(f"scale must be [{n}, {k} // {group}], got {tuple(scale.shape)}")
+    lo, hi = (0, 15) if bits == 4 else (-128, 127)
+    if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
+        raise ValueError(f"{bits}-bit values must lie in [{lo}, {hi}]")
+    pad = -n % PANEL
+    panels = lambda t: F.pad(t, (0, 0, 0, pad)).view(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
+    qp = panels(q.to(torch.int16))  # [P, K, 16]
+    if bits == 4:
+        data = (qp[..., :8] | (qp[..., 8:] << 4)).to(torch.uint8)  # [P, K, 8]
+    else:
+        data = qp.to(torch.int8)  # [P, K, 16]
+    empty = scale.new_empty((0,))
+    return PackedWeight(data, panels(scale), empty if min is None else panels(min.to(scale.dtype)), bits, group, n)
+
+
+def unpack_ints(w: PackedWeight) -> torch.Tensor:
+    """The integers q [n, K] int16 back in row order."""
+    if w.bits == 4:
+        d = w.data.to(torch.int16)
+        q = torch.cat([d & 15, d >> 4], dim=-1)  # [P, K, 16]
+    else:
+        q = w.data.to(torch.int16)
+    return q.transpose(1, 2).reshape(-1, q.shape[1])[:w.n]
+
+
+def _per_k(t: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """[P, K // group, 16] -> [n, K] float32, each group's value repeated over its k."""
+    rows = t.transpose(1, 2).reshape(-1, t.shape[1])[:w.n].float()  # [n, K // group]
+    return rows.repeat_interleave(w.group, dim=1)
+
+
+def dequantize_reference(w: PackedWeight) -> torch.Tensor:
+    """W [n, K] float32 in pure torch: q * scale, then + min (the order the kernel and the GGUF
+    dequantizer use, so the values are bit-identical)."""
+    out = unpack_ints(w).float() * _per_k(w.scale, w)
+    if w.min.numel():
+        out = out + _per_k(w.min, w)
+    return out
+
+
+def packed_linear_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [M, K] -> [M, n] in float64 (the tests' reference)."""
+    return x.double() @ dequantize_reference(w).double().T
+
+
+def dequantize(w: PackedWeight) -> torch.Tensor:
+    """W [n, K] float32 (the compiled kernel where there is one)."""
+    if w.device.type == "cpu" and op_available("packed_dequantize"):
+        return torch.ops.ridgefill.packed_dequantize(w.data, w.scale, w.min, w.bits, w.group, w.n)
+    return dequantize_reference(w)
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (any float dtype) -> [..., n] in x's dtype."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).float()  # [M, K]
+    if x2.shape[0] < DENSE_FROM_ROWS and x.device.type == "cpu" and op_available("packed_linear"):
+        y = torch.ops.ridgefill.packed_linear(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
+    else:  # NOTE: a GPU has no packed kernel yet: dequantize per call (correct, not fast)
+        y = x2 @ dequantize(w).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*lead, w.n)
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a dense weight, packed_linear for a packed one."""
+    if isinstance(w, PackedWeight):
+        return packed_linear(x, w, bias)
+    return F.linear(x, w, bias)
+
+
+def weight_slice(w, lo: int, hi: int):
+    """Output rows lo..hi-1 of a dense or packed weight."""
+    return w.rows(lo, hi) if isinstance(w, PackedWeight) else w[lo:hi]
+
+
+def weight_rows(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` [N] of a weight as dtype [N, K] (an embedding lookup; a tied head's table may
+    be packed)."""
+    if not isinstance(w, PackedWeight):
+        return w[ids]
+    p, j = ids // PANEL, ids % PANEL
+    if w.bits == 4:
+        byte = w.data[p, :, j % 8].to(torch.int16)  # [N, K]
+        q = torch.where((j >= 8)[:, None], byte >> 4, byte & 15)
+    else:
+        q = w.data[p, :, j].to(torch.int16)
+    per_k = lambda t: t[p, :, j].float().repeat_interleave(w.group, dim=1)  # noqa: E731  [N, K]
+    out = q.float() * per_k(w.scale)
+    if w.min.numel():
+        out = out + per_k(w.min)
+    return out.to(dtype)

@@ -1,0 +1,129 @@
+"""packed_linear against a float64 product with the weights dequantized by hand, and the panel
+layout against the integers it was packed from."""
+
+import pytest
+import torch
+
+from ridgefill_runtime.ops import op_available
+from ridgefill_runtime.ops.packed_linear import (
+    DENSE_FROM_ROWS,
+    PackedWeight,
+    dequantize,
+    dequantize_reference,
+    linear,
+    pack,
+    packed_linear,
+    unpack_ints,
+    weight_rows,
+    weight_slice,
+)
+
+needs_kernel = pytest.mark.skipif(not op_available("packed_linear"), reason="compiled extension not built")
+
+# (bits, group, scale dtype, with a min): Q4_1 / Q4_0, Q8_0, Q6_K, Q4_K as the loader repacks them
+FORMATS = [(4, 32, torch.float16, True), (8, 32, torch.float16, False), (8, 16, torch.float32, False),
+           (4, 32, torch.float32, True)]
+
+
+def _random(n: int, k: int, bits: int, group: int, dtype, with_min: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (n, k), generator=g)
+    scale = (torch.rand(n, k // group, generator=g) * 0.02).to(dtype)
+    mins = (torch.randn(n, k // group, generator=g) * 0.05).to(dtype) if with_min else None
+    return q, scale, mins
+
+
+def _by_hand(q, scale, mins, group) -> torch.Tensor:
+    """W [n, K] float64: every weight computed alone, q * scale (+ min), in float32 as stored."""
+    w = q.float() * scale.float().repeat_interleave(group, dim=1)
+    if mins is not None:
+        w = w + mins.float().repeat_interleave(group, dim=1)
+    return w.double()
+
+
+@pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
+def test_layout_round_trips(bits, group, dtype, with_min):
+    q, scale, mins = _random(37, 64, bits, group, dtype, with_min)  # 37: a partial last panel
+    w = pack(q, scale, mins, bits, group)
+    assert torch.equal(unpack_ints(w), q.to(torch.int16))
+    assert torch.equal(dequantize_reference(w).double(), _by_hand(q, scale, mins, group))
+    assert w.shape == (37, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
+def test_compiled_dequantize_gives_the_same_values(bits, group, dtype, with_min):
+    q, scale, mins = _random(50, 96, bits, group, dtype, with_min, seed=1)
+    w = pack(q, scale, mins, bits, group)
+    assert torch.equal(dequantize(w), dequantize_reference(w))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, DENSE_FROM_ROWS + 3])
+def test_kernel_matches_float64(bits, group, dtype, with_min, rows):
+    n, k = 45, 128
+    q, scale, mins = _random(n, k, bits, group, dtype, with_min, seed=rows)
+    w = pack(q, scale, mins, bits, group)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    want = x.double() @ _by_hand(q, scale, mins, group).T  # [rows, n]
+    got = packed_linear(x, w)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # float32 sums of k products: error ~ sqrt(k) ulps of the terms' magnitude
+    bound = 1e-6 * (x.abs().double() @ _by_hand(q, scale, mins, group).abs().T) + 1e-7
+    assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@needs_kernel
+def test_leading_dims_bias_and_bfloat16_input():
+    q, scale, mins = _random(32, 64, 4, 32, torch.float16, True)
+    w = pack(q, scale, mins, 4, 32)
+    x = torch.randn(2, 3, 64)
+    bias = torch.randn(32)
+    want = (x.double().reshape(6, 64) @ _by_hand(q, scale, mins, 32).T + bias.double()).reshape(2, 3, 32)
+    got = packed_linear(x, w, bias)
+    assert got.shape == (2, 3, 32)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+    got_bf16 = packed_linear(x.bfloat16(), w)
+    assert got_bf16.dtype == torch.bfloat16
+
+
+def test_rows_slice_and_lookup_match_the_dense_weight():
+    q, scale, mins = _random(48, 64, 4, 32, torch.float16, True)
+    w = pack(q, scale, mins, 4, 32)
+    dense = dequantize_reference(w)
+    assert torch.equal(dequantize_reference(weight_slice(w, 16, 40)), dense[16:40])
+    ids = torch.tensor([0, 7, 8, 15, 16, 47, 3])
+    assert torch.equal(weight_rows(w, ids, torch.float32), dense[ids])
+    q8, s8, _ = _random(20, 64, 8, 32, torch.float16, False)
+    w8 = pack(q8, s8, None, 8, 32)
+    assert torch.equal(weight_rows(w8, torch.tensor([19, 0, 9]), torch.float32), dequantize_reference(w8)[[19, 0, 9]])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        weight_slice(w, 8, 40)
+
+
+def test_linear_dispatches_on_the_weight_kind():
+    x = torch.randn(3, 64)
+    dense = torch.randn(10, 64)
+    assert torch.equal(linear(x, dense), torch.nn.functional.linear(x, dense))
+    q, scale, _ = _random(10, 64, 8, 32, torch.float32, False)
+    assert isinstance(pack(q, scale, None, 8, 32), PackedWeight)
+
+
+def test_pack_refuses_values_out_of_range_and_bad_shapes():
+    q, scale, _ = _random(16, 64, 4, 32, torch.float32, False)
+    with pytest.raises(ValueError, match=r"4-bit values must lie in \[0, 15\]"):
+        pack(q + 1, scale, None, 4, 32)
+    with pytest.raises(ValueError, match="scale must be"):
+        pack(q, scale[:, :1], None, 4, 32)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        pack(q, scale, None, 5, 32)
+
+
+@needs_kernel
+def test_kernel_refuses_a_wrong_input_width():
+    q, scale, _ = _random(16, 64, 4, 32, torch.float32, False)
+    w = pack(q, scale, None, 4, 32)
+    with pytest.raises(RuntimeError, match=r"x must be float32 \[M, 64\]"):
+        torch.ops.ridgefill.packed_linear(torch.randn(2, 32), w.data, w.scale, w.min, 4, 32, 16)
