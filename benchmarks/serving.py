@@ -13,11 +13,12 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start_server(serve_args: list[str], port: int) -> subprocess.Popen:
-    """`python -m server serve <serve_args> --port port`, healthy; its stderr tail if it dies first."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def start_server(serve_args: list[str], port: int, root: Path = ROOT) -> subprocess.Popen:
+    """`python -m server serve <serve_args> --port port` from the tree `root` (another checkout runs
+    a before/after comparison), healthy; its stderr tail if it dies first."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
     args = [sys.executable, "-m", "server", "serve", *serve_args, "--port", str(port)]
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:

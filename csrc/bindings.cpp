@@ -23,10 +23,9 @@ TORCH_LIBRARY(ridgefill, m) {
   // float32 = x [M, K] float32 @ W.T, W[r, k] = q * scale + min per group of
   // `group` k. data uint8 [P, K, 8] (bits 4) or int8 [P, K, 16] (bits 8) in
   // panels of 16 rows; scale float16/float32 [P, K / group, 16]; min the same or
-  // empty. packed_dequantize gives W itself [n, K] float32. Layout and reference:
+  // empty. Layout and reference:
   // ridgefill_runtime/ops/packed_linear.py; CPU kernel csrc/cpu/packed_linear.cpp.
   m.def("packed_linear(Tensor x, Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
-  m.def("packed_dequantize(Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
 
   // Attention of an arbitrary subset of prompt rows over the paged KV cache.
   // q [R, H, D]; row i is sequence q_seq[i] (int32) at position q_pos[i]

@@ -10,7 +10,8 @@
 //   scale  float16 or float32 [P, K / group, 16];  min: same, or empty (no offset)
 //
 // so one 8- or 16-byte load gives 16 output rows' weights at one k, and a tile of up to 8 input
-// rows reuses each dequantized weight vector. The dequantized weight is computed exactly as the
+// rows reuses each dequantized weight vector (8 rows on AVX-512: at 512 rows this beats a
+// float32 GEMM on the dequantized weight, so prefill runs on it too). The dequantized weight is computed exactly as the
 // dequantized path computes it (q * scale, then + min: a product, then a sum, no fused multiply-
 // add), so the two paths use the same weight values and differ only in summation order.
 // Instruction set chosen at run time: AVX-512F, AVX2+FMA+F16C, or portable C++.
@@ -244,29 +245,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& data, const 
   return y;
 }
 
-// W [n, K] float32, the same values the linear multiplies by (large batches run a dense GEMM on it).
-at::Tensor packed_dequantize_cpu(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
-                                 int64_t bits, int64_t group, int64_t n) {
-  const Packed w = check_packed(data, scale, min, bits, group, n);
-  at::Tensor out = at::empty({n, w.K}, scale.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  const int64_t groups = w.K / w.group;
-  at::parallel_for(0, w.panels, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p)
-      for (int j = 0; j < kPanel && p * kPanel + j < n; ++j)
-        for (int64_t k = 0; k < w.K; ++k) {
-          const int64_t at = (p * groups + k / w.group) * kPanel + j;
-          float v = q_at(w, p, k, j) * scale_at(w.scale, w.half_scale, at);
-          if (w.min) v += scale_at(w.min, w.half_scale, at);
-          o[(p * kPanel + j) * w.K + k] = v;
-        }
-  });
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ridgefill, CPU, m) {
   m.impl("packed_linear", &packed_linear_cpu);
-  m.impl("packed_dequantize", &packed_dequantize_cpu);
 }

@@ -89,8 +89,39 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True, packed: bool = Fa
     else:
         config, tensors, tokenizer = cached
     if packed:
-        tensors.update(packed_tensors(path, config))
+        tensors.update(_cached_packed_tensors(path, config, identity))
     return Checkpoint(config, tensors, tokenizer, identity, str(path))
+
+
+def _cached_packed_tensors(path: Path, config: ModelConfig, identity: str) -> dict:
+    """packed_tensors, kept beside the conversion cache: reading the GGUF again costs seconds
+    (its reader parses the whole vocabulary), reading the saved integers a fraction of one."""
+    from ..ops.grouped_ints import GroupedInts
+
+    file = conversion_cache_dir(identity).with_name(f"{identity}-v{CONVERTER_VERSION}-grouped.safetensors")
+    try:
+        flat = load_file(str(file)) if file.is_file() else None
+    except Exception as exc:  # unreadable: make it again
+        logger.warning("discarding unreadable cache file %s (%s)", file, exc)
+        flat = None
+    if flat is not None:
+        names = {key.rsplit(".", 1)[0] for key in flat}
+        return {name: GroupedInts(flat[f"{name}.q"], flat[f"{name}.scale"], flat.get(f"{name}.min"),
+                                  int(flat[f"{name}.format"][0]), int(flat[f"{name}.format"][1])) for name in names}
+    grouped = packed_tensors(path, config)
+    flat = {}
+    for name, g in grouped.items():
+        flat.update({f"{name}.q": g.q, f"{name}.scale": g.scale, f"{name}.format": torch.tensor([g.bits, g.group])})
+        if g.min is not None:
+            flat[f"{name}.min"] = g.min
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        staging = file.with_name(f".{file.name}.{os.getpid()}")
+        save_file(flat, str(staging))
+        os.replace(staging, file)  # NOTE: atomic: a reader never sees half a file
+    except OSError as exc:
+        logger.warning("could not write the packed-weights cache %s (%s)", file, exc)
+    return grouped
 
 
 def packed_tensors(path: Path, config: ModelConfig) -> dict:

@@ -25,9 +25,6 @@ import torch.nn.functional as F
 from . import op_available
 
 PANEL = 16
-# Rows at or above this run one dense GEMM on the dequantized weight (prefill: compute-bound, the
-# dequantization is paid once per call); below it, the kernel dequantizes in registers.
-DENSE_FROM_ROWS = 48
 
 
 @dataclass(frozen=True)
@@ -74,14 +71,16 @@ def pack(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, bits: i
     if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
         raise ValueError(f"{bits}-bit values must lie in [{lo}, {hi}]")
     pad = -n % PANEL
-    panels = lambda t: F.pad(t, (0, 0, 0, pad)).view(-1, PANEL, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
-    qp = panels(q.to(torch.int16))  # [P, K, 16]
+    # [n, c] -> [P, 16, c] (rows of a panel), padded with zero rows
+    panel_rows = lambda t: F.pad(t, (0, 0, 0, pad)).view(-1, PANEL, t.shape[1])  # noqa: E731
     if bits == 4:
-        data = (qp[..., :8] | (qp[..., 8:] << 4)).to(torch.uint8)  # [P, K, 8]
+        qp = panel_rows(q.to(torch.uint8))  # [P, 16, K]
+        data = (qp[:, :8] | (qp[:, 8:] << 4)).transpose(1, 2).contiguous()  # [P, K, 8]
     else:
-        data = qp.to(torch.int8)  # [P, K, 16]
+        data = panel_rows(q.to(torch.int8)).transpose(1, 2).contiguous()  # [P, K, 16]
+    k_major = lambda t: panel_rows(t).transpose(1, 2).contiguous()  # noqa: E731  [P, K // group, 16]
     empty = scale.new_empty((0,))
-    return PackedWeight(data, panels(scale), empty if min is None else panels(min.to(scale.dtype)), bits, group, n)
+    return PackedWeight(data, k_major(scale), empty if min is None else k_major(min.to(scale.dtype)), bits, group, n)
 
 
 def unpack_ints(w: PackedWeight) -> torch.Tensor:
@@ -114,21 +113,16 @@ def packed_linear_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return x.double() @ dequantize_reference(w).double().T
 
 
-def dequantize(w: PackedWeight) -> torch.Tensor:
-    """W [n, K] float32 (the compiled kernel where there is one)."""
-    if w.device.type == "cpu" and op_available("packed_dequantize"):
-        return torch.ops.ridgefill.packed_dequantize(w.data, w.scale, w.min, w.bits, w.group, w.n)
-    return dequantize_reference(w)
-
-
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype) -> [..., n] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).float()  # [M, K]
-    if x2.shape[0] < DENSE_FROM_ROWS and x.device.type == "cpu" and op_available("packed_linear"):
+    if x.device.type == "cpu" and op_available("packed_linear"):
+        # NOTE: every row count: with 8 rows per register tile the kernel beats a float32 GEMM
+        # on the dequantized weight even for 512-row prefill chunks (benchmarks/packed_linear.py)
         y = torch.ops.ridgefill.packed_linear(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
-    else:  # NOTE: a GPU has no packed kernel yet: dequantize per call (correct, not fast)
-        y = x2 @ dequantize(w).T
+    else:  # NOTE: no GPU kernel yet (the engine refuses packed there): dequantize per call
+        y = x2 @ dequantize_reference(w).T
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*lead, w.n)

@@ -6,9 +6,7 @@ import torch
 
 from ridgefill_runtime.ops import op_available
 from ridgefill_runtime.ops.packed_linear import (
-    DENSE_FROM_ROWS,
     PackedWeight,
-    dequantize,
     dequantize_reference,
     linear,
     pack,
@@ -53,15 +51,7 @@ def test_layout_round_trips(bits, group, dtype, with_min):
 
 @needs_kernel
 @pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
-def test_compiled_dequantize_gives_the_same_values(bits, group, dtype, with_min):
-    q, scale, mins = _random(50, 96, bits, group, dtype, with_min, seed=1)
-    w = pack(q, scale, mins, bits, group)
-    assert torch.equal(dequantize(w), dequantize_reference(w))
-
-
-@needs_kernel
-@pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, DENSE_FROM_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 100])
 def test_kernel_matches_float64(bits, group, dtype, with_min, rows):
     n, k = 45, 128
     q, scale, mins = _random(n, k, bits, group, dtype, with_min, seed=rows)

@@ -1,0 +1,299 @@
+"""Decode speed on the embedded SmolLM2 (Q4_1 GGUF): ridgefill vs llama.cpp vs transformers,
+one run, same file, same threads.
+
+    python benchmarks/decode.py --threads 2 --context 1024 --new 64 --batches 1 4 16 64 --out decode.json
+
+ridgefill runs twice, once per `weights` setting: "packed" keeps the GGUF's quantized blocks and
+multiplies with the weight-only kernel, "dequantized" expands them to `--dtype`. Each arm loads
+the model once; every batch size B gets a fresh Engine over it (a KV pool with room for all B
+sequences, max_num_seqs = B). B requests, each a distinct `--context`-token real-text prompt,
+greedy with ignore_eos, are prefilled untimed; then `--new` engine steps are timed while all B
+sequences decode (one token each per step). Since decodes run before prefills in a step, the
+first-admitted sequences have already decoded a few tokens when the last one gets its first,
+so the B contexts differ by at most the number of prefill steps (requests get that much extra
+max_tokens so none finishes inside the timed window; they are aborted after it).
+
+ITL: median (p50) and p90 of the timed step times. Aggregate tok/s = B / median step time.
+"agg vs B=1": that arm's aggregate over its own B=1 aggregate. "ITL vs llama.cpp": that B=1
+row's ITL divided by llama.cpp's (above 1: slower than llama.cpp).
+
+llama.cpp (llama-cpp-python, B=1): the prompt ids in n_batch=512 evals, then `--new`
+single-token evals with greedy argmax over the last logits, each eval timed. transformers
+(B=1, --no-hf to skip): one forward over the prompt with its KV cache, then `--new`
+single-token forwards with past_key_values, greedy, each timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import inspect
+import json
+import math
+import platform
+import statistics
+import time
+
+import torch
+
+
+def real_text_ids(tokenizer, n: int) -> list[int]:
+    """n token ids of real English/reST text and Python (licenses, torch's sources on this machine)."""
+    files = (sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(torch.__path__[0] + "/*.py"))
+             + sorted(glob.glob(torch.__path__[0] + "/**/*.py", recursive=True)))
+    ids: list[int] = []
+    seen = set()
+    for f in files:
+        if f in seen:
+            continue
+        seen.add(f)
+        try:
+            ids += tokenizer.encode(open(f, encoding="utf-8").read())
+        except (UnicodeDecodeError, IsADirectoryError):
+            continue
+        if len(ids) >= n:
+            return ids[:n]
+    raise RuntimeError("not enough local text for the benchmark")
+
+
+def real_text_prompts(tokenizer, count: int, n: int) -> list[list[int]]:
+    """`count` distinct n-token prompts: consecutive windows of the local text."""
+    ids = real_text_ids(tokenizer, count * n)
+    return [ids[i * n:(i + 1) * n] for i in range(count)]
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summary(step_s: list[float], batch: int) -> dict:
+    p50 = statistics.median(step_s)
+    return {"steps": len(step_s), "itl_p50_ms": p50 * 1e3, "itl_p90_ms": percentile(step_s, 0.9) * 1e3,
+            "agg_tok_s": batch / p50}
+
+
+# -- ridgefill ---------------------------------------------------------------------------------
+
+
+def ridgefill_engine(llm, weights: str, dtype: str, batch: int, max_tokens: int, context: int, chunk: int):
+    """A fresh engine over the loaded model, its KV pool sized for `batch` whole sequences."""
+    from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+    from ridgefill_runtime.engine import Engine
+
+    block = 16
+    blocks = batch * (-(-(context + max_tokens + 1) // block) + 1)
+    config = EngineConfig(dtype=dtype, weights=weights,
+                          cache=CacheConfig(block_size=block, num_blocks=blocks),
+                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=chunk + batch,
+                                                    chunk_size=chunk))
+    return Engine(llm.engine.model, llm.tokenizer, config)
+
+
+def time_ridgefill(llm, weights: str, dtype: str, prompts: list[list[int]], new: int, chunk: int) -> dict:
+    from ridgefill_runtime.sequence import SamplingParams
+
+    batch, context = len(prompts), len(prompts[0])
+    # prefill steps until the last sequence has its first token: at most this many
+    slack = batch * -(-context // chunk) + batch + 2
+    max_tokens = new + slack
+    engine = ridgefill_engine(llm, weights, dtype, batch, max_tokens, context, chunk)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    t = time.perf_counter()
+    prefill_steps = 0
+    while not all(s.output_ids for s in seqs):
+        engine.step()
+        prefill_steps += 1
+        if prefill_steps > 10 * slack:
+            raise RuntimeError(f"B={batch}: prefill did not finish in {prefill_steps} steps")
+    prefill_s = time.perf_counter() - t
+    lead = max(len(s.output_ids) for s in seqs) - 1
+    steps, short = [], 0
+    for _ in range(new):
+        t = time.perf_counter()
+        outs = engine.step()
+        steps.append(time.perf_counter() - t)
+        short += len(outs) != batch or any(s.finished for s in seqs)
+    tokens = list(seqs[0].output_ids[:new + 1]) if batch == 1 else None  # greedy, for the cross-check
+    for s in seqs:
+        engine.abort(s)
+    stats = engine.stats()
+    row = summary(steps, batch)
+    row.update(prefill_s=prefill_s, prefill_steps=prefill_steps, max_lead_tokens=lead,
+               steps_not_full_batch=short, preemptions=stats.preemptions_total)
+    if tokens is not None:
+        row["tokens"] = tokens
+    return row
+
+
+# -- llama.cpp ---------------------------------------------------------------------------------
+
+
+def time_llama_cpp(path, ids: list[int], new: int, threads: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + new + 16, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def last_argmax() -> int:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        return int(logits.argmax())
+
+    llm.reset()
+    t = time.perf_counter()
+    llm.eval(ids)
+    prefill_s = time.perf_counter() - t
+    token = last_argmax()
+    steps, tokens = [], [token]
+    for _ in range(new):
+        t = time.perf_counter()
+        llm.eval([token])
+        token = last_argmax()
+        steps.append(time.perf_counter() - t)
+        tokens.append(token)
+    row = summary(steps, 1)
+    row.update(prefill_s=prefill_s, version=llama_cpp.__version__, tokens=tokens)
+    del llm
+    return row
+
+
+# -- transformers ------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def time_hf(model, ids: list[int], new: int) -> dict:
+    # NOTE: transformers 5.x renamed past_key_values to cache (the old name warns)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    t = time.perf_counter()
+    out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    prefill_s = time.perf_counter() - t
+    past = getattr(out, kw)
+    token = int(out.logits[0, -1].argmax())
+    steps, tokens = [], [token]
+    for _ in range(new):
+        t = time.perf_counter()
+        out = model(torch.tensor([[token]]), use_cache=True, **{kw: past})
+        past = getattr(out, kw)
+        token = int(out.logits[0, -1].argmax())
+        steps.append(time.perf_counter() - t)
+        tokens.append(token)
+    row = summary(steps, 1)
+    row.update(prefill_s=prefill_s, tokens=tokens)
+    return row
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> str:
+    llama = next((r for r in rows if r["arm"] == "llama.cpp"), None)
+    base = {r["arm"]: r["agg_tok_s"] for r in rows if r["batch"] == 1}
+    head = ["arm", "B", "ITL p50 ms", "ITL p90 ms", "agg tok/s", "agg vs B=1", "ITL vs llama.cpp"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        vs_b1 = f"{r['agg_tok_s'] / base[r['arm']]:.2f}x" if r["arm"] in base else "-"
+        vs_llama = f"{r['itl_p50_ms'] / llama['itl_p50_ms']:.2f}x" if llama and r["batch"] == 1 else "-"
+        lines.append(f"| {r['arm']} | {r['batch']} | {r['itl_p50_ms']:.2f} | {r['itl_p90_ms']:.2f} | "
+                     f"{r['agg_tok_s']:.1f} | {vs_b1} | {vs_llama} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens per request")
+    ap.add_argument("--new", type=int, default=64, help="timed decode steps (tokens per sequence)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--weights", nargs="+", default=["packed", "dequantized"], choices=["packed", "dequantized"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk (untimed)")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
+    ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True, help="the llama.cpp arm")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from ridgefill_runtime.config import CacheConfig, EngineConfig
+    from ridgefill_runtime.llm import LLM
+    from ridgefill_runtime.loader.gguf import default_model_path
+
+    path = default_model_path()
+    header = {"threads": torch.get_num_threads(), "context": args.context, "new": args.new,
+              "dtype": args.dtype, "torch": torch.__version__, "cpu": cpu_model(), "model": str(path)}
+    print(" ".join(f"{k}={v}" for k, v in header.items()))
+    rows: list[dict] = []
+    skipped: dict[str, str] = {}
+    prompts = None
+
+    for weights in args.weights:
+        llm = LLM(EngineConfig(dtype=args.dtype, weights=weights, cache=CacheConfig(kv_cache_gib=0.05)))
+        if prompts is None:
+            prompts = real_text_prompts(llm.tokenizer, max(args.batches), args.context)
+        time_ridgefill(llm, weights, args.dtype, [prompts[0][:64]], 4, args.chunk)  # warm up
+        for b in args.batches:
+            r = time_ridgefill(llm, weights, args.dtype, prompts[:b], args.new, args.chunk)
+            rows.append({"arm": f"ridgefill {weights}", "batch": b, **r})
+            print(f"  ridgefill {weights} B={b}: ITL {r['itl_p50_ms']:.2f} ms, {r['agg_tok_s']:.1f} tok/s "
+                  f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)", flush=True)
+        del llm
+
+    if args.llama_cpp:
+        try:
+            import llama_cpp  # noqa: F401
+        except Exception as e:  # a broken build raises more than ImportError
+            skipped["llama.cpp"] = f"llama_cpp does not import: {type(e).__name__}: {e}"
+        else:
+            r = time_llama_cpp(path, prompts[0], args.new, args.threads)
+            rows.append({"arm": "llama.cpp", "batch": 1, **r})
+            print(f"  llama.cpp B=1: ITL {r['itl_p50_ms']:.2f} ms", flush=True)
+    else:
+        skipped["llama.cpp"] = "--no-llama-cpp"
+
+    if args.hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=getattr(torch, args.dtype)).eval()
+        time_hf(hf, prompts[0][:64], 4)  # warm up
+        r = time_hf(hf, prompts[0], args.new)
+        rows.append({"arm": "transformers", "batch": 1, **r})
+        print(f"  transformers B=1: ITL {r['itl_p50_ms']:.2f} ms", flush=True)
+        del hf
+    else:
+        skipped["transformers"] = "--no-hf"
+
+    for arm, why in skipped.items():
+        print(f"skipped {arm}: {why}")
+    print()
+    print(table(rows))
+    # sanity: the B=1 arms decode the same prompt greedily; the same first tokens say they ran the same model
+    ref = {r["arm"]: r["tokens"] for r in rows if r["batch"] == 1 and r.get("tokens")}
+    base_arm = "llama.cpp" if "llama.cpp" in ref else "transformers" if "transformers" in ref else None
+    for arm, toks in ref.items():
+        if base_arm and arm != base_arm:
+            other = ref[base_arm]
+            same = next((i for i, (a, b) in enumerate(zip(toks, other)) if a != b), min(len(toks), len(other)))
+            print(f"greedy tokens, {arm} vs {base_arm}: first {same} of {len(toks)} agree")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({**header, "skipped": skipped, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
