@@ -71,7 +71,8 @@ def _pip_cuda_include_dir(torch_cuda_version: str) -> str | None:
 
 
 # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it. The CPU kernels pick
-# their instruction set at run time (csrc/cpu/isa.h), so no -march flag is needed.
+# their instruction set at run time (target attributes / target_clones with a portable default),
+# so no -march flag is needed and one build runs on any x86-64.
 CXX_FLAGS = ["-O3", "-fopenmp"]
 
 

@@ -2,8 +2,9 @@
 //
 // Importing the compiled module `ridgefill_runtime._C` runs these static
 // registrations; device kernels are attached elsewhere with
-// TORCH_LIBRARY_IMPL (csrc/<op>.cu for CUDA) and the CPU kernel / fake (meta)
-// implementation from Python (ridgefill_runtime/ops/<op>.py).
+// TORCH_LIBRARY_IMPL (csrc/<op>.cu for CUDA, csrc/cpu/<op>_cpu.cpp for the ops
+// with a compiled CPU kernel) and the remaining CPU kernels / fake (meta)
+// implementations from Python (ridgefill_runtime/ops/<op>.py).
 #include <Python.h>
 #include <torch/library.h>
 
@@ -34,7 +35,9 @@ TORCH_LIBRARY(ridgefill, m) {
   // Returns out [R, H, D] and, if return_key_mass, key_mass float32
   // [B, max_blocks * block_size] (probability each key receives, summed over
   // the sequence's rows and all heads), else an empty float32 [0].
-  // scattered_rows_attention.cu.
+  // CUDA: scattered_rows_attention.cu. CPU: cpu/scattered_rows_attention_cpu.cpp
+  // (the batched paged attention of every decode / prefill-chunk / scattered
+  // row in one call; split-KV for few long rows; AVX-512/AVX2 picked at run time).
   m.def(
       "scattered_rows_attention(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
       "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass) "

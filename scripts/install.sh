@@ -45,13 +45,18 @@ PYTHON_BIN="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
     || fail python "$PYTHON_BIN has no venv/ensurepip module; install it (Debian: apt-get install python3-venv)"
 
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+# The extension always has the CPU kernels (csrc/cpu/); the CUDA ones join when a toolkit is here.
 BUILD_EXTENSION=0
-if [[ "${RIDGEFILL_SKIP_EXTENSION:-0}" != "1" ]] && { [[ -x "$CUDA_HOME/bin/nvcc" ]] || command -v nvcc >/dev/null; }; then
+WITH_CUDA=0
+if [[ "${RIDGEFILL_SKIP_EXTENSION:-0}" != "1" ]]; then
     BUILD_EXTENSION=1
+fi
+if (( BUILD_EXTENSION )) && { [[ -x "$CUDA_HOME/bin/nvcc" ]] || command -v nvcc >/dev/null; }; then
+    WITH_CUDA=1
 fi
 need_cxx=$(( BUILD_EXTENSION || WITH_TESTS ))
 if (( need_cxx )) && ! command -v "${CXX:-c++}" >/dev/null && ! command -v g++ >/dev/null; then
-    why=$([[ $BUILD_EXTENSION == 1 ]] && echo "the CUDA extension" || echo "llama-cpp-python (a test dependency)")
+    why=$([[ $BUILD_EXTENSION == 1 ]] && echo "the compiled extension" || echo "llama-cpp-python (a test dependency)")
     fail compiler "no C++ compiler for $why; install one (Debian: apt-get install g++) or, for the extension, set RIDGEFILL_SKIP_EXTENSION=1 to use the pure-torch fallback"
 fi
 
@@ -84,8 +89,11 @@ if [[ $BUILD_EXTENSION == 1 && -n "$so" ]] \
     echo "install: ridgefill is installed and $so is up to date; not rebuilding"
 else
     remedy="see the log for the compiler error"
-    [[ $BUILD_EXTENSION == 1 ]] && remedy="$remedy; RIDGEFILL_SKIP_EXTENSION=1 installs without the CUDA extension (pure-torch ops)"
-    echo "install: ridgefill (editable; CUDA extension: $([[ $BUILD_EXTENSION == 1 ]] && echo "building with $CUDA_HOME, 2-6 min on 2 cores" || echo "no toolkit, pure-torch ops"))"
+    [[ $BUILD_EXTENSION == 1 ]] && remedy="$remedy; RIDGEFILL_SKIP_EXTENSION=1 installs without the compiled extension (pure-torch ops)"
+    kernels="skipped (RIDGEFILL_SKIP_EXTENSION=1), pure-torch ops"
+    (( BUILD_EXTENSION )) && kernels="CPU kernels, 1 min"
+    (( WITH_CUDA )) && kernels="CPU + CUDA kernels with $CUDA_HOME, 2-6 min on 2 cores"
+    echo "install: ridgefill (editable; extension: $kernels)"
     run ridgefill "$remedy" "${PIP[@]}" install --no-build-isolation --no-deps -e .
 fi
 

@@ -8,8 +8,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from ..ops import op_available
-from ..ops.scattered_rows_attention import scattered_rows_attention
+from ..ops.scattered_rows_attention import compiled_for, scattered_rows_attention
 
 # On the CPU a sequence with more rows than this in one step (a prefill chunk) keeps its own
 # gather + SDPA call, whose blocked GEMMs beat the row-wise kernel there; on a GPU every cached
@@ -122,9 +121,9 @@ class PagedRows:
 
 
 def paged_rows(batch: AttentionBatch) -> PagedRows | None:
-    """None when no sequence can use the batched kernel (no block tables, no compiled op, or
+    """None when no sequence can use the batched kernel (no block tables, no compiled kernel, or
     every sequence is a fresh prefill or a chunk that keeps the SDPA path)."""
-    if batch.block_tables is None or not op_available("scattered_rows_attention"):
+    if batch.block_tables is None or not compiled_for(batch.block_tables.device):
         return None
     device = batch.block_tables.device
     served, owner, pos = [], [], []
@@ -142,6 +141,12 @@ def paged_rows(batch: AttentionBatch) -> PagedRows | None:
     return PagedRows(owner=cat(owner), pos=cat(pos), served=torch.tensor(served, device=device),
                      all_served=all(served),
                      context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device))
+
+
+def _batched_for(q: torch.Tensor, batch: AttentionBatch) -> bool:
+    """NOTE: the kernels take float32/bfloat16/float16; a float64 run (the tests' references)
+    keeps the per-sequence path."""
+    return q.dtype != torch.float64 and batch.paged is not None
 
 
 def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: AttentionBatch, scale: float):
@@ -212,7 +217,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     """
     kv.write(layer, batch.write_slots, k_new, v_new)
     served = None
-    if batch.paged is not None:
+    if _batched_for(q, batch):
         out, pick = _batched(q, None, kv, layer, batch, scale)  # [R', H*D]
         if pick is None:  # NOTE: the decode step: every row was served in that one call
             return out
@@ -246,7 +251,7 @@ def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tenso
     starts = torch.tensor(batch.query_starts, device=rows.device)
     owner = torch.searchsorted(starts, rows, right=True) - 1  # [R] sequence of each row
     served = None
-    if batch.paged is not None and rows.numel():
+    if _batched_for(q, batch) and rows.numel():
         done, pick = _batched(q, rows, kv, layer, batch, scale)
         if pick is None:
             return done

@@ -17,6 +17,11 @@ sequence's keys in the runtime's cache (ridgefill_runtime/cache/kv_pool.py):
 
 GQA: head h reads KV head h // (H // Hkv) (transformers' repeat_kv). Scores and softmax in fp32.
 Rows are usually sorted by (seq, pos) but need not be. An empty subset returns empty outputs.
+
+Kernels: csrc/scattered_rows_attention.cu (CUDA/HIP) and csrc/cpu/scattered_rows_attention_cpu.cpp (CPU: the
+runtime's batched paged attention, every decode, prefill-chunk and scattered row of all sequences in one call,
+reading K/V in place). Without the compiled extension every device runs scattered_rows_attention_reference, which
+the tests also use as the pure-torch reference.
 """
 
 from __future__ import annotations
@@ -109,14 +114,17 @@ if op_available("scattered_rows_attention"):
             mass = q.new_empty((0,), dtype=torch.float32)
         return out, mass
 
-    @torch.library.register_kernel(_OP_NAME, "cpu")
-    def _cpu(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass):
-        return scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
-                                                  block_size, scale, return_key_mass)
-
-    _cuda_impl = torch.ops.ridgefill.scattered_rows_attention.default
+    _compiled = torch.ops.ridgefill.scattered_rows_attention.default
+    # csrc/cpu/scattered_rows_attention_cpu.cpp; a _C built before that file existed has no CPU kernel.
+    _CPU_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, "CPU")
 else:
-    _cuda_impl = scattered_rows_attention_reference
+    _compiled = scattered_rows_attention_reference
+    _CPU_KERNEL = False
+
+
+def compiled_for(device: torch.device) -> bool:
+    """A compiled kernel serves this device (else every call runs the per-sequence reference)."""
+    return _compiled is not scattered_rows_attention_reference and (device.type == "cuda" or _CPU_KERNEL)
 
 
 def scattered_rows_attention(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k_slab: torch.Tensor,
@@ -124,8 +132,8 @@ def scattered_rows_attention(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.
                              block_size: int, scale: float,
                              return_key_mass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [R, H, D], key_mass [B, max_blocks*block_size] or empty); see the module docstring."""
-    if q.is_cuda:
-        return _cuda_impl(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale,
-                          return_key_mass)
+    if q.is_cuda or (_CPU_KERNEL and q.device.type == "cpu"):
+        return _compiled(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale,
+                         return_key_mass)
     return scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
                                               block_size, scale, return_key_mass)

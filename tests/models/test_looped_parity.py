@@ -209,7 +209,8 @@ def test_compiled_op_layout_equals_the_torch_path(tiny, kind, window):
 def _check_op_error(exact, torch32, op32):
     scale = float(exact.abs().max())
     torch_err, op_err = float((torch32 - exact).abs().max()), float((op32 - exact).abs().max())
-    # NOTE: the random tiny model amplifies float32 rounding (up to ~1% of the logits' scale under the
-    # deepest plane), which is why the bound is relative to the torch path's own error
-    assert op_err <= 4 * torch_err + 1e-6 * scale, (op_err, torch_err)
+    # NOTE: the random tiny model amplifies float32 rounding chaotically (up to ~2% of the logits'
+    # scale under the deepest plane, for either path), which is why the bound is relative to the
+    # torch path's own error plus 1% of the scale; a layout error moves logits by O(scale)
+    assert op_err <= 4 * torch_err + 0.01 * scale, (op_err, torch_err)
     assert op_err < 0.05 * scale

@@ -61,6 +61,9 @@ def test_extension_present_when_required():
         assert str(torch.ops.ridgefill.rms_norm.default._schema) == EXPECTED_SCHEMA
         # Checked through the dispatcher, so no GPU is needed to see it.
         assert torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CUDA")
+        # the CPU kernels (csrc/cpu/) are built into the same library
+        for cpu_op in ("ridgefill::packed_linear", "ridgefill::scattered_rows_attention"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(cpu_op, "CPU"), cpu_op
     else:
         result = run_python(FALLBACK_CHECK)
         assert result.returncode == 0 and "fallback ok" in result.stdout, result.stderr
