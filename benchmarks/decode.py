@@ -200,6 +200,15 @@ def time_hf(model, ids: list[int], new: int) -> dict:
 # -- report ------------------------------------------------------------------------------------
 
 
+def alternate(llm, path, ids: list[int], args) -> dict:
+    """ridgefill packed and llama.cpp at B=1, alternating, `args.rounds` times."""
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        ours.append(time_ridgefill(llm, "packed", args.dtype, [ids], args.new, args.chunk)["itl_p50_ms"])
+        theirs.append(time_llama_cpp(path, ids, args.new, args.threads)["itl_p50_ms"])
+    return {"ridgefill_itl_ms": ours, "llama_cpp_itl_ms": theirs}
+
+
 def table(rows: list[dict]) -> str:
     llama = next((r for r in rows if r["arm"] == "llama.cpp"), None)
     base = {r["arm"]: r["agg_tok_s"] for r in rows if r["batch"] == 1}
@@ -224,6 +233,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk (untimed)")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True, help="the llama.cpp arm")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="B=1 head to head: rounds alternating ridgefill packed and llama.cpp (this VM's speed "
+                         "drifts by up to 1.5x between minutes, so one pass each is not a comparison)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -250,6 +262,8 @@ def main() -> None:
             rows.append({"arm": f"ridgefill {weights}", "batch": b, **r})
             print(f"  ridgefill {weights} B={b}: ITL {r['itl_p50_ms']:.2f} ms, {r['agg_tok_s']:.1f} tok/s "
                   f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)", flush=True)
+        if weights == "packed":
+            packed_llm = llm
         del llm
 
     if args.llama_cpp:
@@ -277,10 +291,24 @@ def main() -> None:
     else:
         skipped["transformers"] = "--no-hf"
 
+    head_to_head = None
+    if args.rounds and "llama.cpp" not in skipped and "packed" in args.weights:
+        head_to_head = alternate(packed_llm, path, prompts[0], args)
+
     for arm, why in skipped.items():
         print(f"skipped {arm}: {why}")
     print()
     print(table(rows))
+    if head_to_head:
+        ours, theirs = head_to_head["ridgefill_itl_ms"], head_to_head["llama_cpp_itl_ms"]
+        print(f"\nB=1 head to head, {args.rounds} alternating rounds of {args.new} tokens (ITL p50 per round, ms):")
+        print("| round | " + " | ".join(str(i + 1) for i in range(len(ours))) + " | median |")
+        print("|---" * (len(ours) + 2) + "|")
+        for name, xs in (("ridgefill packed", ours), ("llama.cpp", theirs)):
+            print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in xs) + f" | {statistics.median(xs):.2f} |")
+        ratios = [a / b for a, b in zip(ours, theirs)]
+        print(f"ridgefill / llama.cpp per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+              f"median {statistics.median(ratios):.2f}")
     # sanity: the B=1 arms decode the same prompt greedily; the same first tokens say they ran the same model
     ref = {r["arm"]: r["tokens"] for r in rows if r["batch"] == 1 and r.get("tokens")}
     base_arm = "llama.cpp" if "llama.cpp" in ref else "transformers" if "transformers" in ref else None
@@ -291,7 +319,7 @@ def main() -> None:
             print(f"greedy tokens, {arm} vs {base_arm}: first {same} of {len(toks)} agree")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({**header, "skipped": skipped, "rows": rows}, f, indent=1)
+            json.dump({**header, "skipped": skipped, "rows": rows, "head_to_head": head_to_head}, f, indent=1)
         print(f"wrote {args.out}")
 
 

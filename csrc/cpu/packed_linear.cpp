@@ -4,12 +4,13 @@
 // q * scale + min of its group of `group` consecutive k. The weights are stored in panels of 16
 // output rows, k-major inside a panel (layout and reference: ridgefill_runtime/ops/packed_linear.py):
 //
-//   data   bits 4: uint8 [P, K, 8]  row 16p + j < 8 is the low nibble of byte j, row 16p + 8 + j
-//                                   its high nibble (values 0..15)
-//          bits 8: int8  [P, K, 16] (values -128..127)
+//   data   bits 4: uint8 [P, K / 2, 16]  byte j of pair t holds row 16p + j at k = 2t (low nibble)
+//                                        and k = 2t + 1 (high nibble), values 0..15
+//          bits 8: int8  [P, K, 16]      (values -128..127)
 //   scale  float16 or float32 [P, K / group, 16];  min: same, or empty (no offset)
 //
-// so one 8- or 16-byte load gives 16 output rows' weights at one k, and a tile of up to 8 input
+// so one 16-byte load gives 16 output rows' weights at two k (4 bits) or one k (8 bits), one
+// widening of the bytes serves both nibbles, and a tile of up to 8 input
 // rows reuses each dequantized weight vector (8 rows on AVX-512: at 512 rows this beats a
 // float32 GEMM on the dequantized weight, so prefill runs on it too). The dequantized weight is computed exactly as the
 // dequantized path computes it (q * scale, then + min: a product, then a sum, no fused multiply-
@@ -18,7 +19,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
@@ -31,13 +34,13 @@ namespace {
 constexpr int kPanel = 16;
 
 struct Packed {
-  const uint8_t* data;  // panel p, k: data + (p * K + k) * bytes_per_k
+  const uint8_t* data;  // panel p starts at data + p * panel_bytes()
   const void* scale;
   const void* min;  // nullptr: no offset
   bool half_scale;
   int bits, group;
   int64_t K, n, panels;
-  int64_t bytes_per_k() const { return bits == 4 ? 8 : 16; }
+  int64_t panel_bytes() const { return K * (bits == 4 ? 8 : 16); }
 };
 
 // -- portable ----------------------------------------------------------------------------------
@@ -47,9 +50,9 @@ inline float scale_at(const void* p, bool half, int64_t i) {
 }
 
 inline float q_at(const Packed& w, int64_t panel, int64_t k, int j) {
-  const uint8_t* b = w.data + (panel * w.K + k) * w.bytes_per_k();
-  if (w.bits == 8) return float(static_cast<int8_t>(b[j]));
-  return float(j < 8 ? (b[j] & 15) : (b[j - 8] >> 4));
+  const uint8_t* p = w.data + panel * w.panel_bytes();
+  if (w.bits == 8) return float(static_cast<int8_t>(p[k * 16 + j]));
+  return float((p[(k / 2) * 16 + j] >> (4 * (k & 1))) & 15);
 }
 
 void panel_portable(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
@@ -72,6 +75,7 @@ void panel_portable(const Packed& w, const float* x, int64_t M, int64_t panel, f
   }
 }
 
+#if defined(__x86_64__)
 // -- AVX2 + FMA + F16C: a panel is two 8-lane halves -------------------------------------------
 
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* p, bool half, int64_t i) {
@@ -79,34 +83,50 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* p, bool
   return _mm256_loadu_ps(static_cast<const float*>(p) + i);
 }
 
+// One k's 16 weights (two 8-lane halves) times MR rows of x.
+template <int MR>
+__attribute__((target("avx2,fma,f16c"))) inline void fma_k(__m256 (&acc)[MR][2], __m256 w0, __m256 w1,
+                                                           const float* x, int64_t K, int64_t k) {
+  for (int r = 0; r < MR; ++r) {
+    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+    acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+    acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+  }
+}
+
+template <bool MIN>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 dequant8(__m256i q, __m256 s, __m256 z) {
+  const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), s);
+  return MIN ? _mm256_add_ps(w, z) : w;
+}
+
 template <int BITS, bool MIN, int MR>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const float* x, int64_t panel, float* y) {
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const int64_t groups = w.K / w.group;
-  const uint8_t* base = w.data + panel * w.K * w.bytes_per_k();
+  const uint8_t* base = w.data + panel * w.panel_bytes();
+  const __m256i low4 = _mm256_set1_epi32(15);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t at = (panel * groups + g) * kPanel;
     const __m256 s0 = load8(w.scale, w.half_scale, at), s1 = load8(w.scale, w.half_scale, at + 8);
     __m256 z0 = _mm256_setzero_ps(), z1 = z0;
     if (MIN) z0 = load8(w.min, w.half_scale, at), z1 = load8(w.min, w.half_scale, at + 8);
-    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
-      __m256i q0, q1;
-      if (BITS == 4) {
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + k * 8)));
-        q0 = _mm256_and_si256(b, _mm256_set1_epi32(15));
-        q1 = _mm256_srli_epi32(b, 4);
-      } else {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + k * 16));
-        q0 = _mm256_cvtepi8_epi32(b);
-        q1 = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    if (BITS == 4) {
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {  // a pair of k per 16 bytes
+        const uint8_t* b = base + (k / 2) * 16;
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+        fma_k<MR>(acc, dequant8<MIN>(_mm256_and_si256(b0, low4), s0, z0),
+                  dequant8<MIN>(_mm256_and_si256(b1, low4), s1, z1), x, w.K, k);
+        fma_k<MR>(acc, dequant8<MIN>(_mm256_srli_epi32(b0, 4), s0, z0),
+                  dequant8<MIN>(_mm256_srli_epi32(b1, 4), s1, z1), x, w.K, k + 1);
       }
-      __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), s0), w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), s1);
-      if (MIN) w0 = _mm256_add_ps(w0, z0), w1 = _mm256_add_ps(w1, z1);
-      for (int r = 0; r < MR; ++r) {
-        const __m256 xb = _mm256_broadcast_ss(x + r * w.K + k);
-        acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    } else {
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + k * 16));
+        fma_k<MR>(acc, dequant8<MIN>(_mm256_cvtepi8_epi32(b), s0, z0),
+                  dequant8<MIN>(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)), s1, z1), x, w.K, k);
       }
     }
   }
@@ -135,30 +155,37 @@ __attribute__((target("avx512f"))) inline __m512 load16(const void* p, bool half
   return _mm512_loadu_ps(static_cast<const float*>(p) + i);
 }
 
+template <bool MIN>
+__attribute__((target("avx512f"))) inline __m512 dequant16(__m512i q, __m512 s, __m512 z) {
+  const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
+  return MIN ? _mm512_add_ps(w, z) : w;
+}
+
 template <int BITS, bool MIN, int MR>
 __attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float* x, int64_t panel, float* y) {
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t groups = w.K / w.group;
-  const uint8_t* base = w.data + panel * w.K * w.bytes_per_k();
+  const uint8_t* base = w.data + panel * w.panel_bytes();
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t at = (panel * groups + g) * kPanel;
     const __m512 s = load16(w.scale, w.half_scale, at);
     const __m512 z = MIN ? load16(w.min, w.half_scale, at) : _mm512_setzero_ps();
-    for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
-      __m512i q;
-      if (BITS == 4) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + k * 8)));
-        // lanes 0..7: bytes 0..7 & 15; lanes 8..15: bytes 0..7 >> 4 (b's lanes 8..15 are zero)
-        const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
-        const __m512i hi = _mm512_srli_epi32(b, 4);
-        q = _mm512_inserti64x4(lo, _mm512_castsi512_si256(hi), 1);
-      } else {
-        q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + k * 16)));
+    if (BITS == 4) {
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; k += 2) {  // a pair of k per 16 bytes
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k / 2) * 16)));
+        const __m512 w0 = dequant16<MIN>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z);
+        const __m512 w1 = dequant16<MIN>(_mm512_srli_epi32(b, 4), s, z);
+        for (int r = 0; r < MR; ++r) {
+          acc[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[r * w.K + k]), acc[r]);
+          acc[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[r * w.K + k + 1]), acc[r]);
+        }
       }
-      __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
-      if (MIN) wv = _mm512_add_ps(wv, z);
-      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * w.K + k]), acc[r]);
+    } else {
+      for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
+        const __m512 wv = dequant16<MIN>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + k * 16))), s, z);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * w.K + k]), acc[r]);
+      }
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * kPanel, acc[r]);
@@ -198,14 +225,19 @@ PanelFn panel_kernel(const Packed& w) {
   if (avx2) return by_format<Avx2>(w.bits, w.min != nullptr);
   return panel_portable;
 }
+#else
+using PanelFn = void (*)(const Packed&, const float*, int64_t, int64_t, float*);
+PanelFn panel_kernel(const Packed&) { return panel_portable; }
+#endif
 
 Packed check_packed(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min, int64_t bits,
                     int64_t group, int64_t n) {
   TORCH_CHECK(bits == 4 || bits == 8, "packed_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(data.device().is_cpu() && data.is_contiguous() && data.dim() == 3, "packed_linear: data must be a contiguous CPU [P, K, bytes] tensor");
-  TORCH_CHECK(data.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && data.size(2) == (bits == 4 ? 8 : 16),
-              "packed_linear: data must be uint8 [P, K, 8] for 4 bits, int8 [P, K, 16] for 8 bits");
-  const int64_t P = data.size(0), K = data.size(1);
+  TORCH_CHECK(data.scalar_type() == (bits == 4 ? at::kByte : at::kChar) && data.size(2) == 16,
+              "packed_linear: data must be uint8 [P, K / 2, 16] for 4 bits, int8 [P, K, 16] for 8 bits");
+  const int64_t P = data.size(0), K = data.size(1) * (bits == 4 ? 2 : 1);
+  TORCH_CHECK(bits == 8 || group % 2 == 0, "packed_linear: 4-bit groups must hold an even number of k");
   TORCH_CHECK(group >= 1 && K % group == 0, "packed_linear: K=", K, " is not a multiple of group=", group);
   TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "packed_linear: n=", n, " does not fit ", P, " panels of 16 rows");
   TORCH_CHECK(scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat, "packed_linear: scale must be float16 or float32");

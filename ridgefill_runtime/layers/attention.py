@@ -113,7 +113,7 @@ class PagedRows:
     """Per row of the step: its sequence and position; per sequence: whether its rows attend
     in the one batched call (they read K/V through the block tables, nothing is gathered)."""
 
-    owner: torch.Tensor  # [N] int64 sequence of each row
+    owner: torch.Tensor  # [N] int32 sequence of each row (the kernel's q_seq)
     pos: torch.Tensor  # [N] int64 position of each row
     served: torch.Tensor  # [B] bool: the sequence's rows go to the batched kernel
     all_served: bool
@@ -132,13 +132,13 @@ def paged_rows(batch: AttentionBatch) -> PagedRows | None:
         custom_keys = batch.key_pos is not None and batch.key_pos[i] is not None
         chunk = device.type == "cpu" and hi - lo > CPU_PAGED_MAX_ROWS
         served.append(batch.reads_cache(i) and not custom_keys and not chunk)
-        owner.append(torch.full((hi - lo,), i, dtype=torch.int64))
+        owner.append(torch.full((hi - lo,), i, dtype=torch.int32))
         pos.append(batch.query_pos[i].cpu() if batch.scattered(i) else
                    torch.arange(batch.context_lens[i] - (hi - lo), batch.context_lens[i]))
     if not any(served):
         return None
-    cat = lambda xs: torch.cat(xs).to(device) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
-    return PagedRows(owner=cat(owner), pos=cat(pos), served=torch.tensor(served, device=device),
+    cat = lambda xs, dtype: torch.cat(xs).to(device) if xs else torch.empty(0, dtype=dtype, device=device)  # noqa: E731
+    return PagedRows(owner=cat(owner, torch.int32), pos=cat(pos, torch.int64), served=torch.tensor(served, device=device),
                      all_served=all(served),
                      context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device))
 
@@ -159,7 +159,7 @@ def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: 
     if not paged.all_served:
         pick = paged.served[owner].nonzero().flatten()  # [R']
         q, owner, pos = q[pick], owner[pick], pos[pick]
-    out, _ = scattered_rows_attention(q, owner.to(torch.int32), pos, kv.k[layer], kv.v[layer], batch.block_tables,
+    out, _ = scattered_rows_attention(q, owner, pos, kv.k[layer], kv.v[layer], batch.block_tables,
                                       paged.context_lens, batch.block_size, scale)
     return out.reshape(q.shape[0], -1), pick
 

@@ -55,14 +55,15 @@ class DenseLM:
         qkv = linear(x, w.qkv, w.qkv_bias)  # [N, (H + 2Hkv) * D]
         n, hd = h.shape[0], cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        q = qkv[:, :q_dim].view(n, cfg.num_heads, hd)
-        k = qkv[:, q_dim:q_dim + kv_dim].view(n, cfg.num_kv_heads, hd)
         v = qkv[:, q_dim + kv_dim:].view(n, cfg.num_kv_heads, hd)
-        if cfg.qk_norm:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         cos, sin = rope
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        if cfg.qk_norm:
+            q = rms_norm(qkv[:, :q_dim].view(n, cfg.num_heads, hd), w.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(qkv[:, q_dim:q_dim + kv_dim].view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        # NOTE: q and k lie side by side in the fused output: one rotation covers both heads' sets
+        qk = apply_rotary(qkv[:, :q_dim + kv_dim].view(n, cfg.num_heads + cfg.num_kv_heads, hd), cos, sin)
+        return qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v
 
     def kv_only(self, layer: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """What a filled row writes: layer input [F, d] -> k, v [F, Hkv, D] (norm, K/V

@@ -7,8 +7,8 @@ without changing a value), so keeping the integers costs ~4.5-8.5 bits a weight 
 and decode, which reads every weight once per step, reads 4-7x fewer bytes.
 
 Storage (what csrc/cpu/packed_linear.cpp reads): rows in panels of 16, k-major inside a panel,
-so one load gives 16 rows' weights at one k:
-  data   bits 4: uint8 [P, K, 8]   byte j holds row 16p + j (low nibble) and 16p + 8 + j (high)
+so one 16-byte load gives 16 rows' weights at two k (4 bits) or one k (8 bits):
+  data   bits 4: uint8 [P, K / 2, 16]  byte j of pair t: row 16p + j at k = 2t (low nibble), 2t + 1 (high)
          bits 8: int8  [P, K, 16]
   scale  float16 (where every scale is an exact fp16) or float32 [P, K / group, 16]
   min    like scale, or empty: no offset
@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from . import op_available
 
 PANEL = 16
+_KERNEL = torch.ops.ridgefill.packed_linear.default if op_available("packed_linear") else None
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    data: torch.Tensor  # uint8 [P, K, 8] or int8 [P, K, 16]
+    data: torch.Tensor  # uint8 [P, K / 2, 16] or int8 [P, K, 16]
     scale: torch.Tensor  # [P, K // group, 16]
     min: torch.Tensor  # like scale, or empty
     bits: int
@@ -38,7 +39,7 @@ class PackedWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n, self.data.shape[1]
+        return self.n, self.data.shape[1] * (2 if self.bits == 4 else 1)
 
     @property
     def device(self) -> torch.device:
@@ -74,8 +75,10 @@ def pack(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, bits: i
     # [n, c] -> [P, 16, c] (rows of a panel), padded with zero rows
     panel_rows = lambda t: F.pad(t, (0, 0, 0, pad)).view(-1, PANEL, t.shape[1])  # noqa: E731
     if bits == 4:
+        if group % 2:
+            raise ValueError(f"4-bit groups must hold an even number of k, got {group}")
         qp = panel_rows(q.to(torch.uint8))  # [P, 16, K]
-        data = (qp[:, :8] | (qp[:, 8:] << 4)).transpose(1, 2).contiguous()  # [P, K, 8]
+        data = (qp[:, :, 0::2] | (qp[:, :, 1::2] << 4)).transpose(1, 2).contiguous()  # [P, K / 2, 16]
     else:
         data = panel_rows(q.to(torch.int8)).transpose(1, 2).contiguous()  # [P, K, 16]
     k_major = lambda t: panel_rows(t).transpose(1, 2).contiguous()  # noqa: E731  [P, K // group, 16]
@@ -86,8 +89,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, bits: i
 def unpack_ints(w: PackedWeight) -> torch.Tensor:
     """The integers q [n, K] int16 back in row order."""
     if w.bits == 4:
-        d = w.data.to(torch.int16)
-        q = torch.cat([d & 15, d >> 4], dim=-1)  # [P, K, 16]
+        d = w.data.to(torch.int16)  # [P, K / 2, 16]
+        q = torch.stack([d & 15, d >> 4], dim=2).flatten(1, 2)  # [P, K, 16]
     else:
         q = w.data.to(torch.int16)
     return q.transpose(1, 2).reshape(-1, q.shape[1])[:w.n]
@@ -116,16 +119,20 @@ def packed_linear_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (any float dtype) -> [..., n] in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k).float()  # [M, K]
-    if x.device.type == "cpu" and op_available("packed_linear"):
+    x2 = x.reshape(-1, k)  # [M, K]
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    if _KERNEL and x.device.type == "cpu":
         # NOTE: every row count: with 8 rows per register tile the kernel beats a float32 GEMM
-        # on the dequantized weight even for 512-row prefill chunks (benchmarks/packed_linear.py)
-        y = torch.ops.ridgefill.packed_linear(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
+        # on the dequantized weight even for 512-row prefill chunks
+        y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     else:  # NOTE: no GPU kernel yet (the engine refuses packed there): dequantize per call
         y = x2 @ dequantize_reference(w).T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*lead, w.n)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y.view(*lead, w.n) if len(lead) != 1 else y
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,8 +154,8 @@ def weight_rows(w, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return w[ids]
     p, j = ids // PANEL, ids % PANEL
     if w.bits == 4:
-        byte = w.data[p, :, j % 8].to(torch.int16)  # [N, K]
-        q = torch.where((j >= 8)[:, None], byte >> 4, byte & 15)
+        byte = w.data[p, :, j].to(torch.int16)  # [N, K / 2]
+        q = torch.stack([byte & 15, byte >> 4], dim=2).flatten(1)  # [N, K]
     else:
         q = w.data[p, :, j].to(torch.int16)
     per_k = lambda t: t[p, :, j].float().repeat_interleave(w.group, dim=1)  # noqa: E731  [N, K]

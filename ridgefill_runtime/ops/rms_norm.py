@@ -45,25 +45,22 @@ if extension_loaded():
         _check_args(x, weight)
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    @torch.library.register_kernel(_OP_NAME, "cpu")
-    def _rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # Lets the op itself run on CPU (compiled graphs, opcheck on GPU-less
-        # CI). .contiguous() matches the fake's output layout for strided x.
-        return rms_norm_reference(x, weight, eps).contiguous()
-
-    _cuda_impl = torch.ops.ridgefill.rms_norm.default
+    _compiled = torch.ops.ridgefill.rms_norm.default
+    # csrc/cpu/rms_norm_cpu.cpp; a _C built before it existed has only the CUDA kernel
+    _CPU_KERNEL = torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, "CPU")
 else:
-    _cuda_impl = rms_norm_reference
+    _compiled = rms_norm_reference
+    _CPU_KERNEL = False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x; weight has shape (x.shape[-1],).
 
     Called once or twice per layer, so the only cost added here is one branch:
-    CUDA tensors go to the compiled kernel when the extension is loaded (the
-    implementation is chosen once, at import), everything else to the torch
-    reference.
+    CUDA and CPU tensors go to the compiled kernels when the extension is loaded
+    (chosen once, at import), everything else (float64 included) to the torch reference.
     """
-    if x.is_cuda:
-        return _cuda_impl(x, weight, eps)
+    if x.is_cuda or (_CPU_KERNEL and x.device.type == "cpu" and x.dtype in _SUPPORTED_DTYPES):
+        _check_args(x, weight)
+        return _compiled(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -56,7 +56,7 @@ def test_missing_compiler_is_one_line_with_the_fallback(tmp_path):
     result = subprocess.run(["/bin/bash", str(INSTALL)], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     line = _one_line(result.stderr)
-    assert line.startswith("install: step 'compiler' failed: no C++ compiler for the CUDA extension")
+    assert line.startswith("install: step 'compiler' failed: no C++ compiler for the compiled extension")
     assert "apt-get install g++" in line and "RIDGEFILL_SKIP_EXTENSION=1" in line
 
 

@@ -113,12 +113,33 @@ def _ridgefill_op_calls(fn) -> int:
     return sum(1 for event in prof.events() if event.name == "ridgefill::rms_norm")
 
 
-def test_wrapper_uses_reference_on_cpu():
+def test_wrapper_uses_the_cpu_kernel_where_built():
     x, weight = make_inputs((3, 64), torch.float32)
-    assert _ridgefill_op_calls(lambda: rms_norm(x, weight, 1e-6)) == 0
-    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
-    if ops.extension_loaded():  # positive control: the profiler does see the op
-        assert _ridgefill_op_calls(lambda: torch.ops.ridgefill.rms_norm(x, weight, 1e-6)) == 1
+    built = ops.extension_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::rms_norm", "CPU")
+    assert _ridgefill_op_calls(lambda: rms_norm(x, weight, 1e-6)) == (1 if built else 0)
+    assert_close_to_exact(rms_norm(x, weight, 1e-6), x, weight, 1e-6)
+
+
+@pytest.mark.skipif(not ops.extension_loaded(), reason="compiled extension not built")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 33), (2, 3, 1024), (0, 64)])
+def test_cpu_kernel_matches_float64_and_the_reference(dtype, shape):
+    x, weight = make_inputs(shape, dtype)
+    out = torch.ops.ridgefill.rms_norm(x, weight, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close_to_exact(out, x, weight, 1e-5)
+    ref = rms_norm_reference(x, weight, 1e-5)
+    # float32 sums in another order: a few ulps of the reference, in the output dtype
+    torch.testing.assert_close(out, ref, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+
+
+def test_float64_is_refused_on_every_path():
+    x, weight = make_inputs((2, 64), torch.float32)
+    x, weight = x.double(), weight.double()
+    x32 = x.float()
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        rms_norm(x, weight, 1e-6)  # the contract names float32/bfloat16/float16 on every path
+    assert rms_norm(x32, weight.float(), 1e-6).dtype == torch.float32
 
 
 # --------------------------------------------------------------------------
