@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512, help="also time chunked prefill at this chunk size")
+    ap.add_argument("--weights", nargs="+", default=["auto"], choices=["auto", "packed", "dequantized"],
+                    help="ridgefill arms, by the weights setting, timed in the same reps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -77,25 +79,29 @@ def main() -> None:
     from ridgefill_runtime.llm import LLM
 
     path = default_model_path()
-    llm = LLM(EngineConfig(cache=CacheConfig(kv_cache_gib=0.05)))
+    llms = {w: LLM(EngineConfig(cache=CacheConfig(kv_cache_gib=0.05), weights=w)) for w in args.weights}
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
+    ids_all = real_text_ids(next(iter(llms.values())).tokenizer, max(args.lengths))
 
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} model=SmolLM2-135M-Instruct (GGUF, float32, CPU)")
-    print(f"{'tokens':>6} | {'transformers tok/s':>18} | {'ours tok/s':>10} | {'ratio':>5} | "
-          f"{'ours chunk=' + str(args.chunk) + ' tok/s':>22} | {'ratio':>5}")
-    print("-" * 84)
-    time_ours(engine_with_chunk(llm, 128), ids_all[:128]), time_hf(hf, ids_all[:128])  # warm up both
-    for n in args.lengths:
-        ids = ids_all[:n]
-        whole, split = engine_with_chunk(llm, n), engine_with_chunk(llm, args.chunk)
-        ours, chunked, ref = [], [], []
-        for _ in range(args.reps):
-            ref.append(time_hf(hf, ids))
-            ours.append(time_ours(whole, ids))
-            chunked.append(time_ours(split, ids))
-        r, o, c = (statistics.median(v) for v in (ref, ours, chunked))
-        print(f"{n:>6} | {n / r:>18.0f} | {n / o:>10.0f} | {r / o:>5.2f} | {n / c:>22.0f} | {r / c:>5.2f}")
+    for w, llm in llms.items():
+        time_ours(engine_with_chunk(llm, 128), ids_all[:128])  # warm up
+    time_hf(hf, ids_all[:128])
+    for w, llm in llms.items():
+        print(f"\nweights = {w}")
+        print(f"{'tokens':>6} | {'transformers tok/s':>18} | {'ours tok/s':>10} | {'ratio':>5} | "
+              f"{'ours chunk=' + str(args.chunk) + ' tok/s':>22} | {'ratio':>5}")
+        print("-" * 84)
+        for n in args.lengths:
+            ids = ids_all[:n]
+            whole, split = engine_with_chunk(llm, n), engine_with_chunk(llm, args.chunk)
+            ours, chunked, ref = [], [], []
+            for _ in range(args.reps):
+                ref.append(time_hf(hf, ids))
+                ours.append(time_ours(whole, ids))
+                chunked.append(time_ours(split, ids))
+            r, o, c = (statistics.median(v) for v in (ref, ours, chunked))
+            print(f"{n:>6} | {n / r:>18.0f} | {n / o:>10.0f} | {r / o:>5.2f} | {n / c:>22.0f} | {r / c:>5.2f}")
 
 
 if __name__ == "__main__":

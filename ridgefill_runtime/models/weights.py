@@ -12,7 +12,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
-from ..ops.grouped_ints import GroupedInts, concat_rows
+from ..ops.grouped_ints import GroupedInts, concat_rows, dequantize_groups
 from ..ops.packed_linear import PackedWeight, pack
 
 Weight = torch.Tensor | PackedWeight  # a linear layer's weight
@@ -52,10 +52,9 @@ class _Fetcher:
         if name not in self.tensors:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
         t = self.tensors[name]
-        if tuple(t.shape) != shape:
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
-        if isinstance(t, GroupedInts):
-            return self.tensor(name, t)
+        self._check(name, t, shape)
+        if isinstance(t, GroupedInts):  # NOTE: a packed tensor where a dense one is needed
+            return dequantize_groups(t).to(device=self.device, dtype=self.dtype)
         return t.to(device=self.device, dtype=self.dtype)
 
     def linear(self, names: list[str], shapes: list[tuple[int, int]]) -> Weight:
@@ -63,20 +62,13 @@ class _Fetcher:
         parts = [self.tensors.get(name) for name in names]
         if parts and all(isinstance(p, GroupedInts) for p in parts):
             for name, part, shape in zip(names, parts, shapes):
-                self._check(name, part.q, shape)
+                self._check(name, part, shape)
             g = concat_rows(parts)
             return pack(g.q, g.scale, g.min, g.bits, g.group).to(self.device)
         tensors = [self.get(name, shape) for name, shape in zip(names, shapes)]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors).contiguous()
 
-    def tensor(self, name: str, g: GroupedInts) -> torch.Tensor:
-        """A packed tensor where a dense one is needed (a norm never is; an untied embedding
-        table feeds only lookups): its values in the run dtype."""
-        from ..ops.grouped_ints import dequantize_groups
-
-        return dequantize_groups(g).to(device=self.device, dtype=self.dtype)
-
-    def _check(self, name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    def _check(self, name: str, t, shape: tuple[int, ...]) -> None:
         if tuple(t.shape) != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
 
