@@ -26,34 +26,19 @@ single-token forwards with past_key_values, greedy, each timed.
 from __future__ import annotations
 
 import argparse
-import glob
 import inspect
 import json
 import math
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def real_text_ids(tokenizer, n: int) -> list[int]:
-    """n token ids of real English/reST text and Python (licenses, torch's sources on this machine)."""
-    files = (sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(torch.__path__[0] + "/*.py"))
-             + sorted(glob.glob(torch.__path__[0] + "/**/*.py", recursive=True)))
-    ids: list[int] = []
-    seen = set()
-    for f in files:
-        if f in seen:
-            continue
-        seen.add(f)
-        try:
-            ids += tokenizer.encode(open(f, encoding="utf-8").read())
-        except (UnicodeDecodeError, IsADirectoryError):
-            continue
-        if len(ids) >= n:
-            return ids[:n]
-    raise RuntimeError("not enough local text for the benchmark")
+sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's real-text helper
+from prefill import real_text_ids  # noqa: E402
 
 
 def real_text_prompts(tokenizer, count: int, n: int) -> list[list[int]]:

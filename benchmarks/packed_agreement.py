@@ -25,26 +25,16 @@ runs the packed kernel.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-
-def real_text_ids(tokenizer, n: int) -> list[int]:
-    """n token ids of real English/reST text (licenses, torch's Python sources on this machine)."""
-    files = sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(torch.__path__[0] + "/*.py"))
-    ids: list[int] = []
-    for f in files:
-        try:
-            ids += tokenizer.encode(open(f, encoding="utf-8").read())
-        except (UnicodeDecodeError, IsADirectoryError):
-            continue
-        if len(ids) >= n:
-            return ids[:n]
-    raise RuntimeError("not enough local text for the benchmark")
+sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's real-text helper
+from prefill import real_text_ids  # noqa: E402
 
 
 def build(weights: str, prompts: int, positions: int, chunk: int):

@@ -20,10 +20,13 @@ import torch
 
 
 def real_text_ids(tokenizer, n: int) -> list[int]:
-    """n token ids of real English/reST text (Python docs / licenses on this machine)."""
-    files = sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(torch.__path__[0] + "/*.py"))
+    """n token ids of real English/reST text and Python (licenses, then torch's sources on this
+    machine, the package's top level first: the first ~60K tokens are the same on any machine
+    with the same torch)."""
+    top = sorted(glob.glob("/usr/share/common-licenses/*")) + sorted(glob.glob(torch.__path__[0] + "/*.py"))
+    deeper = sorted(glob.glob(torch.__path__[0] + "/**/*.py", recursive=True))
     ids: list[int] = []
-    for f in files:
+    for f in dict.fromkeys(top + deeper):  # in order, each file once
         try:
             ids += tokenizer.encode(open(f, encoding="utf-8").read())
         except (UnicodeDecodeError, IsADirectoryError):
