@@ -79,6 +79,8 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True, packed: bool = Fa
     identity = file_sha256(path)
     if not use_cache:
         config, tensors, tokenizer = convert_gguf(path)
+        if packed:
+            tensors.update(packed_tensors(path, config))
         return Checkpoint(config, tensors, tokenizer, identity, str(path))
 
     entry = conversion_cache_dir(identity)
@@ -95,7 +97,8 @@ def load_gguf(path: str | os.PathLike, use_cache: bool = True, packed: bool = Fa
 
 def _cached_packed_tensors(path: Path, config: ModelConfig, identity: str) -> dict:
     """packed_tensors, kept beside the conversion cache: reading the GGUF again costs seconds
-    (its reader parses the whole vocabulary), reading the saved integers a fraction of one."""
+    (its reader parses the whole vocabulary), reading the saved integers a fraction of one.
+    NOTE: keyed by CONVERTER_VERSION too: bump it when loader/gguf_groups.py changes."""
     from ..ops.grouped_ints import GroupedInts
 
     file = conversion_cache_dir(identity).with_name(f"{identity}-v{CONVERTER_VERSION}-grouped.safetensors")

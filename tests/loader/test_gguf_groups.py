@@ -280,3 +280,26 @@ def test_shipped_model_round_trips_exactly():
         assert g.scale.dtype == torch.float16, tensor.name
     embed = grouped[[t.name for t in quantized].index("token_embd.weight")]
     assert (embed.bits, embed.group, embed.min, embed.q.shape) == (8, 32, None, (49152, 576))
+
+
+def test_packed_load_is_the_same_from_its_cache_and_without_one(tmp_path, monkeypatch):
+    """load_gguf(packed=True) gives the same GroupedInts on a cold cache, a warm one and with
+    the cache off, and every packed tensor's values equal the float32 weights it replaces."""
+    from ridgefill_runtime.loader.gguf import load_gguf
+
+    monkeypatch.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path))
+    path = default_model_path()
+    loads = [load_gguf(path, packed=True), load_gguf(path, packed=True), load_gguf(path, use_cache=False, packed=True)]
+    dense = load_gguf(path).tensors
+    names = [n for n, t in loads[0].tensors.items() if isinstance(t, GroupedInts)]
+    assert len(names) == 211  # 210 Q4_1 linear weights and the Q8_0 embedding
+    for name in names:
+        first = loads[0].tensors[name]
+        for other in loads[1:]:
+            g = other.tensors[name]
+            assert (g.bits, g.group) == (first.bits, first.group) and torch.equal(g.q, first.q)
+            assert torch.equal(g.scale, first.scale)
+            assert (g.min is None) == (first.min is None) and (g.min is None or torch.equal(g.min, first.min))
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"):  # q_proj: the rope rows are un-permuted like the dense weight's
+        assert torch.equal(dequantize_groups(loads[0].tensors[name]), dense[name])
