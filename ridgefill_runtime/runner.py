@@ -136,10 +136,11 @@ class Runner:
             if drafts and seq.seq_id in drafts:  # a looped model's own draft replaces the placeholders
                 tokens = tokens[:len(tokens) - len(item.draft)] + drafts[seq.seq_id]
             ids.extend(tokens)
-            p = torch.arange(item.start, item.end)
-            pos.append(p)
-            write.append(self._slots(torch.tensor(seq.block_table, dtype=torch.int64), p))
+            pos.append(torch.arange(item.start, item.end))
             starts.append(starts[-1] + item.num_tokens)
+        tables = _block_tables([it.seq.block_table for it in items])  # [B, max_blocks] int32
+        for i, p in enumerate(pos):
+            write.append(self._slots(tables[i].long(), p))
         dev = self.device
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
         ends = [it.end for it in items]
@@ -150,7 +151,7 @@ class Runner:
                                write_slots=cat(write).to(dev), read_slots=read,
                                state_slots=[it.seq.state_slot for it in items],
                                verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None,
-                               block_tables=_block_tables([it.seq.block_table for it in items], dev),
+                               block_tables=tables.to(dev),
                                block_size=self.block_size)
         return torch.tensor(ids, dtype=torch.int64, device=dev), cat(pos).to(dev), batch
 
@@ -229,11 +230,11 @@ class Runner:
         return sample_token(logits, params, gen)
 
 
-def _block_tables(tables: list[list[int]], device) -> torch.Tensor:
+def _block_tables(tables: list[list[int]]) -> torch.Tensor:
     """int32 [B, max_blocks], each sequence's table padded with block 0 (never read: a row reads
     positions below its context length only)."""
     width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width)
 
 
 def _scored(item: ScheduledSeq) -> bool:

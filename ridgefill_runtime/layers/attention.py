@@ -116,6 +116,7 @@ class PagedRows:
     owner: torch.Tensor  # [N] int32 sequence of each row (the kernel's q_seq)
     pos: torch.Tensor  # [N] int64 position of each row
     served: torch.Tensor  # [B] bool: the sequence's rows go to the batched kernel
+    served_seqs: tuple[bool, ...]  # the same, read by each layer's per-sequence loop
     all_served: bool
     context_lens: torch.Tensor  # [B] int32
 
@@ -139,7 +140,7 @@ def paged_rows(batch: AttentionBatch) -> PagedRows | None:
         return None
     cat = lambda xs, dtype: torch.cat(xs).to(device) if xs else torch.empty(0, dtype=dtype, device=device)  # noqa: E731
     return PagedRows(owner=cat(owner, torch.int32), pos=cat(pos, torch.int64), served=torch.tensor(served, device=device),
-                     all_served=all(served),
+                     served_seqs=tuple(served), all_served=all(served),
                      context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device))
 
 
@@ -221,7 +222,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         out, pick = _batched(q, None, kv, layer, batch, scale)  # [R', H*D]
         if pick is None:  # NOTE: the decode step: every row was served in that one call
             return out
-        served = batch.paged.served.tolist()
+        served = batch.paged.served_seqs
     outs = []
     for i in range(batch.num_seqs):
         if served is not None and served[i]:
@@ -256,7 +257,7 @@ def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tenso
         if pick is None:
             return done
         out[pick] = done
-        served = batch.paged.served.tolist()
+        served = batch.paged.served_seqs
     for i in owner.unique_consecutive().tolist():
         if served is not None and served[i]:
             continue

@@ -98,7 +98,11 @@ def test_linear_dispatches_on_the_weight_kind():
     dense = torch.randn(10, 64)
     assert torch.equal(linear(x, dense), torch.nn.functional.linear(x, dense))
     q, scale, _ = _random(10, 64, 8, 32, torch.float32, False)
-    assert isinstance(pack(q, scale, None, 8, 32), PackedWeight)
+    packed = pack(q, scale, None, 8, 32)
+    assert isinstance(packed, PackedWeight)
+    bias = torch.randn(10)
+    assert torch.equal(linear(x, packed, bias), packed_linear(x, packed, bias))
+    assert torch.allclose(linear(x, packed).double(), x.double() @ _by_hand(q, scale, None, 32).T, atol=1e-5)
 
 
 def test_pack_refuses_values_out_of_range_and_bad_shapes():
