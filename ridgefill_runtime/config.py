@@ -162,6 +162,9 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+PREFIX_CACHING = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` token slots each."""
@@ -169,8 +172,14 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_gib: float = 1.0  # memory the K/V slabs may take when num_blocks is not given
     num_blocks: int | None = None  # explicit pool size; overrides kv_cache_gib
+    # reuse the K/V of full blocks another request computed (cache/prefix_cache.py): "auto" where the
+    # model's caches are K/V only (not recurrent or looped models), "on" (refused elsewhere), "off"
+    prefix_caching: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.prefix_caching not in PREFIX_CACHING:
+            raise ValueError(f"cache.prefix_caching must be one of {', '.join(PREFIX_CACHING)}, "
+                             f"got {self.prefix_caching!r}")
         if self.block_size <= 0:
             raise ValueError(f"cache.block_size must be positive, got {self.block_size}")
         if self.kv_cache_gib <= 0:
@@ -382,6 +391,7 @@ class RowsConfig:
         """The lower-layer attention scores are needed (attention rows, or the probe's budget)."""
         return "attention" in self.selectors or "probe" in self.selectors
 PLACEMENTS = ("resident", "streamed")
+REUSE_POLICIES = ("never", "as-is")
 
 
 @dataclass(frozen=True)
@@ -406,6 +416,10 @@ class FillConfig:
     # §2.3); ΔM comes with the maps (`ridgefill fit --terminal-state`)
     terminal_state: bool = False
     rows: RowsConfig = field(default_factory=RowsConfig)  # exact prefix rows
+    # what a filled request takes from the prefix cache (cache/prefix_cache.py): "never" (filled
+    # blocks serve only the byte-identical request again) or "as-is" (cached filled blocks and
+    # their exact rows unchanged; new exact rows are chosen among the rows it computes)
+    reuse_filled: str = "never"
 
     def __post_init__(self) -> None:
         if self.arm not in FILL_ARMS:
@@ -416,6 +430,8 @@ class FillConfig:
             raise ValueError(f"fill.split must be >= 1, got {self.split}")
         if self.tail < 1:
             raise ValueError(f"fill.tail must be >= 1 (the last prompt row is always exact), got {self.tail}")
+        if self.reuse_filled not in REUSE_POLICIES:
+            raise ValueError(f"fill.reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse_filled!r}")
         if self.rescale_rows < 1:
             raise ValueError(f"fill.rescale_rows must be >= 1, got {self.rescale_rows}")
         if isinstance(self.rows, dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -9,8 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from .cache.build import CacheBudget, build_caches
+from .cache.prefix_cache import EXACT, fill_identity
 from .cache.spec import spec_of
-from .config import EngineConfig, RowsConfig, SpeculativeConfig
+from .config import REUSE_POLICIES, EngineConfig, RowsConfig, SpeculativeConfig
 from .detokenize import TextTracker
 from .errors import InputError
 from .fill.select import RowSelector
@@ -57,6 +59,9 @@ class EngineStats:
     spec_steps_total: int = 0  # decode items that verified a draft (speculative decoding)
     spec_draft_tokens_total: int = 0  # draft tokens proposed and verified
     spec_accepted_tokens_total: int = 0  # of those, accepted (each saved one decode step)
+    prefix_cached_blocks: int = 0  # blocks findable in the prefix cache (held or not)
+    prefix_queried_tokens_total: int = 0  # prompt tokens admissions looked up in the prefix cache
+    prefix_hit_tokens_total: int = 0  # of those, found (their K/V were not computed again)
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
@@ -93,7 +98,8 @@ class Engine:
                              f"past rejected draft tokens; use speculative.method = \"off\"")
         self.caches = build_caches(cache_spec, engine_budget(config, cfg.max_position_embeddings, self.loop_store is not None), model.device)
         self.kv = self.caches.kv
-        manager = self.caches.manager()  # the scheduler owns it; freeing a slot clears the pools
+        self.prefix_caching = prefix_caching_on(config.cache.prefix_caching, cache_spec)
+        manager = self.caches.manager(self.prefix_caching)  # the scheduler owns it; freeing a slot clears the pools
         self.blocks = manager.blocks
         self.fill = config.fill
         propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
@@ -110,6 +116,7 @@ class Engine:
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps)
+        self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
         self.max_model_len = min(cfg.max_position_embeddings, self.caches.num_blocks * self.caches.block_size)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -119,19 +126,22 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
                     rows: RowsConfig | None = None, hide_from: int | None = None,
-                    deadline: float | None = None, terminal_state: bool | None = None) -> Sequence:
+                    deadline: float | None = None, terminal_state: bool | None = None,
+                    reuse_filled: str | None = None) -> Sequence:
         """Queue a request. `fill=False` asks for an exact prefill even when the fill is on;
         `rows` overrides the configured exact-row selectors for this request; `hide_from`
         (evaluation: the question-hidden control) shows the selectors only positions before it;
         past `deadline` (time.monotonic() seconds) it ends with finish_reason "timeout";
         `terminal_state` turns the terminal-state correction on or off for this request (None:
-        fill.corrections.terminal_state)."""
+        fill.corrections.terminal_state); `reuse_filled` what a filled request takes from the
+        prefix cache (None: fill.reuse_filled)."""
         self.validate(prompt_ids, params)
         self.check_terminal_request(terminal_state)
         seq = Sequence(prompt_ids=list(prompt_ids), params=params, deadline=deadline)
         apply_fill(seq, self.fill, fill, rows, hide_from, self.carries_late_state)
         if terminal_state is not None:
             seq.terminal_state = seq.carry_all_rows and terminal_state
+        seq.cache_identity = cache_identity(seq, self.fill, self.maps_digest, reuse_filled or self.fill.reuse_filled)
         seq.spec_tokens = spec_tokens(self.speculative, params)
         seq.loop = self.plan_loops(params)
         if seq.loop is not None:
@@ -191,7 +201,10 @@ class Engine:
                            timeouts_total=c.timeouts, steps_total=c.steps, idle_spins_total=c.idle_spins,
                            state_slots_used=held.state_slots_used, state_slots_total=held.state_slots_total,
                            stash_bytes=held.stash_bytes, spec_steps_total=spec.steps,
-                           spec_draft_tokens_total=spec.proposed, spec_accepted_tokens_total=spec.accepted)
+                           spec_draft_tokens_total=spec.proposed, spec_accepted_tokens_total=spec.accepted,
+                           prefix_cached_blocks=held.prefix_cached_blocks,
+                           prefix_queried_tokens_total=held.prefix_queried_tokens,
+                           prefix_hit_tokens_total=held.prefix_hit_tokens)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -302,6 +315,38 @@ def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None
     seq.rows, seq.hide_from = rows or fill.rows, hide_from
     seq.carry_all_rows = carry and fill.arm in ("identity", "ridgefill")
     seq.terminal_state = seq.carry_all_rows and fill.terminal_state
+
+
+def prefix_caching_on(setting: str, spec) -> bool:
+    """cache.prefix_caching: "auto" turns it on where the model's caches are K/V only."""
+    if setting == "on" and not spec.prefix_cacheable:
+        raise ValueError("cache.prefix_caching = \"on\": " + spec.why_not_prefix_cacheable())
+    return setting != "off" and spec.prefix_cacheable
+
+
+def cache_identity(seq: Sequence, fill, maps_digest: str, policy: str) -> bytes | None:
+    """The identity seq's blocks are published and looked up under (cache/prefix_cache.py);
+    None keeps it out of the prefix cache."""
+    if policy not in REUSE_POLICIES:
+        raise InputError(f"reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}")
+    if not seq.fill_boundary:
+        return EXACT
+    # NOTE: these change cached rows after they are written (the rescale multiplies every filled
+    # row's K/V), leave them out of the late layers' reach (nofill), or carry a recurrent state
+    # over them: none leaves blocks another request could start from.
+    if seq.fill_arm == "nofill" or seq.carry_all_rows or fill.value_rescale or fill.key_rescale:
+        return None
+    settings = repr((seq.rows, seq.hide_from, seq.terminal_state))
+    return fill_identity(seq.fill_arm, fill.split, maps_digest, policy, seq.prompt_ids, settings)
+
+
+def _file_digest(path) -> str:
+    """A map file's content hash: two files of one name are two fills."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _check_terminal_shift(spec, split: int, maps) -> None:

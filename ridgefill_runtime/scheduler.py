@@ -15,7 +15,7 @@ from .cache.manager import CacheManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .speculative import Propose, draft_limit, no_drafts
-from .stages import ScheduledSeq, Select, advance, next_item
+from .stages import ScheduledSeq, Select, advance, next_item, resume_from_cache
 
 __all__ = ["Scheduler", "ScheduledSeq", "SpecCounts", "StepResult"]
 
@@ -154,11 +154,13 @@ class Scheduler:
         on top of what the running ones still need, so prefills never fight over blocks."""
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not self.caches.can_allocate(seq, seq.num_tokens, reserved_blocks=self._blocks_owed()):
+            hit = self.caches.match(seq)
+            if not self.caches.can_allocate(seq, seq.num_tokens, self._blocks_owed(), hit):
                 break
+            resume_from_cache(seq, hit)
             item = next_item(seq, step.budget, self.config.chunk_size)
             self.waiting.popleft()
-            self.caches.allocate(seq, item.end)
+            self.caches.allocate(seq, item.end, hit)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             step.add(item)
@@ -191,7 +193,8 @@ class Scheduler:
             self.caches.settle(seq)
             if scored is not None:
                 _record_prompt_scores(seq, *scored)
-            if not item.samples:
+            if not item.samples:  # a prefill chunk: what it finished may serve others at once
+                self.caches.publish(seq)
                 continue
             touched.append(seq)
             if not tokens:  # max_tokens == 0: a scoring request ends after its prefill
@@ -200,6 +203,8 @@ class Scheduler:
             appended = self._append_run(seq, tokens, eos_ids)
             if item.draft:
                 self._settle_draft(item, appended)
+            if not seq.finished:  # NOTE: after a rollback, so rejected draft rows are never published
+                self.caches.publish(seq)
         return touched
 
     def _append_run(self, seq: Sequence, tokens: list[int], eos_ids: tuple[int, ...]) -> int:

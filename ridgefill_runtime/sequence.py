@@ -103,6 +103,14 @@ class Sequence:
     loop: LoopPlan | None = None  # a looped model's resolved loop settings; set at add
     verifications: int = 0  # decode steps that verified a draft
     verified_tokens: int = 0  # tokens those steps emitted
+    # Prefix caching (cache/prefix_cache.py): the identity its blocks are published and looked up
+    # under (None: it neither reads nor publishes cache entries), the keys of its table's published
+    # blocks, and what its last admission found: positions taken from the cache, how many of them
+    # had filled late K/V
+    cache_identity: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_cached: int = 0
+    cached_filled_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -116,7 +124,7 @@ class Sequence:
 
     def start_prefill(self) -> None:
         """(Re)start the prompt from nothing: after admission, or a recompute preemption."""
-        self.num_computed = 0
+        self.num_computed = self.num_cached = self.cached_filled_rows = 0
         self.stage = Stage.LOWER if self.fill_boundary > 0 else Stage.FULL
         self.queue, self.queue_done = [], 0
         self.row_scores, self.exact_rows = {}, []

@@ -120,6 +120,20 @@ def advance(item: ScheduledSeq, scores: dict[str, list[float]] | None, select: S
         seq.stage = Stage.FULL
 
 
+def resume_from_cache(seq: Sequence, hit) -> None:
+    """Admission found the prompt's first `hit.num_tokens` positions in the prefix cache: they
+    count as computed. A filled sequence keeps the cached exact rows as its own and starts its
+    lower sweep after them; with the whole prefix cached it has no two-sweep work left."""
+    if not hit.num_tokens:
+        return
+    seq.num_computed = seq.num_cached = hit.num_tokens
+    seq.cached_filled_rows = hit.filled_rows
+    if seq.fill_boundary:
+        seq.exact_rows = [r for r in hit.exact_rows if r < seq.fill_boundary]
+        if hit.num_tokens >= seq.fill_boundary:
+            seq.stage = Stage.FULL
+
+
 def probe_rows(seq: Sequence) -> list[int]:
     """The probe's rows: the last probe_window rows the selectors may see, never prefix rows
     (their K/V would overwrite filled slots), so at most the tail."""
@@ -138,11 +152,14 @@ def finish_lower(seq: Sequence, select: Select) -> None:
 
 
 def _enter_late(seq: Sequence, select: Select) -> None:
-    seq.exact_rows = sorted(select(seq))
+    # NOTE: rows below num_cached came from the prefix cache as they were made (reuse_filled =
+    # "as-is"): only rows the sequence computes itself can be chosen now.
+    chosen = sorted(r for r in select(seq) if r >= seq.num_cached)
+    seq.exact_rows = sorted(set(seq.exact_rows) | set(chosen))
     # NOTE: position order: every key an exact row or tail row reads below its own position is
     # then either filled or already recomputed exactly.
     seq.stage, seq.queue_done = Stage.LATE, 0
     if seq.carry_all_rows:  # every row: filled ones carry the late recurrent states from x̂
         seq.queue = list(range(seq.num_tokens))
     else:
-        seq.queue = seq.exact_rows + list(range(seq.fill_boundary, seq.num_tokens))
+        seq.queue = chosen + list(range(seq.fill_boundary, seq.num_tokens))

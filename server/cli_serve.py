@@ -21,6 +21,7 @@ from .config import ConfigError, check_device, effective_config_text, load_confi
 _FLAG_KEYS = {
     "model": "model.path", "dtype": "model.dtype", "weights": "model.weights", "device": "model.device",
     "block_size": "cache.block_size", "kv_cache_gib": "cache.kv_cache_gib", "num_blocks": "cache.num_blocks",
+    "prefix_caching": "cache.prefix_caching",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens", "max_num_seqs": "scheduler.max_num_seqs",
     "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
     "fill_tail": "fill.tail", "fill_maps": "fill.maps", "fill_placement": "fill.placement",
@@ -50,6 +51,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int)
     p.add_argument("--kv-cache-gib", type=float)
     p.add_argument("--num-blocks", type=int)
+    p.add_argument("--prefix-caching", choices=("auto", "on", "off"),
+                   help="reuse the K/V of prompt prefixes other requests computed (auto: where the model allows)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, help="most sequences running at once")
     p.add_argument("--chunk-size", type=int, help="most prompt rows one sequence gets per step")

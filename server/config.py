@@ -124,6 +124,7 @@ _SCHEMA: dict[str, dict[str, Key]] = {
         "block_size": Key((int,), "cache", "block_size"),
         "kv_cache_gib": Key((int, float), "cache", "kv_cache_gib"),
         "num_blocks": Key((int,), "cache", "num_blocks"),
+        "prefix_caching": Key((str,), "cache", "prefix_caching"),
     },
     "scheduler": {
         "max_num_batched_tokens": Key((int,), "scheduler", "max_num_batched_tokens"),

@@ -6,7 +6,13 @@ Everything else must run (and be able to fail) on a GPU-less machine.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# NOTE: the tiny random models (tests/models/tiny_models.py) serve tests in several folders.
+sys.path.insert(0, str(Path(__file__).parent / "models"))
 
 
 def pytest_configure(config: pytest.Config) -> None:

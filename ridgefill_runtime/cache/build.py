@@ -55,11 +55,14 @@ class ModelCaches:
     block_size: int
     num_blocks: int
 
-    def manager(self) -> CacheManager:
+    def manager(self, prefix_caching: bool = False) -> CacheManager:
         """A manager of these pools' ids; freeing a slot clears what the pools keep in it."""
+        if prefix_caching and not self.spec.prefix_cacheable:
+            raise ValueError("cache.prefix_caching: " + self.spec.why_not_prefix_cacheable())
         return CacheManager(BlockManager(self.num_blocks, self.block_size), self.states.num_slots,
                             self.spec.stash_bytes_per_row(), on_free_slot=self.states.free_slot,
-                            on_stash_done=self.states.drop_stash, on_rollback=self.states.restore_row)
+                            on_stash_done=self.states.drop_stash, on_rollback=self.states.restore_row,
+                            prefix_caching=prefix_caching)
 
 
 def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:

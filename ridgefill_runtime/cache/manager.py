@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .block_manager import BlockManager
+from .prefix_cache import NO_HIT, PrefixCache, PrefixHit
 
 SlotHook = Callable[[int], None]
 
@@ -31,6 +32,10 @@ class CacheStats:
     state_slots_total: int
     stash_rows: int  # split-state rows held by sequences in a two-sweep prefill
     stash_bytes: int  # what those rows take (the N x d part)
+    prefix_cached_blocks: int = 0  # blocks published in the prefix cache (held or not)
+    prefix_queried_tokens: int = 0  # prompt tokens admissions looked up
+    prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    prefix_evictions: int = 0  # cache entries dropped to make room
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
@@ -44,7 +49,8 @@ class CacheStats:
 class CacheManager:
     def __init__(self, blocks: BlockManager, num_state_slots: int, stash_bytes_per_row: int = 0,
                  on_free_slot: SlotHook = _ignore, on_stash_done: SlotHook = _ignore,
-                 on_rollback: Callable[[int, int], None] = lambda slot, row: None):
+                 on_rollback: Callable[[int, int], None] = lambda slot, row: None,
+                 prefix_caching: bool = False):
         if num_state_slots <= 0:
             raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
         self.blocks = blocks
@@ -54,6 +60,7 @@ class CacheManager:
         # NOTE: a stack, like the blocks: the most recently freed slot is reused first.
         self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
         self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
+        self.prefix = PrefixCache(blocks) if prefix_caching else None
 
     # -- asking ---------------------------------------------------------------------------
 
@@ -64,18 +71,33 @@ class CacheManager:
     def blocks_needed(self, seq, num_tokens: int) -> int:
         return self.blocks.blocks_needed(seq.block_table, num_tokens)
 
-    def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0) -> bool:
-        """Whether seq could start holding `num_tokens` positions with `reserved_blocks` kept back."""
+    def match(self, seq) -> PrefixHit:
+        """The cached blocks seq's prompt may start from (none without prefix caching)."""
+        return self.prefix.match(seq) if self.prefix is not None else NO_HIT
+
+    def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0, hit: PrefixHit = NO_HIT) -> bool:
+        """Whether seq could start holding `num_tokens` positions, its first ones from `hit`,
+        with `reserved_blocks` kept back. A cache entry nobody holds counts as free, so taking
+        it costs a free block like a new one."""
         slot_ok = seq.state_slot is not None or bool(self._free_slots)
-        return slot_ok and self.blocks_needed(seq, num_tokens) <= self.blocks.num_free - reserved_blocks
+        need = self.blocks_needed(seq, num_tokens) - len(hit.blocks) + sum(map(self.blocks.is_free, hit.blocks))
+        return slot_ok and need <= self.blocks.num_free - reserved_blocks
 
     def can_grow(self, seq, num_tokens: int) -> bool:
         return self.blocks.can_grow(seq.block_table, num_tokens)
 
     # -- changing ---------------------------------------------------------------------------
 
-    def allocate(self, seq, num_tokens: int) -> None:
-        """Admission: a state slot (and its stash, for a filled prefill) and blocks for `num_tokens`."""
+    def allocate(self, seq, num_tokens: int, hit: PrefixHit = NO_HIT) -> None:
+        """Admission: a state slot (and its stash, for a filled prefill) and blocks for
+        `num_tokens`, the first ones those of `hit` (shared, not copied)."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} is admitted while it holds blocks")
+        for block in hit.blocks:
+            self.blocks.share(seq.block_table, block)
+        seq.block_keys = list(hit.keys)
+        if self.prefix is not None:
+            self.prefix.count(seq, hit)
         if seq.state_slot is None:
             if not self._free_slots:
                 raise RuntimeError(f"out of state slots: all {self.num_state_slots} are held")
@@ -102,9 +124,17 @@ class CacheManager:
         if slot is not None and seq.stage.done and self._stash_rows.pop(slot, None) is not None:
             self._on_stash_done(slot)
 
+    def publish(self, seq) -> None:
+        """After a step: seq's newly final full blocks become prefix-cache entries."""
+        if self.prefix is not None:
+            self.prefix.publish(seq)
+
     def free(self, seq) -> None:
-        """Give back everything seq holds: its blocks, its state slot and its stash."""
+        """Give back everything seq holds: its blocks (what it computed stays cached until the
+        room is needed), its state slot and its stash."""
+        self.publish(seq)
         self.blocks.free(seq.block_table)
+        seq.block_keys = []
         slot = seq.state_slot
         if slot is None:
             return
@@ -125,4 +155,8 @@ class CacheManager:
                           kv_blocks_total=self.blocks.num_blocks,
                           state_slots_used=self.num_state_slots - len(self._free_slots),
                           state_slots_total=self.num_state_slots, stash_rows=rows,
-                          stash_bytes=rows * self.stash_bytes_per_row)
+                          stash_bytes=rows * self.stash_bytes_per_row,
+                          prefix_cached_blocks=self.blocks.num_cached,
+                          prefix_queried_tokens=self.prefix.queried_tokens if self.prefix else 0,
+                          prefix_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
+                          prefix_evictions=self.blocks.evictions)

@@ -183,6 +183,20 @@ class CacheSpec:
         """Every recurrent layer snapshots its state per verified row: multi-token steps are safe."""
         return all(c.rollback_parts for c in self.layers if isinstance(c, RecurrentCache))
 
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Every layer keeps paged K/V only, so a block's K/V are all a prefix leaves behind."""
+        return all(isinstance(c, AttentionCache) for c in self.layers)
+
+    def why_not_prefix_cacheable(self) -> str:
+        # NOTE: a recurrent state (or a looped model's ring) sums up the whole prefix in one
+        # per-sequence tensor; reusing a prefix would need a snapshot per block boundary.
+        if self.recurrent_layers:
+            return (f"layers {list(self.recurrent_layers)} keep a recurrent state, which summarizes the "
+                    "prefix without per-block snapshots to resume from; use cache.prefix_caching = \"off\"")
+        return (f"layers {list(self.loop_layers)} are looped (their K/V planes depend on each request's "
+                "loops); use cache.prefix_caching = \"off\"")
+
     def state_bytes_per_sequence(self) -> int:
         return sum(c.bytes_per_sequence(self.dtype) for c in self.layers
                    if isinstance(c, (RecurrentCache, LoopPlanesCache)))

@@ -70,7 +70,7 @@ class FillPlanner:
 
     def _lower_item(self, item, rows, slots, acc: "_Parts") -> None:
         seq = item.seq
-        if item.start == 0:  # a new (or restarted) prefill: a fresh stash
+        if item.start == seq.num_cached:  # a new (or restarted) prefill: a fresh stash
             self.states.new_stash(seq.state_slot, seq.num_tokens, seq.fill_boundary)
         acc.exit_rows.append(rows)
         if self.predict is not None and seq.fill_arm != "nofill":

@@ -100,6 +100,7 @@ FILL_KEYS: dict[str, Key] = {
     "tail": Key((int,), "fill", "tail"),
     "maps": Key((str,), "fill", "maps"),
     "placement": Key((str,), "fill", "placement"),
+    "reuse_filled": Key((str,), "fill", "reuse_filled"),  # what a filled request takes from the prefix cache
     # `corrections = ["value_rescale"]` (a list of names to switch on) or a table:
     "corrections": Key((list,), "fill", "corrections", want="list or table"),
     "corrections.value_rescale": Key((bool,), "fill", "value_rescale"),

@@ -1,0 +1,125 @@
+"""Prefix caching: which published blocks a new prompt may start from, and what a sequence
+publishes. Ids and hashes only; the blocks and their reference counts are block_manager.py's.
+
+A full block's key is a chained hash: the previous block's key, the block's token ids and the
+block's *identity*, which says how its K/V were made. Every exact block has the identity EXACT,
+so any two prompts with a common exact prefix share it. A filled sequence's own blocks carry
+its fill identity (`fill_identity`): arm, split, map file, and, under reuse_filled = "never",
+the whole prompt and its exact-row settings, so they serve only that prompt again.
+
+Why the identity and the chain suffice: an exact block's K/V depend on its tokens and every
+earlier token; a filled block's late K/V on those, on how the fill predicted them and on which
+earlier rows were exact. The chain carries all of it: the key of block i names the identities
+of blocks 0..i. The rows of a cached filled block that ran exactly are kept beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+
+EXACT = b"exact"
+ROOT = b""  # the parent key of a sequence's first block
+from ..config import REUSE_POLICIES
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached blocks a prompt may start from: `blocks` hold its first len(blocks) * block
+    size positions, under `keys`; `exact_rows` are the positions among them whose late K/V
+    were made exactly (all of them for exact blocks)."""
+
+    blocks: tuple[int, ...] = ()
+    keys: tuple[bytes, ...] = ()
+    exact_rows: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+    @property
+    def filled_rows(self) -> int:
+        """Cached positions whose late K/V were filled."""
+        return self.num_tokens - len(self.exact_rows)
+
+
+NO_HIT = PrefixHit()
+
+
+def block_key(parent: bytes, tokens: list[int], identity: bytes) -> bytes:
+    """The key of a block holding `tokens` after the block keyed `parent`."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(identity)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+def fill_identity(arm: str, split: int, maps_digest: str, policy: str, prompt: list[int] | None = None,
+                  settings: str = "") -> bytes:
+    """A filled request's block identity. `prompt` and `settings` (its exact-row choice, as
+    text) enter only under "never", whose blocks serve the byte-identical request alone."""
+    if policy not in REUSE_POLICIES:
+        raise ValueError(f"reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}")
+    h = hashlib.blake2b(f"fill|{arm}|{split}|{maps_digest}|{policy}".encode(), digest_size=16)
+    if policy == "never":
+        h.update(array("q", prompt or []).tobytes())
+        h.update(settings.encode())
+    return h.digest()
+
+
+class PrefixCache:
+    """Looks prompts up among the published blocks and publishes what sequences computed."""
+
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self.queried_tokens = 0  # prompt tokens looked up (the last one is never a hit)
+        self.hit_tokens = 0  # of those, found
+
+    def match(self, seq) -> PrefixHit:
+        """The longest run of published blocks the prompt starts with. NOTE: it stops a block
+        short of the prompt's last token, whose logits the sequence must compute itself; so no
+        sequence ever writes into a block it shares."""
+        if seq.cache_identity is None or seq.params.prompt_logprobs:  # NOTE: scoring needs every row's logits
+            return NO_HIT
+        bs, prompt = self.block_size, seq.prompt_ids
+        ids = (EXACT,) if seq.cache_identity == EXACT else (EXACT, seq.cache_identity)
+        blocks, keys, exact, parent = [], [], [], ROOT
+        for i in range((len(prompt) - 1) // bs):
+            tokens = prompt[i * bs:(i + 1) * bs]
+            found = next(((k, b) for k in (block_key(parent, tokens, x) for x in ids)
+                          if (b := self.blocks.lookup(k)) is not None), None)
+            if found is None:
+                break
+            parent, block = found
+            keys.append(parent)
+            blocks.append(block)
+            exact.extend(i * bs + r for r in self.blocks.exact_offsets(block))
+        return PrefixHit(tuple(blocks), tuple(keys), tuple(exact), len(blocks) * bs)
+
+    def count(self, seq, hit: PrefixHit) -> None:
+        """An admission that used `hit`: count it for the metrics."""
+        self.queried_tokens += len(seq.prompt_ids)
+        self.hit_tokens += hit.num_tokens
+
+    def publish(self, seq) -> None:
+        """Publish seq's full blocks whose K/V are final: below the last token (whose K/V the
+        next step computes) and below what was computed, once the two-sweep prefill is over."""
+        if seq.cache_identity is None or not seq.stage.done:
+            return
+        bs = self.block_size
+        valid = min(seq.num_computed, seq.num_tokens - 1)
+        keys = seq.block_keys
+        parent = keys[-1] if keys else ROOT
+        for i in range(len(keys), min(valid // bs, len(seq.block_table))):
+            parent = block_key(parent, seq.tokens(i * bs, (i + 1) * bs), seq.cache_identity)
+            self.blocks.publish(seq.block_table[i], parent, self._exact_offsets(seq, i))
+            keys.append(parent)
+
+    def _exact_offsets(self, seq, i: int) -> tuple[int, ...]:
+        """Offsets in block i of rows whose late K/V ran exactly."""
+        lo, hi = i * self.block_size, (i + 1) * self.block_size
+        if seq.cache_identity == EXACT or lo >= seq.fill_boundary:
+            return tuple(range(self.block_size))
+        exact = {r for r in seq.exact_rows if lo <= r < hi} | set(range(max(lo, seq.fill_boundary), hi))
+        return tuple(sorted(r - lo for r in exact))

@@ -1,0 +1,280 @@
+"""Prefix caching through the real engine on a tiny Llama: a request that starts from cached
+blocks answers as it does alone on an engine without the cache (the logits of every sampled
+token within the chunked-prefill tests' bound, greedy tokens identical), across shared system
+prompts, multi-turn chats, concurrent requests, preemption on a tiny pool and LRU eviction;
+every block returns to the pool. Filled requests under reuse_filled = "never" and "as-is"."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec, RecurrentCache
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, RowsConfig, SchedulerConfig
+from ridgefill_runtime.engine import Engine, prefix_caching_on
+from ridgefill_runtime.loader.hf import load_hf_folder
+from ridgefill_runtime.models.dense import DenseLM
+from ridgefill_runtime.sequence import SamplingParams
+from ridgefill_runtime.stages import Stage
+from tiny_models import build_tiny
+
+BLOCK = 4
+FILL = FillConfig(arm="identity", split=1, tail=8, rows=RowsConfig(selectors=("special",)))
+EXACT_ROWS = [0, 5, 17, 31]  # NOTE: fixed choices, so a fresh fill and a reuse can choose alike
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama_gqa_untied")
+    build_tiny("llama_gqa_untied", folder)
+    ckpt = load_hf_folder(folder)
+    return DenseLM(ckpt.config, ckpt.tensors)
+
+
+def engine(model, prefix: str = "auto", num_blocks: int = 256, fill: FillConfig | None = None,
+           max_num_seqs: int = 8) -> Engine:
+    config = EngineConfig(cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix),
+                          fill=fill or FillConfig(),
+                          scheduler=SchedulerConfig(chunk_size=8, max_num_batched_tokens=64, max_num_seqs=max_num_seqs))
+    eng = Engine(model, None, config)
+    eng.scheduler.select = lambda seq: [r for r in EXACT_ROWS if r < seq.fill_boundary]
+    eng.sampled = record_logits(eng)
+    return eng
+
+
+def record_logits(eng: Engine) -> dict[int, list[torch.Tensor]]:
+    """seq_id -> the logits row of each token it sampled, in order; eng.tables: seq_id -> its
+    block table at its last step (it is emptied when the sequence finishes)."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    eng.tables = {}
+    forward = eng.runner.forward
+
+    def recording(items):
+        out = forward(items)
+        for k, item in enumerate(items):
+            eng.tables[item.seq.seq_id] = list(item.seq.block_table)
+            if item.samples:
+                seen.setdefault(item.seq.seq_id, []).append(out.logits[out.owners[k][1] - 1].clone())
+        return out
+
+    eng.runner.forward = recording
+    return seen
+
+
+def tokens(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def drain(eng: Engine) -> None:
+    while eng.has_unfinished():
+        eng.step()
+
+
+def alone(model, ids, n: int, fill: FillConfig | None = None, wants_fill: bool = True):
+    """ids answered on an engine without a prefix cache: (tokens, logits per token, its engine, seq)."""
+    eng = engine(model, prefix="off", fill=fill)
+    seq = eng.add_request(ids, greedy(n), fill=wants_fill)
+    drain(eng)
+    return seq.output_ids, torch.stack(eng.sampled[seq.seq_id]), eng, seq
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def same_as_alone(model, eng: Engine, seq, n: int, fill: FillConfig | None = None, wants_fill: bool = True) -> None:
+    want, logits, *_ = alone(model, seq.prompt_ids, n, fill, wants_fill)
+    assert seq.output_ids == want
+    assert rel_err(torch.stack(eng.sampled[seq.seq_id]), logits) < 1e-4
+
+
+def all_blocks_back(eng: Engine) -> None:
+    bm = eng.scheduler.caches.blocks
+    assert bm.num_free == bm.num_blocks and all(bm.is_free(b) for b in range(bm.num_blocks))
+
+
+def test_shared_system_prompt_is_computed_once(model):
+    vocab = model.config.vocab_size
+    system = tokens(37, 1, vocab)
+    eng = engine(model)
+    first = eng.add_request(system + tokens(10, 2, vocab), greedy(6))
+    drain(eng)
+    second = eng.add_request(system + tokens(9, 3, vocab), greedy(6))
+    drain(eng)
+    assert first.num_cached == 0 and second.num_cached == 36  # the 9 full blocks of the system prompt
+    same_as_alone(model, eng, second, 6)
+    stats = eng.stats()
+    assert stats.prefix_hit_tokens_total == 36 and stats.prefix_queried_tokens_total == 47 + 46
+    all_blocks_back(eng)
+
+
+def test_multi_turn_chat_reuses_the_previous_answer(model):
+    vocab = model.config.vocab_size
+    eng = engine(model)
+    turn = tokens(21, 4, vocab)
+    history: list[int] = []
+    for k in range(3):
+        history = history + turn
+        seq = eng.add_request(history, greedy(7))
+        drain(eng)
+        # NOTE: the last answer's final token has no K/V yet: everything before it is cached
+        assert seq.num_cached == (0 if k == 0 else (had - 1) // BLOCK * BLOCK)
+        same_as_alone(model, eng, seq, 7)
+        history = history + seq.output_ids
+        had = len(history)
+        turn = tokens(5 + k, 10 + k, vocab)
+    all_blocks_back(eng)
+
+
+def test_concurrent_requests_share_blocks_while_they_run(model):
+    vocab = model.config.vocab_size
+    shared = tokens(30, 5, vocab)
+    eng = engine(model)
+    a = eng.add_request(shared + tokens(6, 6, vocab), greedy(12))
+    for _ in range(5):  # chunks of 8: a's prompt is computed, it decodes
+        eng.step()
+    b = eng.add_request(shared + tokens(7, 7, vocab), greedy(12))
+    eng.step()
+    assert b.num_cached == 28 and b.block_table[:7] == a.block_table[:7]
+    refs = eng.scheduler.caches.blocks._refs
+    assert all(refs[blk] == 2 for blk in a.block_table[:7])
+    drain(eng)
+    same_as_alone(model, eng, a, 12)
+    same_as_alone(model, eng, b, 12)
+    all_blocks_back(eng)
+
+
+def test_random_preemption_on_a_tiny_pool(model):
+    vocab, rng = model.config.vocab_size, random.Random(0)
+    bases = [tokens(24, 20 + i, vocab) for i in range(3)]
+    eng = engine(model, num_blocks=20, max_num_seqs=4)  # 80 positions for up to 4 x ~50
+    seqs = []
+    for i in range(10):
+        ids = rng.choice(bases)[:rng.randint(9, 24)] + tokens(rng.randint(1, 12), 40 + i, vocab)
+        seqs.append(eng.add_request(ids, greedy(rng.randint(16, 30))))
+        for _ in range(rng.randint(0, 3)):
+            eng.step()
+    drain(eng)
+    stats = eng.stats()
+    assert stats.preemptions_total > 0 and stats.prefix_hit_tokens_total > 0
+    for seq in seqs:
+        same_as_alone(model, eng, seq, seq.params.max_tokens)
+    all_blocks_back(eng)
+
+
+def test_lru_eviction_under_memory_pressure(model):
+    vocab = model.config.vocab_size
+    eng = engine(model, num_blocks=24)
+    prompts = [tokens(33, 60 + i, vocab) for i in range(4)]  # 9 blocks each, 8 of them published
+    for ids in prompts[:3]:
+        eng.add_request(ids, greedy(2))
+        drain(eng)
+    bm = eng.scheduler.caches.blocks
+    assert bm.evictions > 0 and bm.num_cached <= bm.num_blocks
+    again_old = eng.add_request(prompts[0] + [7], greedy(2))  # the oldest entries went first
+    drain(eng)
+    again_new = eng.add_request(prompts[2] + [7], greedy(2))
+    drain(eng)
+    assert again_old.num_cached < 32 and again_new.num_cached == 32
+    same_as_alone(model, eng, again_old, 2)
+    same_as_alone(model, eng, again_new, 2)
+    all_blocks_back(eng)
+
+
+def test_exact_requests_never_start_from_filled_blocks(model):
+    vocab = model.config.vocab_size
+    doc = tokens(48, 70, vocab)
+    eng = engine(model, fill=FillConfig(**{**FILL.__dict__, "reuse_filled": "as-is"}))
+    filled = eng.add_request(doc, greedy(4))
+    drain(eng)
+    assert filled.fill_boundary == 40
+    exact = eng.add_request(doc, greedy(4), fill=False)
+    drain(eng)
+    assert exact.num_cached == 0
+    same_as_alone(model, eng, exact, 4, wants_fill=False)
+
+
+def test_never_reuses_filled_blocks_for_the_identical_request_only(model):
+    vocab = model.config.vocab_size
+    doc = tokens(40, 80, vocab)
+    eng = engine(model, fill=FILL)
+    first = eng.add_request(doc + tokens(8, 81, vocab), greedy(5))
+    drain(eng)
+    again = eng.add_request(list(first.prompt_ids), greedy(5))
+    other = eng.add_request(doc + tokens(8, 82, vocab), greedy(5))
+    drain(eng)
+    assert again.num_cached == 44 and other.num_cached == 0
+    assert again.exact_rows == first.exact_rows and again.output_ids == first.output_ids
+    same_as_alone(model, eng, again, 5, FILL)
+    same_as_alone(model, eng, other, 5, FILL)
+
+
+def test_as_is_takes_the_filled_document_and_chooses_among_its_own_rows(model):
+    vocab = model.config.vocab_size
+    fill = FillConfig(**{**FILL.__dict__, "reuse_filled": "as-is"})
+    doc = tokens(40, 90, vocab)
+    eng = engine(model, fill=fill)
+    first = eng.add_request(doc[:20] + tokens(28, 91, vocab), greedy(5))
+    drain(eng)
+    second = eng.add_request(doc[:20] + tokens(28, 92, vocab), greedy(5))
+    drain(eng)
+    assert first.exact_rows == EXACT_ROWS
+    # the first 20 rows (5 blocks) come from the cache with their exact rows 0, 5, 17;
+    # row 31 lies past them, so the second request makes it exact itself
+    assert second.num_cached == 20 and second.cached_filled_rows == 17
+    assert second.exact_rows == EXACT_ROWS
+    # with the same choice of rows the reused cache is the fresh fill's: logits and every K/V row
+    want, logits, fresh, fresh_seq = alone(model, second.prompt_ids, 5, fill)
+    assert second.output_ids == want and rel_err(torch.stack(eng.sampled[second.seq_id]), logits) < 1e-4
+    check_same_cache(eng, second, fresh, fresh_seq, len(second.prompt_ids))
+
+
+def test_as_is_with_the_whole_prefix_cached_skips_the_two_sweeps(model):
+    vocab = model.config.vocab_size
+    fill = FillConfig(**{**FILL.__dict__, "reuse_filled": "as-is"})
+    doc = tokens(40, 95, vocab)
+    eng = engine(model, fill=fill)
+    eng.add_request(doc + tokens(8, 96, vocab), greedy(3))
+    drain(eng)
+    stages = []
+    second = eng.add_request(doc + tokens(8, 97, vocab), greedy(3))
+    while eng.has_unfinished():
+        eng.step()  # NOTE: admission happens in the step; stage is what the next step runs
+        stages.append(second.stage)
+    assert second.num_cached == 40 and set(stages) == {Stage.FULL}
+    assert second.exact_rows == [r for r in EXACT_ROWS if r < 40]
+    same_as_alone(model, eng, second, 3, fill)
+
+
+def check_same_cache(eng: Engine, seq, fresh: Engine, fresh_seq, n: int) -> None:
+    """Every layer's K/V of positions 0..n-1 agree between two engines' sequences (nothing ran
+    after them, so their freed blocks still hold what they wrote)."""
+    def rows(e: Engine, s, cache, layer) -> torch.Tensor:
+        table = e.tables[s.seq_id]
+        return torch.stack([cache[layer][table[p // BLOCK] * BLOCK + p % BLOCK] for p in range(n)])
+
+    for layer in eng.runner.kv.layers:
+        for part in ("k", "v"):
+            a = rows(eng, seq, getattr(eng.runner.kv, part), layer)
+            b = rows(fresh, fresh_seq, getattr(fresh.runner.kv, part), layer)
+            assert rel_err(a, b) < 1e-5, (layer, part)
+
+
+def test_prefix_caching_is_for_kv_only_models():
+    kv = CacheSpec(layers=(AttentionCache(2, 8),) * 3, dtype=torch.float32)
+    hybrid = CacheSpec(layers=(AttentionCache(2, 8), RecurrentCache((("state", (2, 4, 4)),))), dtype=torch.float32)
+    assert prefix_caching_on("auto", kv) and not prefix_caching_on("off", kv)
+    assert not prefix_caching_on("auto", hybrid)
+    with pytest.raises(ValueError, match="recurrent state"):
+        prefix_caching_on("on", hybrid)
+    with pytest.raises(ValueError, match="prefix_caching"):
+        CacheConfig(prefix_caching="yes")
+    with pytest.raises(ValueError, match="reuse_filled"):
+        FillConfig(reuse_filled="sometimes")
