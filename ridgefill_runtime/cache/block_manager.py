@@ -89,6 +89,9 @@ class BlockManager:
         self._refs[block] += 1
         table.append(block)
 
+    def key_of(self, block: int) -> bytes:
+        return self._key_of[block]
+
     def exact_offsets(self, block: int) -> tuple[int, ...]:
         """Offsets of the rows of a published block whose late K/V were made exactly."""
         return self._exact[block]

@@ -1,8 +1,9 @@
 """Prefix caching: which published blocks a new prompt may start from, and what a sequence
 publishes. Ids and hashes only; the blocks and their reference counts are block_manager.py's.
 
-A full block's key is a chained hash: the previous block's key, the block's token ids and the
-block's *identity*, which says how its K/V were made. Every exact block has the identity EXACT,
+A full block's key is a chained hash: the previous block's history (its key and which of its
+rows ran exactly), the block's token ids and the block's *identity*, which says how its K/V
+were made. Every exact block has the identity EXACT,
 so any two prompts with a common exact prefix share it. A filled sequence's own blocks carry
 its fill identity (`fill_identity`): arm, split, map file, and, under reuse_filled = "never",
 the whole prompt and its exact-row settings, so they serve only that prompt again.
@@ -10,7 +11,8 @@ the whole prompt and its exact-row settings, so they serve only that prompt agai
 Why the identity and the chain suffice: an exact block's K/V depend on its tokens and every
 earlier token; a filled block's late K/V on those, on how the fill predicted them and on which
 earlier rows were exact. The chain carries all of it: the key of block i names the identities
-of blocks 0..i. The rows of a cached filled block that ran exactly are kept beside it.
+and exact rows of blocks 0..i-1 and the identity of block i. Its own exact rows are kept beside
+it; under "as-is" a request takes whichever rows the block's maker ran exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..config import REUSE_POLICIES
 @dataclass(frozen=True)
 class PrefixHit:
     """The cached blocks a prompt may start from: `blocks` hold its first len(blocks) * block
-    size positions, under `keys`; `exact_rows` are the positions among them whose late K/V
+    size positions, with the history keys (history_key) the blocks after them chain from; `exact_rows` are the positions among them whose late K/V
     were made exactly (all of them for exact blocks)."""
 
     blocks: tuple[int, ...] = ()
@@ -52,6 +54,12 @@ def block_key(parent: bytes, tokens: list[int], identity: bytes) -> bytes:
     h.update(identity)
     h.update(array("q", tokens).tobytes())
     return h.digest()
+
+
+def history_key(key: bytes, exact: tuple[int, ...]) -> bytes:
+    """What the next block chains from: a block's key and which of its rows ran exactly. Two
+    filled blocks of one key but other exact rows are two histories for the blocks after them."""
+    return hashlib.blake2b(key + array("q", exact).tobytes(), digest_size=16).digest()
 
 
 def fill_identity(arm: str, split: int, maps_digest: str, policy: str, prompt: list[int] | None = None,
@@ -87,14 +95,15 @@ class PrefixCache:
         blocks, keys, exact, parent = [], [], [], ROOT
         for i in range((len(prompt) - 1) // bs):
             tokens = prompt[i * bs:(i + 1) * bs]
-            found = next(((k, b) for k in (block_key(parent, tokens, x) for x in ids)
-                          if (b := self.blocks.lookup(k)) is not None), None)
+            found = next((b for b in (self.blocks.lookup(block_key(parent, tokens, x)) for x in ids)
+                          if b is not None), None)
             if found is None:
                 break
-            parent, block = found
+            offsets = self.blocks.exact_offsets(found)
+            parent = history_key(self.blocks.key_of(found), offsets)
             keys.append(parent)
-            blocks.append(block)
-            exact.extend(i * bs + r for r in self.blocks.exact_offsets(block))
+            blocks.append(found)
+            exact.extend(i * bs + r for r in offsets)
         return PrefixHit(tuple(blocks), tuple(keys), tuple(exact), len(blocks) * bs)
 
     def count(self, seq, hit: PrefixHit) -> None:
@@ -112,8 +121,12 @@ class PrefixCache:
         keys = seq.block_keys
         parent = keys[-1] if keys else ROOT
         for i in range(len(keys), min(valid // bs, len(seq.block_table))):
-            parent = block_key(parent, seq.tokens(i * bs, (i + 1) * bs), seq.cache_identity)
-            self.blocks.publish(seq.block_table[i], parent, self._exact_offsets(seq, i))
+            key = block_key(parent, seq.tokens(i * bs, (i + 1) * bs), seq.cache_identity)
+            offsets = self._exact_offsets(seq, i)
+            # NOTE: when another block already is this key's entry, ours stays private, and its
+            # history (exact rows included) goes on in the keys of the blocks after it
+            self.blocks.publish(seq.block_table[i], key, offsets)
+            parent = history_key(key, offsets)
             keys.append(parent)
 
     def _exact_offsets(self, seq, i: int) -> tuple[int, ...]:

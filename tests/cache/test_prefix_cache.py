@@ -7,7 +7,7 @@ import pytest
 
 from ridgefill_runtime.cache.block_manager import BlockManager
 from ridgefill_runtime.cache.manager import CacheManager
-from ridgefill_runtime.cache.prefix_cache import EXACT, PrefixCache, block_key, fill_identity
+from ridgefill_runtime.cache.prefix_cache import EXACT, PrefixCache, block_key, fill_identity, history_key
 from ridgefill_runtime.sequence import SamplingParams, Sequence
 from ridgefill_runtime.stages import Stage
 
@@ -92,6 +92,30 @@ def test_key_chains_over_every_earlier_block():
     b = block_key(block_key(b"", [1, 2, 3, 5], EXACT), [9, 9, 9, 9], EXACT)
     c = block_key(block_key(b"", [1, 2, 3, 4], b"filled"), [9, 9, 9, 9], EXACT)
     assert len({a, b, c}) == 3
+    # one block key, two sets of exact rows: the blocks after it chain from two histories
+    assert history_key(a, (0, 1)) != history_key(a, (0,))
+
+
+def test_a_block_made_over_other_exact_rows_is_not_found_after_the_entry():
+    mgr = CacheManager(BlockManager(32, BS), 4, prefix_caching=True)
+    ident = fill_identity("identity", 1, "", "as-is")
+    doc = list(range(300, 312))
+
+    def filled(exact_rows, tail):
+        seq = seq_of(doc + tail, ident, computed=0)
+        seq.fill_boundary, seq.exact_rows = 12, exact_rows
+        mgr.allocate(seq, len(seq.prompt_ids))
+        seq.num_computed = len(seq.prompt_ids)
+        seq.output_ids.append(0)
+        mgr.publish(seq)
+        return seq
+
+    first = filled([1], [7, 7, 7, 7])
+    second = filled([2], [8, 8, 8, 8])  # same document, other exact rows: its blocks stay private
+    assert mgr.match(seq_of(doc + [7, 7, 7, 7, 0], ident)).blocks == tuple(first.block_table[:4])
+    # its question block chained from its own history, which no entry starts: only the document is found
+    assert mgr.match(seq_of(doc + [8, 8, 8, 8, 0], ident)).blocks == tuple(first.block_table[:3])
+    assert second.block_table[3] not in mgr.match(seq_of(doc + [8, 8, 8, 8, 0], ident)).blocks
 
 
 def test_match_stops_before_the_last_token_and_at_the_first_difference():
