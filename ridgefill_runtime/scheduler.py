@@ -155,7 +155,7 @@ class Scheduler:
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hit = self.caches.match(seq)
-            if not self.caches.can_allocate(seq, seq.num_tokens, self._blocks_owed(), hit):
+            if hit.waits or not self.caches.can_allocate(seq, seq.num_tokens, self._blocks_owed(), hit):
                 break
             resume_from_cache(seq, hit)
             item = next_item(seq, step.budget, self.config.chunk_size)

@@ -98,6 +98,7 @@ class CacheManager:
         seq.block_keys = list(hit.keys)
         if self.prefix is not None:
             self.prefix.count(seq, hit)
+            self.prefix.claim(seq, hit)
         if seq.state_slot is None:
             if not self._free_slots:
                 raise RuntimeError(f"out of state slots: all {self.num_state_slots} are held")
@@ -133,6 +134,8 @@ class CacheManager:
         """Give back everything seq holds: its blocks (what it computed stays cached until the
         room is needed), its state slot and its stash."""
         self.publish(seq)
+        if self.prefix is not None:
+            self.prefix.unclaim(seq)
         self.blocks.free(seq.block_table)
         seq.block_keys = []
         slot = seq.state_slot

@@ -38,6 +38,7 @@ class PrefixHit:
     keys: tuple[bytes, ...] = ()
     exact_rows: tuple[int, ...] = ()
     num_tokens: int = 0
+    waits: bool = False  # the next block is being computed by a running sequence: wait for it
 
     @property
     def filled_rows(self) -> int:
@@ -83,6 +84,9 @@ class PrefixCache:
         self.block_size = blocks.block_size
         self.queried_tokens = 0  # prompt tokens looked up (the last one is never a hit)
         self.hit_tokens = 0  # of those, found
+        # exact blocks running sequences are computing: key -> the sequence's id, and its keys
+        self._computing: dict[bytes, int] = {}
+        self._claims: dict[int, list[bytes]] = {}
 
     def match(self, seq) -> PrefixHit:
         """The longest run of published blocks the prompt starts with. NOTE: it stops a block
@@ -92,19 +96,42 @@ class PrefixCache:
             return NO_HIT
         bs, prompt = self.block_size, seq.prompt_ids
         ids = (EXACT,) if seq.cache_identity == EXACT else (EXACT, seq.cache_identity)
-        blocks, keys, exact, parent = [], [], [], ROOT
+        blocks, keys, exact, parent, waits = [], [], [], ROOT, False
         for i in range((len(prompt) - 1) // bs):
             tokens = prompt[i * bs:(i + 1) * bs]
             found = next((b for b in (self.blocks.lookup(block_key(parent, tokens, x)) for x in ids)
                           if b is not None), None)
             if found is None:
+                # NOTE: another running sequence computes this block now (n > 1, a burst on one
+                # system prompt): waiting a step or two costs less than computing it twice
+                waits = self._computing.get(block_key(parent, tokens, EXACT), seq.seq_id) != seq.seq_id
                 break
             offsets = self.blocks.exact_offsets(found)
             parent = history_key(self.blocks.key_of(found), offsets)
             keys.append(parent)
             blocks.append(found)
             exact.extend(i * bs + r for r in offsets)
-        return PrefixHit(tuple(blocks), tuple(keys), tuple(exact), len(blocks) * bs)
+        return PrefixHit(tuple(blocks), tuple(keys), tuple(exact), len(blocks) * bs, waits)
+
+    def claim(self, seq, hit: PrefixHit) -> None:
+        """seq was admitted from `hit`: the exact prompt blocks it will compute are in flight
+        until it publishes them (or lets them go), so an equal prompt waits instead of
+        computing them too."""
+        if seq.cache_identity != EXACT:
+            return
+        bs, parent, claimed = self.block_size, hit.keys[-1] if hit.keys else ROOT, []
+        for i in range(len(hit.blocks), (len(seq.prompt_ids) - 1) // bs):
+            key = block_key(parent, seq.prompt_ids[i * bs:(i + 1) * bs], EXACT)
+            if self.blocks.lookup(key) is None and self._computing.setdefault(key, seq.seq_id) == seq.seq_id:
+                claimed.append(key)
+            parent = history_key(key, tuple(range(bs)))
+        self._claims[seq.seq_id] = claimed
+
+    def unclaim(self, seq) -> None:
+        """seq holds no blocks any more (finished, preempted): nobody waits on it."""
+        for key in self._claims.pop(seq.seq_id, ()):
+            if self._computing.get(key) == seq.seq_id:
+                del self._computing[key]
 
     def count(self, seq, hit: PrefixHit) -> None:
         """An admission that used `hit`: count it for the metrics."""
@@ -126,6 +153,7 @@ class PrefixCache:
             # NOTE: when another block already is this key's entry, ours stays private, and its
             # history (exact rows included) goes on in the keys of the blocks after it
             self.blocks.publish(seq.block_table[i], key, offsets)
+            self._computing.pop(key, None)
             parent = history_key(key, offsets)
             keys.append(parent)
 

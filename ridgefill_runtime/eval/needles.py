@@ -23,6 +23,7 @@ class NeedlePrompt:
     answers: tuple[str, ...]  # every one must appear in the output
     needle_positions: tuple[int, ...]  # first token of each needle sentence
     question_start: int = 0  # first token of the question (the question-hidden control hides it on)
+    needles: tuple[tuple[str, str, int, int], ...] = ()  # (key, value, first token, tokens) of each, in order
 
     def in_prefix(self, tail: int) -> bool:
         return max(self.needle_positions) < len(self.ids) - tail
@@ -80,15 +81,17 @@ def make_prompt(task: str, tokenizer, haystack_text: str, length: int, rng: rand
     slots += [slots[-1]] * (len(needles) - len(slots))
     for (k, v), at in sorted(zip(needles, slots), key=lambda x: -x[1]):
         body.insert(at, tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. "))
-    ids, positions = list(pre_ids), []
-    needle_texts = {tuple(tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. ")) for k, v in needles}
+    ids, positions, placed = list(pre_ids), [], []
+    needle_texts = {tuple(tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. ")): (k, v)
+                    for k, v in needles}
     for piece in body:
         if tuple(piece) in needle_texts:
             positions.append(len(ids))
+            placed.append((*needle_texts[tuple(piece)], len(ids), len(piece)))
         ids += piece
     question_start = len(ids)
     ids += post_ids
-    return NeedlePrompt(task, tuple(ids), answers, tuple(positions), question_start)
+    return NeedlePrompt(task, tuple(ids), answers, tuple(positions), question_start, tuple(placed))
 
 
 def solved(prompt: NeedlePrompt, output_text: str) -> bool:

@@ -199,3 +199,19 @@ def test_prefix_cache_counts_queries_and_hits():
     s = seq_of(range(9))
     pc.count(s, pc.match(s))
     assert (pc.queried_tokens, pc.hit_tokens) == (9, 0)
+
+
+def test_an_equal_prompt_waits_for_blocks_in_flight_until_they_are_published_or_let_go():
+    mgr = CacheManager(BlockManager(32, BS), 4, prefix_caching=True)
+    owner = seq_of(range(13), computed=0)
+    mgr.allocate(owner, 13, mgr.match(owner))
+    other = seq_of(range(13), computed=0)
+    assert mgr.match(other).waits and mgr.match(other).num_tokens == 0
+    owner.num_computed = 8
+    mgr.publish(owner)  # two blocks final; the third is still in flight
+    hit = mgr.match(other)
+    assert hit.num_tokens == 8 and hit.waits
+    mgr.free(owner)  # let go (preempted, aborted): nobody waits on it any more
+    hit = mgr.match(other)
+    assert hit.num_tokens == 8 and not hit.waits
+    assert not mgr.match(seq_of([5] * 13)).waits  # another prompt never waits

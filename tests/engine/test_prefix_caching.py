@@ -278,3 +278,27 @@ def test_prefix_caching_is_for_kv_only_models():
         CacheConfig(prefix_caching="yes")
     with pytest.raises(ValueError, match="reuse_filled"):
         FillConfig(reuse_filled="sometimes")
+
+
+def test_requests_arriving_together_compute_a_shared_prompt_once(model):
+    vocab = model.config.vocab_size
+    prompt = tokens(45, 110, vocab)
+    eng = engine(model)
+    seqs = [eng.add_request(prompt + tokens(3, 111 + i, vocab), greedy(6)) for i in range(3)]
+    rows = 0
+    forward = eng.runner.forward
+
+    def counting(items):
+        nonlocal rows
+        rows += sum(it.num_tokens for it in items if not it.samples or it.seq.num_computed < len(it.seq.prompt_ids))
+        return forward(items)
+
+    eng.runner.forward = counting
+    eng.step()
+    assert [s.status.value for s in seqs] == ["running", "waiting", "waiting"]  # the others wait for its blocks
+    drain(eng)
+    assert [s.num_cached for s in seqs] == [0, 44, 44]
+    assert rows == 48 + 4 + 4  # the first prompt, and each other's last block
+    for seq in seqs:
+        same_as_alone(model, eng, seq, 6)
+    all_blocks_back(eng)
