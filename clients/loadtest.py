@@ -6,6 +6,9 @@ mixed  the RidgeFill paper's §4.8 experiment: C-1 users stream long decodes, th
        included) and inter-token latency p50 / p99 / max (max = the worst stall).
 plain  like `vllm bench serve`: N requests at a given rate (inf = all at once), fixed prompt
        and output lengths; TTFT / TPOT / ITL percentiles and throughput.
+chat   N chat requests over /v1/chat/completions that share one long system prompt (each with
+       its own short user turn), at a given rate: the same percentiles, and the prompt tokens
+       the server reports as cached (usage.prompt_tokens_details.cached_tokens).
 compare  two JSON results side by side (e.g. fill on vs off) as a Markdown table.
 
 Works against any OpenAI-compatible server that accepts token-id prompts and ignore_eos.
@@ -39,6 +42,7 @@ class StreamRecord:
     completion_tokens: int = 0
     fill: dict | None = None  # the usage's `ridgefill` object: present when the prefix was filled
     speculation: dict | None = None  # the usage's `speculation` object: present when drafts were verified
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the server reused
     error: str | None = None
 
     @property
@@ -80,9 +84,19 @@ class Client:
                 "stream": True, "stream_options": {"include_usage": True}}
         if self.model:
             body["model"] = self.model
+        return await self._stream("/v1/completions", body, "text", started)
+
+    async def stream_chat(self, messages: list[dict], max_tokens: int) -> StreamRecord:
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        if self.model:
+            body["model"] = self.model
+        return await self._stream("/v1/chat/completions", body, "content")
+
+    async def _stream(self, route: str, body: dict, field_name: str, started: asyncio.Event | None = None) -> StreamRecord:
         rec = StreamRecord(sent=time.perf_counter())
         try:
-            async with self.http.stream("POST", "/v1/completions", json=body) as r:
+            async with self.http.stream("POST", route, json=body) as r:
                 if r.status_code != 200:
                     rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                     return rec
@@ -95,7 +109,9 @@ class Client:
                         rec.completion_tokens = chunk["usage"]["completion_tokens"]
                         rec.fill = chunk["usage"].get("ridgefill")
                         rec.speculation = chunk["usage"].get("speculation")
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    choice = chunk["choices"][0] if chunk.get("choices") else {}
+                    if choice.get("text") or (choice.get("delta") or {}).get(field_name):
                         rec.chunk_times.append(now)
                         if started is not None and not started.is_set():
                             started.set()
@@ -107,6 +123,11 @@ class Client:
 
     async def close(self) -> None:
         await self.http.aclose()
+
+
+def filler_text(n: int, salt: int) -> str:
+    """About n tokens of text (chat messages are text); `salt` makes texts differ."""
+    return f"Note {salt}. " + _FILLER * max(1, n // 50)
 
 
 # -- mixed (§4.8) ---------------------------------------------------------------------------
@@ -171,16 +192,47 @@ async def run_plain(args) -> dict:
             async with gate:
                 return await client.stream(p, args.output_tokens)
 
-        t0 = time.perf_counter()
-        tasks = []
-        for i, p in enumerate(prompts):
-            if i and args.rate != math.inf:
-                await asyncio.sleep(1 / args.rate)  # NOTE: fixed inter-arrival; the rate is the experiment
-            tasks.append(asyncio.create_task(one(p)))
-        recs = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - t0
+        recs, duration = await _arrivals(prompts, one, args.rate)
     finally:
         await client.close()
+    return {"mode": "plain", "settings": _settings(args), "summary": summarize(recs, duration)}
+
+
+async def _arrivals(requests: list, one, rate: float) -> tuple[list[StreamRecord], float]:
+    """Send `one(request)` for each request at `rate` per second (inf: all at once)."""
+    t0 = time.perf_counter()
+    tasks = []
+    for i, req in enumerate(requests):
+        if i and rate != math.inf:
+            await asyncio.sleep(1 / rate)  # NOTE: fixed inter-arrival; the rate is the experiment
+        tasks.append(asyncio.create_task(one(req)))
+    recs = await asyncio.gather(*tasks)
+    return recs, time.perf_counter() - t0
+
+
+async def run_chat(args) -> dict:
+    client = Client(args.url, args.model, args.api_key, args.timeout)
+    try:
+        system = filler_text(args.system_tokens, 0)
+        chats = [[{"role": "system", "content": system},
+                  {"role": "user", "content": filler_text(args.user_tokens, i + 1)}]
+                 for i in range(args.num_prompts)]
+        gate = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+
+        async def one(messages):
+            async with gate:
+                return await client.stream_chat(messages, args.output_tokens)
+
+        recs, duration = await _arrivals(chats, one, args.rate)
+    finally:
+        await client.close()
+    stats = summarize(recs, duration)
+    stats["cached_tokens_total"] = sum(r.cached_tokens for r in recs)
+    return {"mode": "chat", "settings": _settings(args), "summary": stats}
+
+
+def summarize(recs: list[StreamRecord], duration: float) -> dict:
+    """TTFT / TPOT / ITL percentiles and throughput of a run's requests."""
     ok = [r for r in recs if not r.error and r.chunk_times]
     ttft = [r.ttft for r in ok]
     tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
@@ -197,7 +249,7 @@ async def run_plain(args) -> dict:
         stats[f"{name}_mean_s"] = sum(vals) / len(vals) if vals else math.nan
         for q in (50, 90, 99):
             stats[f"{name}_p{q}_s"] = percentile(vals, q)
-    return {"mode": "plain", "settings": _settings(args), "summary": stats}
+    return stats
 
 
 def _settings(args) -> dict:
@@ -238,6 +290,8 @@ def mixed_side_by_side(results: list[dict], labels: list[str]) -> str:
 def plain_table(result: dict) -> str:
     s = result["summary"]
     spec = f", {s['tokens_per_verification']:.2f} tokens per verification" if "tokens_per_verification" in s else ""
+    if "cached_tokens_total" in s:
+        spec += f", {s['cached_tokens_total']} prompt tokens cached"
     rows = [f"completed {s['completed']}, failed {s['failed']}, {s['duration_s']:.1f} s, "
             f"{s['output_throughput_tok_s']:.1f} output tok/s{spec}", "", "| metric | mean (ms) | p50 | p90 | p99 |", "|---|---|---|---|---|"]
     for name in ("ttft", "tpot", "itl"):
@@ -297,7 +351,7 @@ def compare(paths: list[Path], png: Path | None) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ridgefill-loadtest", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
-    for name in ("mixed", "plain"):
+    for name in ("mixed", "plain", "chat"):
         p = sub.add_parser(name)
         p.add_argument("--url", default="http://127.0.0.1:8000")
         p.add_argument("--model", default=None, help="model name to send (default: none, server's own)")
@@ -318,6 +372,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
+    ch = sub.choices["chat"]
+    ch.add_argument("--num-prompts", type=int, default=16)
+    ch.add_argument("--system-tokens", type=int, default=2048, help="about this many tokens of shared system prompt")
+    ch.add_argument("--user-tokens", type=int, default=64, help="about this many tokens of each user turn")
+    ch.add_argument("--output-tokens", type=int, default=32)
+    ch.add_argument("--rate", type=float, default=math.inf, help="requests per second (inf: all at once)")
+    ch.add_argument("--max-concurrency", type=int, default=None)
     c = sub.add_parser("compare", help="two or more result files side by side")
     c.add_argument("results", type=Path, nargs="+")
     c.add_argument("--png", type=Path, default=None)
@@ -329,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "compare":
         print(compare(args.results, args.png))
         return 0
-    result = asyncio.run(run_mixed(args) if args.mode == "mixed" else run_plain(args))
+    runs = {"mixed": run_mixed, "plain": run_plain, "chat": run_chat}
+    result = asyncio.run(runs[args.mode](args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
     if args.png:

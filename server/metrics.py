@@ -123,6 +123,13 @@ def _families(s: ServingStats | None) -> Iterator:
                               value=e.spec_accepted_tokens_total)
     yield CounterMetricFamily("ridgefill_spec_verify_steps", "Decode steps that verified a speculative draft",
                               value=e.spec_steps_total)
+    # NOTE: in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the hit rate
+    yield CounterMetricFamily("ridgefill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                              value=e.prefix_queried_tokens_total)
+    yield CounterMetricFamily("ridgefill_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+                              value=e.prefix_hit_tokens_total)
+    yield GaugeMetricFamily("ridgefill_prefix_cache_blocks", "KV blocks findable in the prefix cache (held or not)",
+                            value=e.prefix_cached_blocks)
     yield CounterMetricFamily("ridgefill_engine_idle_spins",
                               "Engine steps that found nothing to run while work existed (a scheduler bug)",
                               value=e.idle_spins_total)

@@ -61,3 +61,15 @@ def test_plain_mode_reports_percentiles_and_compare_renders(url, tmp_path, capsy
     capsys.readouterr()
     assert main(["compare", str(out), str(out), "--png", str(tmp_path / "cmp.png")]) == 0
     assert capsys.readouterr().out.count("| TTFT |") == 2 and (tmp_path / "cmp.png").exists()
+
+
+def test_chat_mode_shares_the_system_prompt_and_reports_cached_tokens(url, tmp_path, capsys):
+    out = tmp_path / "chat.json"
+    rc = main(["chat", "--url", url, "--num-prompts", "3", "--system-tokens", "200", "--user-tokens", "8",
+               "--output-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    s = json.loads(out.read_text())["summary"]
+    assert s["completed"] == 3 and s["failed"] == 0 and 0 < s["ttft_p50_s"] <= s["ttft_p99_s"]
+    # the embedded model's engine caches prefixes: the later two find the system prompt's blocks
+    assert s["cached_tokens_total"] >= 2 * 160
+    assert "prompt tokens cached" in capsys.readouterr().out

@@ -72,8 +72,11 @@ def _config(tmp_path, text: str):
 def servers(model_and_maps, tmp_path_factory):
     """(fill-plain server, fill-off server); the fill one is configured through a TOML file."""
     base, maps = model_and_maps
+    # NOTE: prefix caching off: these tests repeat one prompt and check how each request's own
+    # prefill made its rows (tests/engine/test_prefix_caching.py covers requests that share them)
     f = _config(tmp_path_factory.mktemp("cfg"),
-                f'[cache]\nnum_blocks = 64\n[fill]\nmode = "plain"\nsplit = {SPLIT}\ntail = {TAIL}\nmaps = "{maps[SPLIT]}"\n')
+                f'[cache]\nnum_blocks = 64\nprefix_caching = "off"\n[fill]\nmode = "plain"\nsplit = {SPLIT}\n'
+                f'tail = {TAIL}\nmaps = "{maps[SPLIT]}"\n')
     fill_cfg, fill_server_cfg, fill_settings = load_config(f)
     assert fill_cfg.fill.arm == "ridgefill" and fill_settings.mode == "plain"
     # NOTE: same weights as `base`, own KV pool and fill settings, built as build_engine would.
