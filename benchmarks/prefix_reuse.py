@@ -10,6 +10,9 @@ sample's seed) and runs on what turn 1 left in the cache:
           filled again (the same computation as fresh)
   as-is   reuse_filled = "as-is": turn 2 takes turn 1's filled blocks and exact rows unchanged
           (the seed's protocol: rows are not chosen again) and computes only its new rows
+  reselect  reuse_filled = "reselect" (the default): turn 2 takes turn 1's blocks, its selectors
+          choose rows for the second question, and chosen rows the cache holds filled are remade
+          exact (their split states recovered over the cached lower K/V)
 
 An answer counts if the first seven-digit number of the reply is the asked key's (the seed's
 rule). Prints accuracy with paired 95% intervals against exact and fresh, the turn-2 TTFT of each
@@ -41,7 +44,7 @@ from ridgefill_runtime.llm import LLM
 from ridgefill_runtime.sequence import SamplingParams
 
 MAX_NEW = 32
-ARMS = ("exact", "fresh", "never", "as-is")
+ARMS = ("exact", "fresh", "never", "as-is", "reselect")
 SEVEN = re.compile(r"\d{7}")
 
 
@@ -112,11 +115,20 @@ def main() -> None:
         row["fill:turn1"] = any(a in tok.decode(f1.output_ids) for a in prompt.answers)
         row["covered"] = len(set(needle) & set(f1.exact_rows)) / len(needle)
         ids2 = second_turn(tok, first, f1.output_ids, key)
-        for arm, llm, reuse in (("as-is", filled, "as-is"), ("never", filled, "never"), ("fresh", fresh, "never")):
+        # NOTE: reselect and as-is publish blocks under one identity: reselect runs first, so
+        # as-is finds turn 1's blocks, not reselect's remade copies (those stay private anyway)
+        for arm, llm, reuse in (("reselect", filled, "reselect"), ("as-is", filled, "as-is"),
+                                ("never", filled, "never"), ("fresh", fresh, "never")):
             seq, row[f"{arm}:ttft"] = run(llm, ids2, reuse=reuse)
             row[arm] = answered(tok.decode(seq.output_ids), value)
             row[f"{arm}:cached"], row[f"{arm}:cached_filled"] = seq.num_cached, seq.cached_filled_rows
+            row[f"{arm}:remade"], row[f"{arm}:exact_rows"] = len(seq.remade_rows), len(seq.exact_rows)
             row[f"{arm}:text"] = tok.decode(seq.output_ids)
+            if arm == "fresh":
+                fresh_rows = set(seq.exact_rows)
+            if arm == "reselect":
+                reselected = set(seq.exact_rows)
+        row["reselect_has_fresh_rows"] = fresh_rows <= reselected
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith(":text")}), flush=True)
     report(rows, args)
@@ -134,8 +146,8 @@ def report(rows: list[dict], args) -> None:
     print(f"\n{len(rows)} samples of {args.length} tokens, tail {args.tail}, threads {args.threads}; "
           f"second needle in the filled region in {len(inside)}")
     print("| arm | turn 2 accuracy (all) | vs exact | vs fresh | needle filled: accuracy | vs exact "
-          "| turn-2 TTFT median s | cached tokens (filled rows) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| turn-2 TTFT median s | cached tokens (filled rows) | rows remade exact (median) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for arm in ARMS:
         cached = "—" if arm == "exact" else (f"{statistics.median(r[arm + ':cached'] for r in rows):.0f} "
                                              f"({statistics.median(r[arm + ':cached_filled'] for r in rows):.0f})")
@@ -143,8 +155,11 @@ def report(rows: list[dict], args) -> None:
         vs_exact = "—" if arm == "exact" else paired(arm, "exact", rows)
         vs_exact_in = "—" if arm == "exact" else paired(arm, "exact", inside)
         print(f"| {arm} | {acc(arm, rows):.1f}% | {vs_exact} | {vs_fresh} | {acc(arm, inside):.1f}% | {vs_exact_in} "
-              f"| {statistics.median(r[arm + ':ttft'] for r in rows):.3f} | {cached} |")
+              f"| {statistics.median(r[arm + ':ttft'] for r in rows):.3f} | {cached} "
+              f"| {'—' if arm == 'exact' else statistics.median(r[arm + ':remade'] for r in rows)} |")
     print(f"turn 1 accuracy: exact {acc('exact:turn1', rows):.1f}%, filled {acc('fill:turn1', rows):.1f}%")
+    print(f"reselect holds every row the fresh fill made exact in {sum(r['reselect_has_fresh_rows'] for r in rows)} "
+          f"of {len(rows)} samples")
     covered = [r["covered"] for r in inside]
     if covered:
         print(f"the first question's exact rows cover a median {100 * statistics.median(covered):.0f}% of the "

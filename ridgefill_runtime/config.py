@@ -391,7 +391,7 @@ class RowsConfig:
         """The lower-layer attention scores are needed (attention rows, or the probe's budget)."""
         return "attention" in self.selectors or "probe" in self.selectors
 PLACEMENTS = ("resident", "streamed")
-REUSE_POLICIES = ("never", "as-is")
+REUSE_POLICIES = ("reselect", "as-is", "never")
 
 
 @dataclass(frozen=True)
@@ -416,10 +416,12 @@ class FillConfig:
     # §2.3); ΔM comes with the maps (`ridgefill fit --terminal-state`)
     terminal_state: bool = False
     rows: RowsConfig = field(default_factory=RowsConfig)  # exact prefix rows
-    # what a filled request takes from the prefix cache (cache/prefix_cache.py): "never" (filled
-    # blocks serve only the byte-identical request again) or "as-is" (cached filled blocks and
-    # their exact rows unchanged; new exact rows are chosen among the rows it computes)
-    reuse_filled: str = "never"
+    # what a filled request takes from the prefix cache (cache/prefix_cache.py): "reselect" (cached
+    # filled blocks; its own selectors choose its exact rows again, and chosen rows the cache holds
+    # filled are remade exact), "as-is" (cached blocks and their exact rows unchanged, new exact
+    # rows only among the rows it computes) or "never" (filled blocks serve only the
+    # byte-identical request again)
+    reuse_filled: str = "reselect"
 
     def __post_init__(self) -> None:
         if self.arm not in FILL_ARMS:

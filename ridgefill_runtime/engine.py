@@ -141,7 +141,9 @@ class Engine:
         apply_fill(seq, self.fill, fill, rows, hide_from, self.carries_late_state)
         if terminal_state is not None:
             seq.terminal_state = seq.carry_all_rows and terminal_state
-        seq.cache_identity = cache_identity(seq, self.fill, self.maps_digest, reuse_filled or self.fill.reuse_filled)
+        policy = reuse_filled or self.fill.reuse_filled
+        seq.cache_identity = cache_identity(seq, self.fill, self.maps_digest, policy)
+        seq.reselect = policy == "reselect"
         seq.spec_tokens = spec_tokens(self.speculative, params)
         seq.loop = self.plan_loops(params)
         if seq.loop is not None:

@@ -57,6 +57,9 @@ class Runner:
     def forward(self, items: list[ScheduledSeq]) -> StepLogits:
         """Run the step's model call (a looped model's self-drafts first) and keep what the fill
         measured in it."""
+        copies = [pair for it in items for pair in it.copies]
+        if copies:  # NOTE: before anything this step writes: the copies are of shared blocks
+            self.kv.copy_blocks(copies, self.block_size)
         drafts = self.drafter(items) if self.drafter is not None and any(it.draft for it in items) else None
         ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
@@ -106,8 +109,9 @@ class Runner:
         for item in items:
             seq, scores = item.seq, None
             stash = self.states.stash(seq.state_slot)
-            if item.kind is Stage.LOWER:
-                stash.x[item.start:item.end] = split_states[offset:offset + item.num_tokens]
+            if item.kind is Stage.LOWER or item.kind is Stage.RECOVER:
+                at = slice(item.start, item.end) if item.positions is None else torch.tensor(item.positions)
+                stash.x[at] = split_states[offset:offset + item.num_tokens]
                 offset += item.num_tokens
                 if item.end == seq.num_tokens and seq.rows.lower_attention:
                     scores = {"attention": stash.attention.tolist()}
@@ -136,7 +140,8 @@ class Runner:
             if drafts and seq.seq_id in drafts:  # a looped model's own draft replaces the placeholders
                 tokens = tokens[:len(tokens) - len(item.draft)] + drafts[seq.seq_id]
             ids.extend(tokens)
-            pos.append(torch.arange(item.start, item.end))
+            # NOTE: a recover item's rows are scattered positions, each reading the cache up to itself
+            pos.append(torch.arange(item.start, item.end) if item.positions is None else torch.tensor(item.positions))
             starts.append(starts[-1] + item.num_tokens)
         tables = _block_tables([it.seq.block_table for it in items])  # [B, max_blocks] int32
         for i, p in enumerate(pos):
@@ -145,10 +150,12 @@ class Runner:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
         ends = [it.end for it in items]
         # NOTE: a fresh prefill (start 0) has all its K/V in hand and reads no cache
-        read = ContextSlots([None if it.start == 0 else it.seq.block_table for it in items], ends,
-                            self.block_size, dev)
+        read = ContextSlots([None if it.start == 0 and it.positions is None else it.seq.block_table for it in items],
+                            ends, self.block_size, dev)
+        scattered = [p.to(dev) if it.positions is not None else None for it, p in zip(items, pos)]
         batch = AttentionBatch(query_starts=starts, context_lens=ends,
                                write_slots=cat(write).to(dev), read_slots=read,
+                               query_pos=scattered if any(q is not None for q in scattered) else None,
                                state_slots=[it.seq.state_slot for it in items],
                                verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None,
                                block_tables=tables.to(dev),

@@ -15,7 +15,7 @@ from .cache.manager import CacheManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SeqStatus
 from .speculative import Propose, draft_limit, no_drafts
-from .stages import ScheduledSeq, Select, advance, next_item, resume_from_cache
+from .stages import ScheduledSeq, Select, Stage, advance, next_item, resume_from_cache, usable_hit
 
 __all__ = ["Scheduler", "ScheduledSeq", "SpecCounts", "StepResult"]
 
@@ -119,8 +119,26 @@ class Scheduler:
         return step.budget > 0 and seq.status is SeqStatus.RUNNING
 
     def _run(self, step: _Step, item: ScheduledSeq) -> None:
-        if self._make_room(item.seq, item.end, step):
-            step.add(item)
+        if not self._make_room(item.seq, item.end, step):
+            return
+        if item.kind is Stage.RECOVER and item.seq.queue_done == 0 and not self._own_remade_blocks(item, step):
+            return
+        step.add(item)
+
+    def _own_remade_blocks(self, item: ScheduledSeq, step: _Step) -> bool:
+        """The blocks holding the rows a reselecting sequence remakes came from the prefix cache:
+        it takes copies of its own before the first of them runs (preempting the newest running
+        sequences for the room); False when seq gave way itself."""
+        seq = item.seq
+        indices = sorted({r // self.blocks.block_size for r in seq.remade_rows})
+        while self.blocks.num_free < len(indices):
+            victim = self.running[-1]
+            self._preempt(victim)
+            step.drop(victim)
+            if victim is seq:
+                return False
+        item.copies = self.caches.make_private(seq, indices)
+        return True
 
     def _decode_item(self, seq: Sequence, step: _Step) -> ScheduledSeq:
         """One decode row, plus the draft it verifies when seq speculates. NOTE: a draft is
@@ -154,7 +172,7 @@ class Scheduler:
         on top of what the running ones still need, so prefills never fight over blocks."""
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.caches.match(seq)
+            hit = usable_hit(seq, self.caches.match(seq))
             if hit.waits or not self.caches.can_allocate(seq, seq.num_tokens, self._blocks_owed(), hit):
                 break
             resume_from_cache(seq, hit)

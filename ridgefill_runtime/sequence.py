@@ -111,6 +111,8 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)
     num_cached: int = 0
     cached_filled_rows: int = 0
+    reselect: bool = False  # reuse_filled = "reselect": cached filled rows the new selection chooses are remade
+    remade_rows: list[int] = field(default_factory=list)  # those rows (stages.py, the recover stage)
 
     @property
     def num_tokens(self) -> int:
@@ -119,7 +121,7 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Rows still to compute before the next token can be sampled (1: a decode step)."""
-        pending = 0 if self.stage.from_tokens else len(self.queue) - self.queue_done
+        pending = len(self.queue) - self.queue_done if self.stage.queued else 0
         return self.num_tokens - self.num_computed + pending + (self.stage is Stage.LOWER)
 
     def start_prefill(self) -> None:
@@ -127,7 +129,7 @@ class Sequence:
         self.num_computed = self.num_cached = self.cached_filled_rows = 0
         self.stage = Stage.LOWER if self.fill_boundary > 0 else Stage.FULL
         self.queue, self.queue_done = [], 0
-        self.row_scores, self.exact_rows = {}, []
+        self.row_scores, self.exact_rows, self.remade_rows = {}, [], []
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)

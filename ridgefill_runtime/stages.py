@@ -9,6 +9,9 @@ offline driver so both walk the same stages.
          chunks; their K/V overwrite the filled ones. The last chunk samples the first token.
          On a hybrid (seq.carry_all_rows) every prefix row takes part: filled rows update the
          late recurrent states from their predicted inputs and nothing else.
+  recover  (reuse_filled = "reselect") prefix rows that came from the prefix cache filled and
+         that the new selection makes exact run the lower layers again, as scattered rows over the
+         cached lower K/V, to recover their split states; the late sweep then takes them too
   full   an ordinary sequence: no fill, or the fill is done (decode)
 """
 
@@ -30,6 +33,7 @@ class Stage(enum.StrEnum):
 
     LOWER = "lower"
     PROBE = "probe"
+    RECOVER = "recover"
     LATE = "late"
     FULL = "full"
 
@@ -41,9 +45,15 @@ class Stage(enum.StrEnum):
 
     @property
     def from_tokens(self) -> bool:
-        """Its rows are the next positions, run from their tokens at layer 0 (the lower part);
-        otherwise they are queued positions joining the late layers from the stash."""
-        return self is Stage.FULL or self is Stage.LOWER
+        """Its rows run from their tokens at layer 0 (the lower part); otherwise they are queued
+        positions joining the late layers from the stash."""
+        return self is Stage.FULL or self is Stage.LOWER or self is Stage.RECOVER
+
+    @property
+    def queued(self) -> bool:
+        """Its rows are positions taken from the sequence's queue (maybe scattered); otherwise
+        they are the next positions."""
+        return not (self is Stage.FULL or self is Stage.LOWER)
 
     @property
     def reaches_top(self) -> bool:
@@ -61,6 +71,8 @@ class ScheduledSeq:
     # speculative decoding: tokens proposed after the last known one, verified this step; they
     # are the item's last len(draft) rows (num_tokens = 1 + len(draft) for a decode)
     draft: list[int] = field(default_factory=list)
+    # copy-on-write: (source, copy) block pairs whose K/V the runner copies before the step runs
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -79,7 +91,10 @@ class ScheduledSeq:
         return 1 + len(self.draft) if self.samples else 0
 
     def token_ids(self) -> list[int]:
-        """The ids of the rows computed this step (full/lower items: positions start..end)."""
+        """The ids of the rows computed from their tokens this step: positions start..end, or
+        a recover item's scattered positions."""
+        if self.positions is not None:
+            return [self.seq.token(p) for p in self.positions]
         known = self.seq.tokens(self.start, self.end - len(self.draft))
         return known + self.draft if self.draft else known
 
@@ -92,7 +107,7 @@ def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
         # position by Eq. (9) (within a chunk t - j <= W: plane r, which the pass computes), so it
         # does not depend on where chunks start (seed 001 Proposition 1, applied to the prompt)
         n = min(n, seq.loop.window + 1)
-    if seq.stage.from_tokens:
+    if not seq.stage.queued:
         return ScheduledSeq(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, n), seq.stage)
     if seq.carry_all_rows and seq.stage is Stage.LATE and seq.queue_done < seq.fill_boundary:
         # NOTE: a chunk ends at the prefix's end, where the terminal-state correction is added
@@ -106,7 +121,7 @@ def advance(item: ScheduledSeq, scores: dict[str, list[float]] | None, select: S
     seq = item.seq
     if scores:
         seq.row_scores.update(scores)
-    if item.kind.from_tokens:
+    if not item.kind.queued:
         seq.num_computed = item.end
         if item.kind is Stage.LOWER and item.end == seq.num_tokens:
             finish_lower(seq, select)
@@ -116,6 +131,8 @@ def advance(item: ScheduledSeq, scores: dict[str, list[float]] | None, select: S
         return
     if item.kind is Stage.PROBE:
         _enter_late(seq, select)
+    elif item.kind is Stage.RECOVER:
+        _start_late_sweep(seq)
     else:
         seq.stage = Stage.FULL
 
@@ -130,8 +147,21 @@ def resume_from_cache(seq: Sequence, hit) -> None:
     seq.cached_filled_rows = hit.filled_rows
     if seq.fill_boundary:
         seq.exact_rows = [r for r in hit.exact_rows if r < seq.fill_boundary]
-        if hit.num_tokens >= seq.fill_boundary:
+        # NOTE: "reselect" chooses rows for the new prompt, so its new rows run the lower sweep
+        if hit.num_tokens >= seq.fill_boundary and not seq.reselect:
             seq.stage = Stage.FULL
+
+
+def usable_hit(seq: Sequence, hit):
+    """The part of a prefix hit the sequence may start from. Under "reselect" a selector that
+    reads the lower sweep's or the probe's attention needs its window rows computed, so the hit
+    ends before them (token selectors read the prompt alone)."""
+    if not (seq.reselect and seq.fill_boundary and seq.rows.lower_attention):
+        return hit
+    end = seq.hide_from if seq.hide_from is not None else len(seq.prompt_ids)
+    first = end - max(seq.rows.window if "attention" in seq.rows.selectors else 0,
+                      seq.rows.probe_window if "probe" in seq.rows.selectors else 0)
+    return hit.cut(max(0, first))
 
 
 def probe_rows(seq: Sequence) -> list[int]:
@@ -152,14 +182,26 @@ def finish_lower(seq: Sequence, select: Select) -> None:
 
 
 def _enter_late(seq: Sequence, select: Select) -> None:
-    # NOTE: rows below num_cached came from the prefix cache as they were made (reuse_filled =
-    # "as-is"): only rows the sequence computes itself can be chosen now.
-    chosen = sorted(r for r in select(seq) if r >= seq.num_cached)
-    seq.exact_rows = sorted(set(seq.exact_rows) | set(chosen))
+    chosen = set(select(seq))
+    cached_exact = {r for r in seq.exact_rows if r < seq.num_cached}  # from the prefix cache (resume_from_cache)
+    # NOTE: rows below num_cached came from the prefix cache as they were made. "as-is" keeps
+    # them so: only rows the sequence computes itself can be chosen. "reselect" remakes the chosen
+    # ones the cache holds filled, after recovering their split states.
+    seq.remade_rows = sorted(r for r in chosen - cached_exact if r < seq.num_cached) if seq.reselect else []
+    new = {r for r in chosen if r >= seq.num_cached}
+    seq.exact_rows = sorted(cached_exact | new | set(seq.remade_rows))
+    if seq.remade_rows:
+        seq.stage, seq.queue, seq.queue_done = Stage.RECOVER, list(seq.remade_rows), 0
+    else:
+        _start_late_sweep(seq)
+
+
+def _start_late_sweep(seq: Sequence) -> None:
     # NOTE: position order: every key an exact row or tail row reads below its own position is
     # then either filled or already recomputed exactly.
     seq.stage, seq.queue_done = Stage.LATE, 0
     if seq.carry_all_rows:  # every row: filled ones carry the late recurrent states from x̂
         seq.queue = list(range(seq.num_tokens))
-    else:
-        seq.queue = chosen + list(range(seq.fill_boundary, seq.num_tokens))
+        return
+    mine = sorted(r for r in seq.exact_rows if r >= seq.num_cached) + seq.remade_rows
+    seq.queue = sorted(mine) + list(range(max(seq.fill_boundary, seq.num_cached), seq.num_tokens))

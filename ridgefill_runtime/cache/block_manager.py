@@ -107,6 +107,19 @@ class BlockManager:
         self._key_of[block], self._block_of[key], self._exact[block] = key, block, exact
         return True
 
+    def replace(self, table: list[int], indices: list[int]) -> list[tuple[int, int]]:
+        """Copy-on-write: table[i] for each i becomes a new block of its own; returns the
+        (old, new) pairs whose K/V the caller must copy. NOTE: every new block is taken before
+        any old one is let go, so no new block is an old one of this call."""
+        pairs = []
+        for i in indices:
+            new = self._take_free()
+            self._refs[new] = 1
+            pairs.append((table[i], new))
+            table[i] = new
+        self._release([old for old, _ in pairs])
+        return pairs
+
     def _take_free(self) -> int:
         if self._clean:
             return self._clean.pop()

@@ -33,6 +33,14 @@ class KVPool:
         """k, v [L, Hkv, D] gathered from slots [L]."""
         return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
+        """Copy-on-write: every slab's slots of block `source` into block `copy`, per pair."""
+        src = torch.cat([torch.arange(a * block_size, (a + 1) * block_size) for a, _ in pairs])
+        dst = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for _, b in pairs])
+        for slabs in (self.k, self.v):
+            for t in slabs.values():
+                t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
+
     def bytes_per_token(self) -> int:
         if not self.k:
             return 0

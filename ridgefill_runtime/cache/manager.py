@@ -125,6 +125,14 @@ class CacheManager:
         if slot is not None and seq.stage.done and self._stash_rows.pop(slot, None) is not None:
             self._on_stash_done(slot)
 
+    def make_private(self, seq, indices: list[int]) -> list[tuple[int, int]]:
+        """Before seq rewrites rows of blocks it may share (reuse_filled = "reselect"): those
+        blocks become its own copies; returns the (source, copy) pairs the runner copies."""
+        if len(indices) > self.blocks.num_free:
+            raise RuntimeError(f"KV cache out of blocks: need {len(indices)} copies, {self.blocks.num_free} free")
+        seq.block_keys = seq.block_keys[:min(indices)] if indices else seq.block_keys
+        return self.blocks.replace(seq.block_table, indices)
+
     def publish(self, seq) -> None:
         """After a step: seq's newly final full blocks become prefix-cache entries."""
         if self.prefix is not None:

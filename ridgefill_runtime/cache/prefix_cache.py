@@ -45,6 +45,14 @@ class PrefixHit:
         """Cached positions whose late K/V were filled."""
         return self.num_tokens - len(self.exact_rows)
 
+    def cut(self, num_tokens: int) -> "PrefixHit":
+        """The hit's blocks that end at or before position `num_tokens`."""
+        if num_tokens >= self.num_tokens:
+            return self
+        k = num_tokens // (self.num_tokens // len(self.blocks))
+        end = self.num_tokens // len(self.blocks) * k
+        return PrefixHit(self.blocks[:k], self.keys[:k], tuple(r for r in self.exact_rows if r < end), end)
+
 
 NO_HIT = PrefixHit()
 
@@ -69,7 +77,10 @@ def fill_identity(arm: str, split: int, maps_digest: str, policy: str, prompt: l
     text) enter only under "never", whose blocks serve the byte-identical request alone."""
     if policy not in REUSE_POLICIES:
         raise ValueError(f"reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}")
-    h = hashlib.blake2b(f"fill|{arm}|{split}|{maps_digest}|{policy}".encode(), digest_size=16)
+    # NOTE: "reselect" and "as-is" make and take the same blocks; they differ in what a request
+    # does with the cached rows, not in what the rows hold
+    kind = "never" if policy == "never" else "shared"
+    h = hashlib.blake2b(f"fill|{arm}|{split}|{maps_digest}|{kind}".encode(), digest_size=16)
     if policy == "never":
         h.update(array("q", prompt or []).tobytes())
         h.update(settings.encode())

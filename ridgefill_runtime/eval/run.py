@@ -114,7 +114,8 @@ def needle_results(model, tokenizer, arms: list[Arm], haystacks: list[str], leng
 
 
 def _engine(model, tokenizer, fill: FillConfig, maps) -> Engine:
-    cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5), fill=fill,
+    # NOTE: no prefix caching: every arm of an evaluation computes its prompt itself
+    cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5, prefix_caching="off"), fill=fill,
                        scheduler=SchedulerConfig(max_num_batched_tokens=2048, chunk_size=2048))
     return Engine(model, tokenizer, cfg, maps)
 

@@ -59,6 +59,9 @@ class FillPlanner:
                 rows = torch.arange(lo, hi, device=self.device)
                 if item.kind is Stage.LOWER:
                     self._lower_item(item, rows, batch.write_slots[rows], acc)
+                elif item.kind is Stage.RECOVER:
+                    # NOTE: only the split states: the rows' filled late K/V are remade exactly next
+                    acc.exit_rows.append(rows)
                 else:
                     self._stay_item(item, rows, batch, lower_k, acc)
                 lower_k += 1

@@ -63,7 +63,7 @@ def test_abort_after_text_drops_the_detokenizer_entry_and_counts():
 
 def test_stats_are_fresh_after_a_final_abort():
     eng = make_engine(num_blocks=16)
-    seqs = [eng.add_request([5] * 9, PARAMS) for _ in range(3)]
+    seqs = [eng.add_request([5 + i] * 9, PARAMS) for i in range(3)]  # NOTE: distinct: no prefix to share
     eng.step()
     busy = eng.stats()
     assert busy.running == 3 and busy.kv_blocks_used == 9 and busy.kv_blocks_total == 16
@@ -76,7 +76,8 @@ def test_stats_are_fresh_after_a_final_abort():
 
 def test_preemptions_are_counted():
     eng = make_engine(num_blocks=6, block_size=4)
-    a, b = (eng.add_request([5] * 12, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)) for _ in range(2))
+    a, b = (eng.add_request([5 + i] * 12, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+            for i in range(2))  # NOTE: distinct prompts: shared blocks would leave room enough for both
     run(eng)
     assert a.finish_reason == b.finish_reason == "length" and eng.stats().preemptions_total >= 1
 

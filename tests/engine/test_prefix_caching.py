@@ -21,7 +21,11 @@ from ridgefill_runtime.stages import Stage
 from tiny_models import build_tiny
 
 BLOCK = 4
-FILL = FillConfig(arm="identity", split=1, tail=8, rows=RowsConfig(selectors=("special",)))
+FILL = FillConfig(arm="identity", split=1, tail=8, rows=RowsConfig(selectors=("special",)), reuse_filled="never")
+AS_IS = FillConfig(**{**FILL.__dict__, "reuse_filled": "as-is"})
+# NOTE: split 2 of 3 layers, so a remade row's recovered split state passes through attention
+# over the cached K/V of layer 0, and its layer-1 K/V (checked below) come from it
+RESELECT = FillConfig(**{**FILL.__dict__, "reuse_filled": "reselect", "split": 2})
 EXACT_ROWS = [0, 5, 17, 31]  # NOTE: fixed choices, so a fresh fill and a reuse can choose alike
 
 
@@ -34,12 +38,12 @@ def model(tmp_path_factory):
 
 
 def engine(model, prefix: str = "auto", num_blocks: int = 256, fill: FillConfig | None = None,
-           max_num_seqs: int = 8) -> Engine:
+           max_num_seqs: int = 8, select=None) -> Engine:
     config = EngineConfig(cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix),
                           fill=fill or FillConfig(),
                           scheduler=SchedulerConfig(chunk_size=8, max_num_batched_tokens=64, max_num_seqs=max_num_seqs))
     eng = Engine(model, None, config)
-    eng.scheduler.select = lambda seq: [r for r in EXACT_ROWS if r < seq.fill_boundary]
+    eng.scheduler.select = select or (lambda seq: [r for r in EXACT_ROWS if r < seq.fill_boundary])
     eng.sampled = record_logits(eng)
     return eng
 
@@ -77,9 +81,9 @@ def drain(eng: Engine) -> None:
         eng.step()
 
 
-def alone(model, ids, n: int, fill: FillConfig | None = None, wants_fill: bool = True):
+def alone(model, ids, n: int, fill: FillConfig | None = None, wants_fill: bool = True, select=None):
     """ids answered on an engine without a prefix cache: (tokens, logits per token, its engine, seq)."""
-    eng = engine(model, prefix="off", fill=fill)
+    eng = engine(model, prefix="off", fill=fill, select=select)
     seq = eng.add_request(ids, greedy(n), fill=wants_fill)
     drain(eng)
     return seq.output_ids, torch.stack(eng.sampled[seq.seq_id]), eng, seq
@@ -191,7 +195,7 @@ def test_lru_eviction_under_memory_pressure(model):
 def test_exact_requests_never_start_from_filled_blocks(model):
     vocab = model.config.vocab_size
     doc = tokens(48, 70, vocab)
-    eng = engine(model, fill=FillConfig(**{**FILL.__dict__, "reuse_filled": "as-is"}))
+    eng = engine(model, fill=AS_IS)
     filled = eng.add_request(doc, greedy(4))
     drain(eng)
     assert filled.fill_boundary == 40
@@ -218,7 +222,7 @@ def test_never_reuses_filled_blocks_for_the_identical_request_only(model):
 
 def test_as_is_takes_the_filled_document_and_chooses_among_its_own_rows(model):
     vocab = model.config.vocab_size
-    fill = FillConfig(**{**FILL.__dict__, "reuse_filled": "as-is"})
+    fill = AS_IS
     doc = tokens(40, 90, vocab)
     eng = engine(model, fill=fill)
     first = eng.add_request(doc[:20] + tokens(28, 91, vocab), greedy(5))
@@ -238,7 +242,7 @@ def test_as_is_takes_the_filled_document_and_chooses_among_its_own_rows(model):
 
 def test_as_is_with_the_whole_prefix_cached_skips_the_two_sweeps(model):
     vocab = model.config.vocab_size
-    fill = FillConfig(**{**FILL.__dict__, "reuse_filled": "as-is"})
+    fill = AS_IS
     doc = tokens(40, 95, vocab)
     eng = engine(model, fill=fill)
     eng.add_request(doc + tokens(8, 96, vocab), greedy(3))
@@ -302,3 +306,63 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(model):
     for seq in seqs:
         same_as_alone(model, eng, seq, 6)
     all_blocks_back(eng)
+
+
+def question_rows(seq) -> list[int]:
+    """Exact rows that depend on the question (the prompt's last tokens), as the lexical selector's do."""
+    key = sum(seq.prompt_ids[-3:]) % 3
+    return [r for r in range(seq.fill_boundary) if seq.prompt_ids[r] % 3 == key]
+
+
+def test_reselect_gives_the_second_question_its_own_exact_rows(model):
+    vocab = model.config.vocab_size
+    doc = tokens(40, 120, vocab)
+    q1, q2 = tokens(8, 121, vocab), tokens(8, 122, vocab)
+    assert sum(q1[-3:]) % 3 != sum(q2[-3:]) % 3  # two questions, two choices of rows
+    eng = engine(model, fill=RESELECT, select=question_rows)
+    first = eng.add_request(doc + q1, greedy(4))
+    drain(eng)
+    before = snapshot(eng, eng.tables[first.seq_id], 40)
+    second = eng.add_request(doc + q2, greedy(4))
+    drain(eng)
+    want, logits, fresh, fresh_seq = alone(model, second.prompt_ids, 4, RESELECT, select=question_rows)
+    assert second.num_cached == 40 and second.cached_filled_rows == 40 - len(first.exact_rows)
+    # every row the fresh fill makes exact is exact here; those the first question did not choose were remade
+    assert set(fresh_seq.exact_rows) <= set(second.exact_rows)
+    assert second.remade_rows == sorted(set(fresh_seq.exact_rows) - set(first.exact_rows)) != []
+    assert second.exact_rows == sorted(set(first.exact_rows) | set(fresh_seq.exact_rows))
+    # the filled rows (neither question's) and every row's lower K/V are the fresh fill's
+    filled = [r for r in range(40) if r not in second.exact_rows]
+    ours, theirs = eng.runner.kv, fresh.runner.kv
+    for layer in ours.layers:
+        rows = filled if layer >= RESELECT.split else list(range(40))
+        for part in ("k", "v"):
+            a = gather(getattr(ours, part)[layer], eng.tables[second.seq_id], rows)
+            b = gather(getattr(theirs, part)[layer], fresh.tables[fresh_seq.seq_id], rows)
+            assert rel_err(a, b) < 1e-5, (layer, part)
+    # the first remade row and every row before it are what a fresh fill making the same rows
+    # exact computes: the exact rows before it are the first question's, made before it as here
+    first_remade = second.remade_rows[0]
+    _, _, same, same_seq = alone(model, second.prompt_ids, 4, RESELECT, select=lambda seq: list(second.exact_rows))
+    upto = list(range(first_remade + 1))
+    for layer in ours.layers:
+        for part in ("k", "v"):
+            a = gather(getattr(ours, part)[layer], eng.tables[second.seq_id], upto)
+            b = gather(getattr(same.runner.kv, part)[layer], same.tables[same_seq.seq_id], upto)
+            assert rel_err(a, b) < 1e-5, (layer, part)
+    # copy-on-write: the first question's cached blocks are as it left them
+    assert snapshot(eng, eng.tables[first.seq_id], 40) == before
+    again = eng.add_request(doc + q1, greedy(4), reuse_filled="as-is")
+    drain(eng)
+    assert again.num_cached == 44 and again.exact_rows == first.exact_rows and again.output_ids == first.output_ids
+
+
+def gather(slab: torch.Tensor, table: list[int], rows: list[int]) -> torch.Tensor:
+    return torch.stack([slab[table[p // BLOCK] * BLOCK + p % BLOCK] for p in rows])
+
+
+def snapshot(eng: Engine, table: list[int], n: int) -> list[bytes]:
+    """The bytes of every slab's first n positions under `table`."""
+    kv = eng.runner.kv
+    return [gather(getattr(kv, part)[layer], table, list(range(n))).numpy().tobytes()
+            for layer in kv.layers for part in ("k", "v")]
