@@ -127,11 +127,12 @@ class Scheduler:
 
     def _own_remade_blocks(self, item: ScheduledSeq, step: _Step) -> bool:
         """The blocks holding the rows a reselecting sequence remakes came from the prefix cache:
-        it takes copies of its own before the first of them runs (preempting the newest running
-        sequences for the room); False when seq gave way itself."""
+        it makes them its own before the first of them runs, copying those others hold too
+        (preempting the newest running sequences for the room); False when seq gave way itself.
+        NOTE: alone, it holds them alone and needs no copy, so it always runs in the end."""
         seq = item.seq
         indices = sorted({r // self.blocks.block_size for r in seq.remade_rows})
-        while self.blocks.num_free < len(indices):
+        while self.blocks.num_free < self.caches.copies_needed(seq, indices):
             victim = self.running[-1]
             self._preempt(victim)
             step.drop(victim)

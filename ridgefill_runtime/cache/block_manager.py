@@ -107,25 +107,42 @@ class BlockManager:
         self._key_of[block], self._block_of[key], self._exact[block] = key, block, exact
         return True
 
-    def replace(self, table: list[int], indices: list[int]) -> list[tuple[int, int]]:
-        """Copy-on-write: table[i] for each i becomes a new block of its own; returns the
-        (old, new) pairs whose K/V the caller must copy. NOTE: every new block is taken before
-        any old one is let go, so no new block is an old one of this call."""
+    def num_shared(self, table: list[int], indices: list[int]) -> int:
+        """How many of table[i] other tables hold too."""
+        return sum(self._refs[table[i]] > 1 for i in indices)
+
+    def make_own(self, table: list[int], indices: list[int]) -> list[tuple[int, int]]:
+        """Copy-on-write before table's holder rewrites rows of table[i], for each i: a block
+        others hold too is replaced by a new block; so is one only it holds while room is left
+        (the cache entry then stays for later requests), else that one stops being an entry.
+        Returns the (old, new) pairs whose K/V the caller must copy.
+        NOTE: every new block is taken before any old one is let go, so none is an old one."""
         pairs = []
+        must = self.num_shared(table, indices)
         for i in indices:
+            block = table[i]
+            alone = self._refs[block] == 1
+            if alone and (block not in self._key_of or self.num_free <= must):
+                self._unpublish(block)
+                continue
+            must -= not alone
             new = self._take_free()
             self._refs[new] = 1
-            pairs.append((table[i], new))
+            pairs.append((block, new))
             table[i] = new
         self._release([old for old, _ in pairs])
         return pairs
+
+    def _unpublish(self, block: int) -> None:
+        key = self._key_of.pop(block, None)
+        if key is not None:
+            del self._block_of[key], self._exact[block]
 
     def _take_free(self) -> int:
         if self._clean:
             return self._clean.pop()
         block, _ = self._cached.popitem(last=False)  # NOTE: the least recently used entry goes
-        del self._block_of[self._key_of.pop(block)]
-        del self._exact[block]
+        self._unpublish(block)
         self.evictions += 1
         return block
 

@@ -125,13 +125,18 @@ class CacheManager:
         if slot is not None and seq.stage.done and self._stash_rows.pop(slot, None) is not None:
             self._on_stash_done(slot)
 
+    def copies_needed(self, seq, indices: list[int]) -> int:
+        """Free blocks make_private(seq, indices) takes: one per block another table holds too."""
+        return self.blocks.num_shared(seq.block_table, indices)
+
     def make_private(self, seq, indices: list[int]) -> list[tuple[int, int]]:
         """Before seq rewrites rows of blocks it may share (reuse_filled = "reselect"): those
-        blocks become its own copies; returns the (source, copy) pairs the runner copies."""
-        if len(indices) > self.blocks.num_free:
-            raise RuntimeError(f"KV cache out of blocks: need {len(indices)} copies, {self.blocks.num_free} free")
+        blocks become its own; returns the (source, copy) pairs the runner copies."""
+        need = self.copies_needed(seq, indices)
+        if need > self.blocks.num_free:
+            raise RuntimeError(f"KV cache out of blocks: need {need} copies, {self.blocks.num_free} free")
         seq.block_keys = seq.block_keys[:min(indices)] if indices else seq.block_keys
-        return self.blocks.replace(seq.block_table, indices)
+        return self.blocks.make_own(seq.block_table, indices)
 
     def publish(self, seq) -> None:
         """After a step: seq's newly final full blocks become prefix-cache entries."""

@@ -215,3 +215,25 @@ def test_an_equal_prompt_waits_for_blocks_in_flight_until_they_are_published_or_
     hit = mgr.match(other)
     assert hit.num_tokens == 8 and not hit.waits
     assert not mgr.match(seq_of([5] * 13)).waits  # another prompt never waits
+
+
+def test_make_own_copies_shared_blocks_and_keeps_entries_while_room_is_left():
+    bm = BlockManager(5, BS)
+    a, b = [], []
+    bm.grow(a, 2 * BS)
+    bm.publish(a[0], b"a0", ())
+    bm.publish(a[1], b"a1", ())
+    bm.share(b, a[0])
+    bm.share(b, a[1])
+    bm.free(a)  # b alone holds both entries now
+    other = []
+    bm.share(other, b[0])  # ... and another table holds the first too
+    held = list(b)
+    pairs = bm.make_own(b, [0, 1])  # 3 free: both copied, the entries stay
+    assert [old for old, _ in pairs] == held and b[0] != held[0] and b[1] != held[1]
+    assert bm.lookup(b"a0") == held[0] and bm.lookup(b"a1") == held[1] and bm.is_free(held[1])
+    c = []
+    bm.share(c, held[1])
+    bm.grow(c, 2 * BS)  # takes the last free block
+    assert bm.num_free == 0
+    assert bm.make_own(c, [0]) == [] and c[0] == held[1] and bm.lookup(b"a1") is None  # no room: it stops being an entry

@@ -13,8 +13,9 @@ import random
 import pytest
 
 from ridgefill_runtime.cache.block_manager import BlockManager
-from ridgefill_runtime.config import FillConfig, RowsConfig, SchedulerConfig
-from ridgefill_runtime.engine import apply_fill
+from ridgefill_runtime.cache.manager import CacheManager
+from ridgefill_runtime.config import REUSE_POLICIES, FillConfig, RowsConfig, SchedulerConfig
+from ridgefill_runtime.engine import apply_fill, cache_identity
 from ridgefill_runtime.scheduler import Scheduler, StepResult
 from ridgefill_runtime.sequence import SamplingParams, Sequence, SeqStatus
 
@@ -32,14 +33,19 @@ def exact_rows(seq: Sequence) -> list[int]:
 
 
 def new_request(sched: Scheduler, prompt_len: int, max_tokens: int, fill: FillConfig | None = None,
-                ignore_eos: bool = True) -> Sequence:
-    """As Engine.add_request does, after Engine.validate's bound."""
+                ignore_eos: bool = True, policy: str | None = None) -> Sequence:
+    """As Engine.add_request does, after Engine.validate's bound; `policy`: the reuse_filled of a
+    prefix-caching engine (None: no prefix caching). NOTE: every prompt repeats one token, so
+    with prefix caching every request shares blocks with every other."""
     blocks = sched.blocks
     assert prompt_len + max_tokens <= blocks.num_blocks * blocks.block_size, "Engine.validate refuses it"
     seq = Sequence(prompt_ids=[5] * prompt_len, params=SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                        ignore_eos=ignore_eos))
     if fill is not None:
         apply_fill(seq, fill)
+    if policy is not None:
+        seq.cache_identity = cache_identity(seq, fill or FillConfig(), "", policy)
+        seq.reselect = policy == "reselect"
     sched.add(seq)
     return seq
 
@@ -75,7 +81,9 @@ def check_step(sched: Scheduler, items: list, had_work: bool) -> None:
             assert it.positions == sorted(it.positions) and len(it.positions) == it.num_tokens
     held = [b for s in sched.running for b in s.block_table]
     assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
-    assert len(held) == len(set(held)) and len(held) + blocks.num_free == blocks.num_blocks
+    assert len(set(held)) + blocks.num_free == blocks.num_blocks
+    shared = {b for b in held if held.count(b) > 1}
+    assert all(b in blocks._key_of for b in shared), "a block in two tables that is no cache entry"
 
 
 def random_case(seed: int) -> dict:
@@ -102,11 +110,14 @@ def random_case(seed: int) -> dict:
                 requests=requests, abort_rate=rng.choice([0.0, 0.0, 0.01, 0.05]), rng=rng)
 
 
-def run_case(case: dict) -> None:
+def run_case(case: dict, prefix_caching: bool = False) -> None:
     rng = case["rng"]
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=case["budget"], max_num_seqs=case["max_seqs"],
-                                      chunk_size=case["chunk"]),
-                      BlockManager(case["num_blocks"], case["block_size"]), exact_rows)
+    config = SchedulerConfig(max_num_batched_tokens=case["budget"], max_num_seqs=case["max_seqs"],
+                             chunk_size=case["chunk"])
+    blocks = BlockManager(case["num_blocks"], case["block_size"])
+    sched = Scheduler(config, CacheManager(blocks, config.max_num_seqs, prefix_caching=prefix_caching), exact_rows)
+    for r in case["requests"]:
+        r["policy"] = rng.choice(REUSE_POLICIES) if prefix_caching else None
     pending = sorted(case["requests"], key=lambda r: r["arrives"])
     seqs: list[Sequence] = []
     # NOTE: generous: preempted sequences recompute, but the oldest running one never loses work.
@@ -114,7 +125,7 @@ def run_case(case: dict) -> None:
     for n in range(limit):
         while pending and pending[0]["arrives"] <= n:
             r = pending.pop(0)
-            seqs.append(new_request(sched, r["prompt"], r["max_tokens"], r["fill"], r["ignore_eos"]))
+            seqs.append(new_request(sched, r["prompt"], r["max_tokens"], r["fill"], r["ignore_eos"], r["policy"]))
         if not pending and not sched.has_work():
             break
         live = [s for s in seqs if not s.finished]
@@ -135,6 +146,13 @@ def run_case(case: dict) -> None:
 def test_random_workloads_always_finish_and_return_every_block():
     for seed in range(NUM_CASES):
         run_case(random_case(seed))
+
+
+def test_random_workloads_sharing_every_prefix_always_finish_and_return_every_block():
+    """The same workloads with prefix caching, every prompt a prefix of the longer ones: shared
+    blocks, waits for blocks in flight, reselected rows copied before they are remade, eviction."""
+    for seed in range(NUM_CASES):
+        run_case(random_case(seed), prefix_caching=True)
 
 
 def run_to_end(sched: Scheduler, seqs: list[Sequence], limit: int) -> int:
