@@ -54,6 +54,7 @@ class StreamEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
     error: str | None = None  # set when finish_reason == "error", or an abort at shutdown
+    new_logprobs: list = field(default_factory=list)  # TokenLogprobs of new_token_ids (params.logprobs)
 
 
 @dataclass
@@ -409,7 +410,8 @@ class AsyncEngine:
                     handle.times.first_token = now
                 handle.times.last_token = now
                 self.observer.on_tokens(handle, len(out.new_token_ids), now, prev)
-            event = StreamEvent(out.delta_text, out.new_token_ids, out.finished, out.seq.finish_reason)
+            event = StreamEvent(out.delta_text, out.new_token_ids, out.finished, out.seq.finish_reason,
+                                new_logprobs=out.new_logprobs)
             if out.finished:
                 self._finish(handle, event)
             else:

@@ -63,8 +63,10 @@ def build_parser(extra_commands: ExtraCommands | None = None) -> argparse.Argume
 
     s = sub.add_parser("score", help="per-token log-probabilities of a text under the model")
     _engine_args(s)
-    s.add_argument("--text-file", required=True, type=Path)
-    s.add_argument("--json", action="store_true", help="print one JSON object (the only format for now)")
+    s.add_argument("--text-file", required=True, type=Path, nargs="+",
+                   help="one or more text files, each scored alone (the model loads once)")
+    s.add_argument("--json", action="store_true", help="print one JSON object per file, one per line "
+                                                       "(the only format for now)")
     _fill_args(s, "prefix handling; fill arms score only the rows they compute exactly (the tail)")
 
     f = sub.add_parser("fit", help="fit RidgeFill maps: one capture pass, then a ridge solve per late layer")
@@ -161,15 +163,18 @@ def _generate(llm, args) -> int:
 def _score(llm, args) -> int:
     from .errors import InputError
 
-    try:
-        text = args.text_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{args.text_file}: cannot read text file ({e})") from None
-    ids = llm.encode(text)
-    if len(ids) < 2:
-        raise InputError(f"{args.text_file}: needs at least 2 tokens to score, has {len(ids)}")
-    result = llm.score(ids)
-    print(json.dumps(result))
+    texts = []
+    for path in args.text_file:  # NOTE: every file is read and checked before any is scored
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"{path}: cannot read text file ({e})") from None
+    encoded = [llm.encode(text) for text in texts]
+    for path, ids in zip(args.text_file, encoded):
+        if len(ids) < 2:
+            raise InputError(f"{path}: needs at least 2 tokens to score, has {len(ids)}")
+    for ids in encoded:
+        print(json.dumps(llm.score(ids)), flush=True)
     return 0
 
 

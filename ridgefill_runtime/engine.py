@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,7 @@ class RequestOutput:
     delta_text: str
     new_token_ids: list[int]
     finished: bool
+    new_logprobs: list = field(default_factory=list)  # TokenLogprobs of new_token_ids (params.logprobs)
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,7 @@ class Engine:
             text = self.tokenizer.decode(seq.output_ids[:n], skip_special_tokens=True)
             if any(stop in text for stop in seq.params.stop):
                 del seq.output_ids[n:]
+                del seq.output_logprobs[n:]
                 return
 
     def _output(self, seq: Sequence, had: int) -> RequestOutput:
@@ -263,7 +265,7 @@ class Engine:
         if seq.finished:
             self._forget(seq)
         return RequestOutput(seq=seq, delta_text=delta, new_token_ids=seq.output_ids[had:],
-                             finished=seq.finished)
+                             finished=seq.finished, new_logprobs=seq.output_logprobs[had:])
 
 
 def spec_tokens(config: SpeculativeConfig, params: SamplingParams) -> int:

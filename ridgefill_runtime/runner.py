@@ -19,6 +19,7 @@ from .sampling import sample_token
 from .self_draft import SelfDrafter, loop_read
 from .speculative import accept_greedy
 from .scheduler import ScheduledSeq, StepResult
+from .sequence import TokenLogprobs
 from .stages import Stage
 
 
@@ -78,7 +79,8 @@ class Runner:
             scores.append(self._prompt_scores(item, logits[lo:hi]) if _scored(item) else None)
             draft = (step.drafts or {}).get(item.seq.seq_id, item.draft)  # a looped model's own, else the scheduler's
             next_tokens.append(self._accepted(item, draft, logits[hi - item.num_sampled:hi]) if item.samples else None)
-        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=step.row_scores)
+        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=step.row_scores,
+                          token_logprobs=_token_logprobs(items, owners, next_tokens, logits))
 
     def forget(self, seq_id: int) -> None:
         """NOTE: only the sampler's state: what the caches keep goes with the sequence's state
@@ -213,7 +215,11 @@ class Runner:
         logp = logits[:n].log_softmax(-1)  # [n, V]
         targets = torch.tensor(seq.prompt_ids[start + 1:start + 1 + n], device=logits.device)
         chosen = logp.gather(1, targets[:, None])[:, 0]
-        return start, chosen.tolist(), logp.argmax(-1).tolist()
+        k = seq.params.prompt_top_logprobs
+        if not k:
+            return start, chosen.tolist(), logp.argmax(-1).tolist()
+        top = logp.topk(k, -1)
+        return start, chosen.tolist(), logp.argmax(-1).tolist(), _pairs(top.indices, top.values)
 
     def _accepted(self, item: ScheduledSeq, draft: list[int], logits: torch.Tensor) -> list[int] | None:
         """The item's new tokens from its sampled rows' logits [1 + len(draft), V]: one sampled
@@ -235,6 +241,45 @@ class Runner:
                 gen.manual_seed(params.seed if params.seed is not None else torch.seed())
                 self._generators[item.seq.seq_id] = gen
         return sample_token(logits, params, gen)
+
+
+def _token_logprobs(items: list[ScheduledSeq], owners: list[tuple[int, int]], runs: list[list[int] | None],
+                    logits: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+    """seq_id -> one TokenLogprobs per token of its run, for the items whose request asked
+    (params.logprobs). Token j of a run was chosen from the item's j-th sampled row (a verified
+    draft's accepted run included), so its values come from that row's raw logits. One
+    log_softmax and one top-k over every such row of the step, not one per token."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    asking: list[tuple[ScheduledSeq, int]] = []  # (item, tokens in its run)
+    for item, (_, hi), run in zip(items, owners, runs):
+        if run and item.seq.params.logprobs is not None:
+            first = hi - item.num_sampled
+            rows.extend(range(first, first + len(run)))
+            tokens.extend(run)
+            asking.append((item, len(run)))
+    if not rows:
+        return {}
+    logp = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1)  # [T, V]
+    chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    k = max(item.seq.params.logprobs for item, _ in asking)
+    if k:
+        best = logp.topk(k, -1)
+        top = _pairs(best.indices, best.values)
+    else:
+        top = [()] * len(rows)
+    out: dict[int, list[TokenLogprobs]] = {}
+    at = 0
+    for item, count in asking:
+        want = item.seq.params.logprobs
+        out[item.seq.seq_id] = [TokenLogprobs(tokens[i], chosen[i], top[i][:want]) for i in range(at, at + count)]
+        at += count
+    return out
+
+
+def _pairs(ids: torch.Tensor, values: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
+    """Rows of top-k (ids [T, k], logprobs [T, k]) as tuples of (id, logprob) pairs."""
+    return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
 def _block_tables(tables: list[list[int]]) -> torch.Tensor:

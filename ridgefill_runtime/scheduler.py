@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .cache.block_manager import BlockManager
 from .cache.manager import CacheManager
 from .config import SchedulerConfig
-from .sequence import Sequence, SeqStatus
+from .sequence import Sequence, SeqStatus, TokenLogprobs
 from .speculative import Propose, draft_limit, no_drafts
 from .stages import ScheduledSeq, Select, Stage, advance, next_item, resume_from_cache, usable_hit
 
@@ -28,8 +28,11 @@ class StepResult:
     # (None: the item samples nothing). A bare int is taken as a run of one, so single-token
     # runners (and tests) may hand back plain tokens.
     next_tokens: list[list[int] | None]
-    prompt_logprobs: list[tuple[int, list[float], list[int]] | None]  # (first position, logp, argmax)
+    # (first position, logp, argmax), and with params.prompt_top_logprobs each row's top pairs
+    prompt_logprobs: list[tuple | None]
     row_scores: list[dict[str, list[float]] | None] | None = None  # selector scores per prefix row
+    # seq_id -> one entry per token of its run, for sequences asking params.logprobs
+    token_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.next_tokens = [[t] if isinstance(t, int) else t for t in self.next_tokens]
@@ -220,6 +223,7 @@ class Scheduler:
                 self.finish(seq, "length")
                 continue
             appended = self._append_run(seq, tokens, eos_ids)
+            seq.output_logprobs.extend(result.token_logprobs.get(seq.seq_id, ())[:appended])
             if item.draft:
                 self._settle_draft(item, appended)
             if not seq.finished:  # NOTE: after a rollback, so rejected draft rows are never published
@@ -288,13 +292,16 @@ def _decoding(seq: Sequence) -> bool:
     return seq.stage.done and seq.remaining == 1
 
 
-def _record_prompt_scores(seq: Sequence, start: int, logprobs: list[float], argmax: list[int]) -> None:
+def _record_prompt_scores(seq: Sequence, start: int, logprobs: list[float], argmax: list[int],
+                          top: list | None = None) -> None:
     # NOTE: rows are recorded from the fill boundary on (filled rows have no logits);
     # after a preemption the prompt is recomputed, so keep only rows not yet recorded.
     skip = len(seq.prompt_logprobs) - (start - seq.fill_boundary)
     if skip < len(logprobs):
         seq.prompt_logprobs.extend(logprobs[max(skip, 0):])
         seq.prompt_argmax.extend(argmax[max(skip, 0):])
+        if top is not None:
+            seq.prompt_top.extend(top[max(skip, 0):])
 
 
 def _finish_reason(seq: Sequence, token: int, eos_ids: tuple[int, ...]) -> str | None:

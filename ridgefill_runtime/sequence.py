@@ -17,6 +17,20 @@ from .stages import Stage
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # What torch.Generator.manual_seed accepts (a negative seed is taken modulo 2**64).
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+# Most alternatives a request may ask per token (OpenAI's bound): each costs a top-k over the
+# vocabulary and a little text per token on the way out.
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One chosen token under the model's raw distribution (log_softmax of the logits, before
+    temperature, top-k or top-p): its log-probability and the row's most likely tokens, best
+    first, as (id, logprob) pairs (as many as the request asked)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,6 +44,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     prompt_logprobs: bool = False  # record log p(next prompt token) and the argmax per prompt row
+    prompt_top_logprobs: int = 0  # with prompt_logprobs: also each prompt row's most likely tokens
+    logprobs: int | None = None  # record each generated token's logprob and this many alternatives
     # NOTE: a per-request decoding option, carried here so it travels with the request:
     # most draft tokens a step may verify; None takes the engine's setting, 0 turns it off.
     speculative: int | None = None
@@ -48,6 +64,10 @@ class SamplingParams:
             raise InputError("stop strings must be non-empty")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InputError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InputError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        if not 0 <= self.prompt_top_logprobs <= MAX_LOGPROBS:
+            raise InputError(f"prompt_top_logprobs must be in 0..{MAX_LOGPROBS}, got {self.prompt_top_logprobs}")
         if self.speculative is not None and self.speculative < 0:
             raise InputError(f"speculative must be >= 0 (0 turns it off), got {self.speculative}")
 
@@ -98,6 +118,10 @@ class Sequence:
     # score mode (params.prompt_logprobs): per prompt row i in [fill_boundary, len(prompt) - 1)
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_argmax: list[int] = field(default_factory=list)
+    # with params.prompt_top_logprobs: per scored prompt row, its most likely (id, logprob) pairs
+    prompt_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # with params.logprobs: one entry per output token, in order (kept across preemptions)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""  # detokenized output, kept by the detokenizer
     spec_tokens: int = 0  # most draft tokens a decode step verifies (0: no speculation); set at add
     loop: LoopPlan | None = None  # a looped model's resolved loop settings; set at add

@@ -5,8 +5,10 @@ say 503 ("loading") and then 200. Routes that need the model answer 503 until it
 Shutdown (ServerState.begin_shutdown, from the SIGTERM handler or the lifespan's end) stops
 admission at once and gives running requests server.shutdown_grace_s, then aborts them.
 
-With an API key, /v1/*, /tokenize and /metrics (unless server.metrics_public) need it; /health
-stays open for supervisors, and /docs, /redoc and /openapi.json are not served at all.
+With an API key, /v1/*, /tokenize, /detokenize and /metrics (unless server.metrics_public) need
+it; /health stays open for supervisors, and /docs, /redoc and /openapi.json are not served at all.
+
+A request with n choices runs n engine sequences from one prompt (server/streaming.py).
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from .connections import SHUTDOWN_BACKSTOP_S
 from .errors import HTTPError, describe_invalid, error_body, error_response
 from .limits import BodyReadTimeout, BodySizeLimit, RateLimit
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
-                       CompletionChoice, CompletionRequest, CompletionResponse, ModelCard, ModelList,
-                       TokenizeRequest, TokenizeResponse, new_id, usage_of)
-from .streaming import collect, stream_chat, stream_completion
+from .logprobs import TokenStrings
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                       TokenizeResponse, new_id, usage_of)
+from .streaming import (CompletionChoiceStream, Echo, chat_choice, collect, completion_choice, stream_chat,
+                        stream_completion)
 
 log = logging.getLogger("ridgefill.server")
 
@@ -51,6 +55,7 @@ class ServerState:
     config: ServerConfig
     metrics: ServerMetrics
     engine: AsyncEngine | None = None  # None while loading
+    _strings: TokenStrings | None = None  # the engine's token texts, made on the first logprobs request
     load_error: str | None = None
     draining: bool = False  # shutdown began: no new requests, /health says "draining"
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -62,6 +67,17 @@ class ServerState:
             why = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise HTTPError(503, why, headers={"Retry-After": str(self.config.retry_after_s)})
         return self.engine
+
+    def token_strings(self, asked: int | None) -> TokenStrings | None:
+        """The token texts logprobs are shown with; None when the request asked none."""
+        if asked is None:
+            return None
+        tokenizer = self.ready().engine.tokenizer
+        if tokenizer is None:
+            raise HTTPError(400, "this model has no tokenizer, so logprobs cannot name their tokens", "logprobs")
+        if self._strings is None:
+            self._strings = TokenStrings(tokenizer)
+        return self._strings
 
     def adopt(self, engine: AsyncEngine) -> bool:
         """Start serving a freshly loaded engine, unless shutdown began while it loaded."""
@@ -162,15 +178,21 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         return rows, rq.request_terminal_state(body, eng.engine)
 
     def submit(request: Request, body, prompt_ids, params, fill: bool, rows, terminal):
+        """One engine sequence per choice (n); if one cannot be queued, those already are aborted."""
         eng = state.ready()
         deadline = deadline_for(body.timeout, server_config.request_timeout_s)
         note_usage(request, len(prompt_ids))
+        handles = []
         try:
-            return eng.submit(prompt_ids, params, fill, rows, deadline=deadline, terminal_state=terminal)
+            for choice in rq.choice_params(params, body.n):
+                handles.append(eng.submit(prompt_ids, choice, fill, rows, deadline=deadline, terminal_state=terminal))
         except InputError as e:
+            _abort_all(eng, handles)
             raise HTTPError(400, str(e), field_of(str(e)) or "prompt") from None
         except (EngineOverloaded, EngineStopped) as e:
+            _abort_all(eng, handles)
             raise HTTPError(503, str(e), headers={"Retry-After": str(server_config.retry_after_s)}) from None
+        return handles
 
     @app.get("/health")
     async def health():
@@ -214,75 +236,93 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
             ids = await asyncio.to_thread(rq.tokenize_text, tok, body.prompt, body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=eng.engine.max_model_len)
 
+    @app.post("/detokenize", dependencies=[Depends(require_key)])
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model)
+        eng = state.ready()
+        text = await asyncio.to_thread(rq.detokenize_ids, eng.engine.tokenizer, body.tokens)
+        return DetokenizeResponse(prompt=text)
+
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         rq.check_common(body)
-        fill = rq.wants_fill(body)
-        if body.echo:
-            raise HTTPError(400, "echo is not supported", "echo")
+        rq.check_best_of(body)
+        logprobs = rq.completion_logprobs(body)
+        scores_prompt = body.echo and logprobs is not None
+        fill = rq.wants_fill(body, scores_prompt)
         eng = state.ready()
+        strings = state.token_strings(logprobs)
         rows, terminal = fill_for(body, eng)
         rq.check_completion_prompt(body, eng.engine.max_model_len)
         params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, server_config.max_stop_strings)
+        params = rq.with_logprobs(params, logprobs, prompt=scores_prompt)
         params = rq.with_speculation(body, params, eng.engine.speculative)
         params = rq.with_loops(body, params)
         # NOTE: every cheap check is done; tokenizing may take seconds, in a worker thread.
         prompt = await asyncio.to_thread(rq.completion_prompt, body, eng.engine.tokenizer)
-        handle = submit(request, body, prompt, params, fill, rows, terminal)
+        echo = Echo(rq.echo_text(body, prompt, eng.engine.tokenizer), tuple(prompt)) if body.echo else Echo()
+        handles = submit(request, body, prompt, params, fill, rows, terminal)
+        choices = [CompletionChoiceStream(i, h, strings, echo) for i, h in enumerate(handles)]
         rid, model = new_id("cmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(request, handle, stream_completion(eng, handle, rid, model, usage))
-        out = await collect(eng, handle, request)
-        note_usage(request, handle.num_prompt_tokens, handle.num_output_tokens)
-        _raise_if_failed(out)
-        return CompletionResponse(id=rid, model=model,
-                                  choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
-                                  usage=usage_of(handle))
+            return _sse_response(request, handles, stream_completion(eng, handles, rid, model, usage, choices))
+        outs = await collect(eng, handles, request)
+        note_usage(request, len(prompt), sum(h.num_output_tokens for h in handles))
+        _raise_if_failed(outs)
+        return CompletionResponse(id=rid, model=model, usage=usage_of(handles),
+                                  choices=[completion_choice(c, out) for c, out in zip(choices, outs)])
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         rq.check_common(body)
+        logprobs = rq.chat_logprobs(body)
         fill = rq.wants_fill(body)
         eng = state.ready()
+        strings = state.token_strings(logprobs)
         rows, terminal = fill_for(body, eng)
         rq.check_messages(body.messages)
         params = rq.chat_sampling_params(body, server_config.default_chat_max_tokens, server_config.max_stop_strings)
+        params = rq.with_logprobs(params, logprobs)
         params = rq.with_speculation(body, params, eng.engine.speculative)
         params = rq.with_loops(body, params)
         # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
         prompt = await asyncio.to_thread(rq.chat_prompt, body.messages, eng.engine.tokenizer)
         params = rq.fit_default_limit(body, params, len(prompt), eng.engine.max_model_len)
-        handle = submit(request, body, prompt, params, fill, rows, terminal)
+        handles = submit(request, body, prompt, params, fill, rows, terminal)
         rid, model = new_id("chatcmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse_response(request, handle, stream_chat(eng, handle, rid, model, usage))
-        out = await collect(eng, handle, request)
-        note_usage(request, handle.num_prompt_tokens, handle.num_output_tokens)
-        _raise_if_failed(out)
-        return ChatCompletionResponse(
-            id=rid, model=model,
-            choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
-            usage=usage_of(handle))
+            return _sse_response(request, handles, stream_chat(eng, handles, rid, model, usage, strings))
+        outs = await collect(eng, handles, request)
+        note_usage(request, len(prompt), sum(h.num_output_tokens for h in handles))
+        _raise_if_failed(outs)
+        return ChatCompletionResponse(id=rid, model=model, usage=usage_of(handles),
+                                      choices=[chat_choice(i, strings, out) for i, out in enumerate(outs)])
 
     return app
 
 
-def _raise_if_failed(out) -> None:
-    if out.error:
-        raise HTTPError(500, out.error)
+def _raise_if_failed(outs) -> None:
+    for out in outs:
+        if out.error:
+            raise HTTPError(500, out.error)
 
 
-def _sse_response(request: Request, handle, chunks) -> StreamingResponse:
+def _abort_all(eng: AsyncEngine, handles) -> None:
+    for handle in handles:
+        eng.abort(handle)
+
+
+def _sse_response(request: Request, handles, chunks) -> StreamingResponse:
     async def counted():
         try:
             async for chunk in chunks:
                 yield chunk
         finally:  # NOTE: before the access log line, which is written when the response ends
-            note_usage(request, handle.num_prompt_tokens, handle.num_output_tokens)
+            note_usage(request, handles[0].num_prompt_tokens, sum(h.num_output_tokens for h in handles))
 
     return StreamingResponse(counted(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,13 +1,16 @@
 """OpenAI-compatible request and response bodies (pydantic). Only what we serve.
 
-Unknown request fields are ignored, as OpenAI clients send many optional ones; fields we
-cannot honour (n > 1, logprobs, ...) are refused by name in `server/requests.py`.
+Unknown request fields are ignored, as OpenAI clients send many optional ones; values we
+cannot honour (n out of 1..16, best_of, logprobs past 20, ...) are refused by name in
+`server/requests.py`. The response models are what both the plain and the streamed answers
+are built from (server/streaming.py), so the two cannot drift apart.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,10 +61,11 @@ class _SamplingFields(BaseModel):
     top_k: int | None = None  # extension
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = 1  # 1..16 choices; with a seed, choice i samples with seed + i
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
+    # completions: an int 0..20 (alternatives per token); chat: true/false, with top_logprobs
     logprobs: int | bool | None = None
     timeout: float | None = None  # extension: seconds until the request ends ("timeout"); capped by the server
     ridgefill: RidgefillOptions | None = None
@@ -69,7 +73,8 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion; with logprobs, the prompt's too
+    best_of: int | None = None  # refused past 1 (server/requests.py)
 
 
 ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
@@ -92,6 +97,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None  # 0..20 alternatives per token, with logprobs: true
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 class TokenizeRequest(BaseModel):
@@ -139,11 +151,12 @@ def make_usage(prompt_tokens: int, completion_tokens: int, fill: FillRows | None
                  total_tokens=prompt_tokens + completion_tokens, ridgefill=fill_usage, speculation=spec)
 
 
-def usage_of(handle: RequestHandle) -> Usage:
-    """The usage of a finished request, streamed or not."""
-    seq = handle.seq
-    return make_usage(handle.num_prompt_tokens, handle.num_output_tokens, handle.fill_rows,
-                      seq.verifications if seq is not None else 0, seq.verified_tokens if seq is not None else 0)
+def usage_of(handles: Sequence[RequestHandle]) -> Usage:
+    """The usage of a finished request, streamed or not: its choices share one prompt, counted
+    once (and its fill, the same for each); their completion tokens add up."""
+    seqs = [h.seq for h in handles if h.seq is not None]
+    return make_usage(handles[0].num_prompt_tokens, sum(h.num_output_tokens for h in handles), handles[0].fill_rows,
+                      sum(s.verifications for s in seqs), sum(s.verified_tokens for s in seqs))
 
 
 def new_id(prefix: str) -> str:
@@ -154,10 +167,27 @@ def now() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions logprobs: one entry per token of the choice's text (the echoed
+    prompt's first, whose first token has no logprob: null), each token's alternatives (the
+    asked top ones and the token itself) and where its text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+    def __add__(self, more: "CompletionLogprobs") -> "CompletionLogprobs":
+        return CompletionLogprobs(tokens=self.tokens + more.tokens,
+                                  token_logprobs=self.token_logprobs + more.token_logprobs,
+                                  top_logprobs=self.top_logprobs + more.top_logprobs,
+                                  text_offset=self.text_offset + more.text_offset)
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -170,6 +200,31 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionChunk(BaseModel):
+    """One streamed event of /v1/completions: a choice's new text (or, last, only usage)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(default=None, exclude_if=lambda v: v is None)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -178,7 +233,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -192,14 +247,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
+    # NOTE: a chunk's delta names only what it carries: {} in the last one
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda v: v is None)
+    content: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -209,7 +265,7 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):
@@ -229,6 +285,10 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

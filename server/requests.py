@@ -8,7 +8,7 @@ from ridgefill_runtime.config import SELECTORS, LoopOverrides, RowsConfig, Specu
 from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.fill.recipes import RECIPES
 from ridgefill_runtime.fill.settings import needs_counts
-from ridgefill_runtime.sequence import SamplingParams
+from ridgefill_runtime.sequence import MAX_LOGPROBS, SamplingParams
 
 from .errors import HTTPError
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
@@ -18,22 +18,86 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # (server.max_stop_strings), slow the whole batch, everyone's latency included.
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 2048  # OpenAI's limit; each message is rendered by the chat template
+# Each choice is one engine sequence (its own slot, blocks and decode row); 16 covers pass@k-style
+# evaluation without letting one request take a whole batch.
+MAX_CHOICES = 16
 
 
 def check_common(req: _SamplingFields) -> None:
-    if req.n != 1:
-        raise HTTPError(400, f"n={req.n} is not supported: this server returns exactly one choice (n=1)", "n")
-    if req.logprobs not in (None, False, 0):
-        raise HTTPError(400, "logprobs are not supported", "logprobs")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise HTTPError(400, f"n must be in 1..{MAX_CHOICES}, got {req.n}", "n")
 
 
-def wants_fill(req: _SamplingFields) -> bool:
-    """False when the request asks for exact prefill; True leaves it to the server's fill mode."""
+def check_best_of(req: CompletionRequest) -> None:
+    if req.best_of not in (None, 1):
+        raise HTTPError(400, f"best_of={req.best_of} is not supported: this server does not rank choices; "
+                             f"ask n={req.best_of} and choose among them", "best_of")
+
+
+def completion_logprobs(req: CompletionRequest) -> int | None:
+    """/v1/completions' logprobs: how many alternatives per token (0..20), or None (none asked)."""
+    asked = req.logprobs
+    if asked is None or asked is False:
+        return None
+    if asked is True:
+        raise HTTPError(400, f"logprobs on /v1/completions is a number of alternatives per token "
+                             f"(0..{MAX_LOGPROBS}), got true", "logprobs")
+    return _logprob_count(asked, "logprobs")
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """/v1/chat/completions' logprobs (true/false) with top_logprobs: how many alternatives per
+    token (0..20), or None (none asked)."""
+    asked = req.logprobs
+    if asked is not None and not isinstance(asked, bool) and asked != 0:
+        raise HTTPError(400, f"logprobs on /v1/chat/completions must be true or false (top_logprobs "
+                             f"sets the alternatives per token), got {asked}", "logprobs")
+    if not asked:
+        if req.top_logprobs is not None:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return _logprob_count(req.top_logprobs or 0, "top_logprobs")
+
+
+def _logprob_count(count: int, name: str) -> int:
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise HTTPError(400, f"{name} must be in 0..{MAX_LOGPROBS}, got {count}", name)
+    return count
+
+
+def with_logprobs(params: SamplingParams, top: int | None, prompt: bool = False) -> SamplingParams:
+    """params recording each generated token's logprob and `top` alternatives (None: none);
+    `prompt`: the prompt's rows too, with as many alternatives (echo)."""
+    if top is None:
+        return params
+    return dataclasses.replace(params, logprobs=top, prompt_logprobs=prompt,
+                               prompt_top_logprobs=top if prompt else 0)
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice: with a seed, choice i samples with seed + i (so choice 0
+    is what the same request with n = 1 gives); without one, each draws its own."""
+    if params.seed is None:
+        return [params] * n
+    try:
+        return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+    except InputError as e:
+        raise HTTPError(400, f"{e} (choice i samples with seed + i, up to seed + {n - 1})", "seed") from None
+
+
+def wants_fill(req: _SamplingFields, scores_prompt: bool = False) -> bool:
+    """False when the request asks for exact prefill; True leaves it to the server's fill mode.
+    `scores_prompt`: the request needs every prompt row's logits (echo with logprobs), which
+    filled rows do not have, so it runs an exact prefill."""
     mode = req.ridgefill.mode if req.ridgefill is not None else None
     if mode not in (None, "off", "plain"):
         raise HTTPError(400, f"ridgefill.mode must be \"off\" (exact prefill) or \"plain\" "
                              f"(the server's fill), got {mode!r}", "ridgefill.mode")
-    return mode != "off"
+    if scores_prompt and mode == "plain":
+        raise HTTPError(400, "echo with logprobs needs every prompt row's logits, and filled rows have none: "
+                             "send ridgefill.mode \"off\" or leave it out (such requests run exactly)",
+                        "ridgefill.mode")
+    return mode != "off" and not scores_prompt
 
 
 def _recipe(req: _SamplingFields):
@@ -243,6 +307,29 @@ def chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:
 def tokenize_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """/tokenize's prompt: `check_text` first, then this in a worker thread."""
     return _encode(tokenizer, text, add_special_tokens)
+
+
+def detokenize_ids(tokenizer, ids: list[int]) -> str:
+    """/detokenize's text: special tokens stay in it (it is the text those ids stand for)."""
+    if tokenizer is None:
+        raise HTTPError(400, "this model has no tokenizer, so it cannot turn token ids into text", "tokens")
+    vocab = tokenizer.vocab_size
+    for i, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise HTTPError(400, f"tokens[{i}]: token id {token} is outside the vocabulary (size {vocab})",
+                            "tokens")
+    return tokenizer.decode(ids)
+
+
+def echo_text(req: CompletionRequest, prompt_ids: list[int], tokenizer) -> str:
+    """The prompt as echoed: the text the client sent, or its token ids decoded (special
+    tokens kept: they are part of the prompt)."""
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    if p and isinstance(p[0], str):
+        return p[0]
+    return tokenizer.decode(prompt_ids) if tokenizer is not None else ""
 
 
 def _message_dict(m: ChatMessage, index: int) -> dict:

@@ -1,7 +1,9 @@
-"""Drive one request: SSE chunks for streaming, one body for non-streaming.
+"""Drive one request's choices: SSE chunks for streaming, one body for non-streaming.
 
-Both paths abort the engine request when the client goes away, so its KV blocks are freed
-within one engine step.
+A request with n choices runs n engine sequences (one RequestHandle each). Both paths abort
+every unfinished choice when the client goes away, so their KV blocks are freed within one
+engine step. Chunks and bodies are built from the response models in `protocol.py`, and a
+choice's pieces from the same per-choice builders, so a stream adds up to the plain answer.
 """
 
 from __future__ import annotations
@@ -9,110 +11,234 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, field
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from ridgefill_runtime.async_engine import AsyncEngine, RequestHandle, StreamEvent
+from ridgefill_runtime.sequence import TokenLogprobs
 
 from .errors import error_body
-from .protocol import now, usage_of
+from .logprobs import CompletionLogprobsBuilder, TokenStrings, chat_content
+from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatLogprobs,
+                       CompletionChoice, CompletionChunk, CompletionLogprobs, DeltaMessage, Usage, now, usage_of)
 
 
 @dataclass
 class Outcome:
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
+    """One choice, gathered: its text, its generated tokens' logprobs, how it ended."""
+
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
     error: str | None = None
 
 
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion choice repeats before its text (echo); None text: no echo."""
+
+    text: str | None = None
+    prompt_ids: tuple[int, ...] = ()
+
+
+def sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        data = payload.model_dump_json()
+    elif isinstance(payload, dict):
+        data = json.dumps(payload, ensure_ascii=False)
+    else:
+        data = payload
     return f"data: {data}\n\n"
 
 
-async def events_until_done(engine: AsyncEngine, handle: RequestHandle) -> AsyncIterator[StreamEvent]:
-    """Yield the request's events; if the consumer stops early (disconnect), abort it."""
-    done = False
+async def choice_events(engine: AsyncEngine, handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """Every choice's events, tagged with its index, as they arrive; if the consumer stops
+    early (a disconnect, an error), abort every choice not yet finished."""
+    open_choices = set(range(len(handles)))
+    getters: dict[asyncio.Future, int] = {}
     try:
-        while not done:
-            event = await handle.events.get()
-            done = event.finished
-            yield event
+        while open_choices:
+            if len(handles) == 1:  # NOTE: the common case needs no futures
+                arrived = [(0, await handles[0].events.get())]
+            else:
+                for i in open_choices - set(getters.values()):
+                    getters[asyncio.ensure_future(handles[i].events.get())] = i
+                done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                arrived = sorted(((getters.pop(f), f.result()) for f in done), key=lambda pair: pair[0])
+            for i, event in arrived:
+                if event.finished:
+                    open_choices.discard(i)
+                yield i, event
     finally:
-        if not done:
-            engine.abort(handle)
+        for getter in getters:
+            getter.cancel()
+        for i in open_choices:
+            engine.abort(handles[i])
 
 
-async def collect(engine: AsyncEngine, handle: RequestHandle, request: Request) -> Outcome:
-    """Non-streaming: gather all text; a disconnect meanwhile aborts the request."""
-    watcher = asyncio.create_task(_abort_on_disconnect(engine, handle, request))
-    parts: list[str] = []
-    event = None
+async def collect(engine: AsyncEngine, handles: list[RequestHandle], request: Request) -> list[Outcome]:
+    """Non-streaming: gather every choice; a disconnect meanwhile aborts them all."""
+    watcher = asyncio.create_task(_abort_on_disconnect(engine, handles, request))
+    outs = [Outcome() for _ in handles]
+    parts: list[list[str]] = [[] for _ in handles]
     try:
-        async for event in events_until_done(engine, handle):
-            parts.append(event.delta_text)
+        async with aclosing(choice_events(engine, handles)) as events:
+            async for i, event in events:
+                parts[i].append(event.delta_text)
+                outs[i].logprobs.extend(event.new_logprobs)
+                if event.finished:
+                    outs[i].finish_reason, outs[i].error = event.finish_reason, event.error
     finally:
         watcher.cancel()
-    return Outcome("".join(parts), event.finish_reason, handle.num_prompt_tokens,
-                   handle.num_output_tokens, event.error)
+    for out, texts in zip(outs, parts):
+        out.text = "".join(texts)
+    return outs
 
 
-async def _abort_on_disconnect(engine: AsyncEngine, handle: RequestHandle, request: Request) -> None:
+async def _abort_on_disconnect(engine: AsyncEngine, handles: list[RequestHandle], request: Request) -> None:
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            engine.abort(handle)
+            for handle in handles:
+                engine.abort(handle)
             return
 
 
-async def stream_completion(engine: AsyncEngine, handle: RequestHandle, rid: str, model: str,
-                            include_usage: bool) -> AsyncIterator[str]:
+# -- completions ---------------------------------------------------------------------------------
+
+
+class CompletionChoiceStream:
+    """One completion choice's pieces: first the echoed prompt (once its prefill has scored
+    it), then each event's new text with the logprobs of the tokens it carries. A token whose
+    text is held back (a partial character, a possible stop string) has its logprobs held too,
+    until the text that holds it goes out."""
+
+    def __init__(self, index: int, handle: RequestHandle, strings: TokenStrings | None, echo: Echo):
+        """`strings`: None when the request asked no logprobs; with an echo, the prompt's
+        logprobs come too (the engine scored it: SamplingParams.prompt_logprobs)."""
+        self.index, self.handle, self.echo = index, handle, echo
+        self.logprobs = strings is not None
+        self._echoed = echo.text is None
+        self._held: list[TokenLogprobs] = []
+        generated_from = len(echo.text) if echo.text is not None else 0
+        self._builder = CompletionLogprobsBuilder(strings, generated_from) if strings is not None else None
+
+    def pieces(self, event: StreamEvent) -> list[CompletionChoice]:
+        out = []
+        if not self._echoed:
+            self._echoed = True
+            out.append(CompletionChoice(index=self.index, text=self.echo.text, logprobs=self._prompt_logprobs()))
+        self._held.extend(event.new_logprobs)
+        if event.delta_text or event.finished:
+            logprobs = self._builder.generated(self._held) if self._builder else None
+            self._held = []
+            out.append(CompletionChoice(index=self.index, text=event.delta_text, logprobs=logprobs,
+                                        finish_reason=event.finish_reason if event.finished else None))
+        return out
+
+    def _prompt_logprobs(self) -> CompletionLogprobs | None:
+        if self._builder is None:
+            return None
+        seq = self.handle.seq  # NOTE: its prefill is over (or abandoned): the engine writes no more scores
+        scores = seq.prompt_logprobs if seq is not None else []
+        top = seq.prompt_top if seq is not None else []
+        return self._builder.prompt(list(self.echo.prompt_ids), scores, top)
+
+
+def completion_choice(stream: CompletionChoiceStream, out: Outcome) -> CompletionChoice:
+    """The plain answer's choice: the stream's pieces of the whole outcome, joined."""
+    event = StreamEvent(out.text, [], True, out.finish_reason, new_logprobs=out.logprobs)
+    pieces = stream.pieces(event)
+    logprobs = None
+    if stream.logprobs:
+        logprobs = sum((p.logprobs for p in pieces[1:]), pieces[0].logprobs)
+    return CompletionChoice(index=stream.index, text="".join(p.text for p in pieces), logprobs=logprobs,
+                            finish_reason=out.finish_reason)
+
+
+async def stream_completion(engine: AsyncEngine, handles: list[RequestHandle], rid: str, model: str,
+                            include_usage: bool, choices: list[CompletionChoiceStream]) -> AsyncIterator[str]:
     created = now()
 
-    def chunk(text: str, finish_reason: str | None) -> dict:
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    def chunk(choice: CompletionChoice | None, usage: Usage | None = None) -> str:
+        return sse(CompletionChunk(id=rid, created=created, model=model,
+                                   choices=[] if choice is None else [choice], usage=usage))
 
-    async for event in events_until_done(engine, handle):
-        if event.error:
-            yield sse(error_body(500, event.error))
-            break
-        if event.finished:
-            yield sse(chunk(event.delta_text, event.finish_reason))
-        elif event.delta_text:
-            yield sse(chunk(event.delta_text, None))
-    else:
-        if include_usage:
-            yield sse(_usage_chunk(rid, "text_completion", created, model, handle))
+    async with aclosing(choice_events(engine, handles)) as events:
+        async for i, event in events:
+            if event.error:  # NOTE: the stream ends here; closing `events` aborts the other choices
+                yield sse(error_body(500, event.error))
+                break
+            for piece in choices[i].pieces(event):
+                yield chunk(piece)
+        else:
+            if include_usage:
+                yield chunk(None, usage_of(handles))
     yield sse("[DONE]")
 
 
-async def stream_chat(engine: AsyncEngine, handle: RequestHandle, rid: str, model: str,
-                      include_usage: bool) -> AsyncIterator[str]:
-    created = now()
+# -- chat ------------------------------------------------------------------------------------------
 
-    def chunk(delta: dict, finish_reason: str | None) -> dict:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
-    yield sse(chunk({"role": "assistant", "content": ""}, None))
-    async for event in events_until_done(engine, handle):
-        if event.error:
-            yield sse(error_body(500, event.error))
-            break
+class ChatChoiceStream:
+    """One chat choice's pieces: its new text (and the logprobs of the tokens it carries, held
+    with the text as in CompletionChoiceStream), then an empty delta with the finish reason."""
+
+    def __init__(self, index: int, strings: TokenStrings | None):
+        self.index, self.strings = index, strings
+        self._held: list[TokenLogprobs] = []
+
+    def opening(self) -> ChatChunkChoice:
+        return ChatChunkChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))
+
+    def pieces(self, event: StreamEvent) -> list[ChatChunkChoice]:
+        self._held.extend(event.new_logprobs)
+        out = []
         if event.delta_text:
-            yield sse(chunk({"content": event.delta_text}, None))
+            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=event.delta_text),
+                                       logprobs=self._take()))
         if event.finished:
-            yield sse(chunk({}, event.finish_reason))
-    else:
-        if include_usage:
-            yield sse(_usage_chunk(rid, "chat.completion.chunk", created, model, handle))
+            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(), logprobs=self._take(),
+                                       finish_reason=event.finish_reason))
+        return out
+
+    def _take(self) -> ChatLogprobs | None:
+        """The held tokens' logprobs (None: none asked, or none held for a bare finish)."""
+        if self.strings is None or not self._held:
+            return None
+        held, self._held = self._held, []
+        return ChatLogprobs(content=chat_content(self.strings, held))
+
+
+def chat_choice(index: int, strings: TokenStrings | None, out: Outcome) -> ChatChoice:
+    logprobs = None if strings is None else ChatLogprobs(content=chat_content(strings, out.logprobs))
+    return ChatChoice(index=index, message=AssistantMessage(content=out.text), logprobs=logprobs,
+                      finish_reason=out.finish_reason)
+
+
+async def stream_chat(engine: AsyncEngine, handles: list[RequestHandle], rid: str, model: str,
+                      include_usage: bool, strings: TokenStrings | None) -> AsyncIterator[str]:
+    created = now()
+    choices = [ChatChoiceStream(i, strings) for i in range(len(handles))]
+
+    def chunk(choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model,
+                                       choices=[] if choice is None else [choice], usage=usage))
+
+    for choice in choices:
+        yield chunk(choice.opening())
+    async with aclosing(choice_events(engine, handles)) as events:
+        async for i, event in events:
+            if event.error:  # NOTE: the stream ends here; closing `events` aborts the other choices
+                yield sse(error_body(500, event.error))
+                break
+            for piece in choices[i].pieces(event):
+                yield chunk(piece)
+        else:
+            if include_usage:
+                yield chunk(None, usage_of(handles))
     yield sse("[DONE]")
 
-
-def _usage_chunk(rid: str, obj: str, created: int, model: str, handle: RequestHandle) -> dict:
-    usage = usage_of(handle).model_dump(exclude_none=True)
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}

@@ -241,3 +241,21 @@ def test_the_ridgefill_command_lists_and_dispatches_every_command(tmp_path):
     p = subprocess.run([sys.executable, "-m", "server", "serve", "--port", "0"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 1 and "server.port must be in 1..65535" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_score_of_several_files_prints_one_line_each_equal_to_scoring_each_alone(tmp_path, capsys):
+    texts = ["The capital of France is Paris.", "Two plus two is four, and three plus three is six."]
+    files = []
+    for i, text in enumerate(texts):
+        files.append(tmp_path / f"t{i}.txt")
+        files[-1].write_text(text)
+    assert main(["score", "--text-file", *map(str, files), "--json", "--threads", "2"]) == 0
+    together = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    alone = []
+    for f in files:
+        assert main(["score", "--text-file", str(f), "--json", "--threads", "2"]) == 0
+        alone.append(json.loads(capsys.readouterr().out))
+    assert len(together) == 2 and [r["token_ids"] for r in together] == [r["token_ids"] for r in alone]
+    for a, b in zip(together, alone):
+        assert max(abs(x - y) for x, y in zip(a["target_logprobs"], b["target_logprobs"])) < 1e-5
+    assert together[0]["token_ids"] != together[1]["token_ids"]

@@ -38,7 +38,10 @@ def _assert_error(r: httpx.Response, status: int, *words: str, param: str | None
 
 
 @pytest.mark.parametrize("body, words, param", [
-    ({"prompt": "hi", "n": 2}, ["n=2", "n=1"], "n"),
+    ({"prompt": "hi", "n": 17}, ["n must be in 1..16", "17"], "n"),
+    ({"prompt": "hi", "n": 0}, ["n must be in 1..16", "got 0"], "n"),
+    ({"prompt": "hi", "best_of": 3}, ["best_of=3 is not supported"], "best_of"),
+    ({"prompt": "hi", "n": 3, "seed": 2**64 - 2}, ["seed", "seed + 2"], "seed"),
     ({"prompt": "hi", "temperature": -0.5}, ["temperature"], "temperature"),
     ({"prompt": "hi", "top_p": 0}, ["top_p"], "top_p"),
     ({"prompt": "hi", "top_k": -1}, ["top_k"], "top_k"),
@@ -50,17 +53,42 @@ def _assert_error(r: httpx.Response, status: int, *words: str, param: str | None
     ({"prompt": 5}, ["prompt"], "prompt"),
     ({}, ["prompt"], "prompt"),
     ({"prompt": "hi", "stop": [""]}, ["stop"], "stop"),
-    ({"prompt": "hi", "logprobs": 3}, ["logprobs"], "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, ["logprobs must be in 0..20", "21"], "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, ["logprobs must be in 0..20"], "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, ["number of alternatives", "true"], "logprobs"),
+    ({"prompt": "hi", "logprobs": "many"}, ["logprobs must be an integer or true/false"], "logprobs"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1, "ridgefill": {"mode": "plain"}},
+     ["echo with logprobs", "filled rows"], "ridgefill.mode"),
     ({"prompt": "hi", "ridgefill": {"mode": "fast"}}, ["ridgefill.mode must be", "'fast'"], "ridgefill.mode"),
 ])
 def test_bad_completion_input_is_400(keyed, body, words, param):
     _assert_error(keyed.post("/v1/completions", json=body), 400, *words, param=param)
 
 
-def test_bad_chat_input_is_400(keyed):
-    _assert_error(keyed.post("/v1/chat/completions", json={"messages": "hi"}), 400, param="messages")
-    _assert_error(keyed.post("/v1/chat/completions",
-                             json={"messages": [{"role": "user", "content": "hi"}], "n": 3}), 400, "n=3")
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, words, param", [
+    ({"messages": "hi"}, [], "messages"),
+    ({"messages": CHAT, "n": 20}, ["n must be in 1..16", "20"], "n"),
+    ({"messages": CHAT, "top_logprobs": 2}, ["top_logprobs needs logprobs: true"], "top_logprobs"),
+    ({"messages": CHAT, "logprobs": False, "top_logprobs": 2}, ["top_logprobs needs logprobs: true"], "top_logprobs"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, ["top_logprobs must be in 0..20", "21"], "top_logprobs"),
+    ({"messages": CHAT, "logprobs": 5}, ["must be true or false", "top_logprobs"], "logprobs"),
+])
+def test_bad_chat_input_is_400(keyed, body, words, param):
+    _assert_error(keyed.post("/v1/chat/completions", json=body), 400, *words, param=param)
+
+
+@pytest.mark.parametrize("body, words, param", [
+    ({"tokens": [1, 2, 10**6]}, ["tokens[2]", "token id 1000000 is outside the vocabulary"], "tokens"),
+    ({"tokens": [1, -3]}, ["tokens[1]", "token id -3 is outside the vocabulary"], "tokens"),
+    ({"tokens": "hello"}, ["tokens must be a list"], "tokens"),
+    ({"tokens": [1, "a"]}, ["tokens[1] must be an integer"], "tokens[1]"),
+    ({}, ["tokens is required"], "tokens"),
+])
+def test_bad_detokenize_input_is_400(keyed, body, words, param):
+    _assert_error(keyed.post("/detokenize", json=body), 400, *words, param=param)
 
 
 def test_malformed_json_is_400(keyed):
@@ -85,7 +113,8 @@ def test_api_key_is_enforced(keyed):
     url = str(keyed.base_url)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         for method, path, body in (("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-                                   ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"})):
+                                   ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}),
+                                   ("POST", "/detokenize", {"tokens": [1, 2]})):
             _assert_error(httpx.request(method, url + path, json=body, headers=headers), 401, "API key")
     assert keyed.get("/v1/models").status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # probes need no key

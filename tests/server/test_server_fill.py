@@ -353,3 +353,16 @@ def test_request_recipe_sets_the_rows_and_refuses_what_the_server_cannot_do(serv
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "ridgefill.recipe" and words in err["message"], err
     _check_rows(_complete(on)["usage"])
+
+
+def test_echo_with_logprobs_on_a_fill_server_runs_an_exact_prefill(servers):
+    """Filled rows have no logits, so a request asking the prompt's logprobs is prefilled
+    exactly: every row scored, the same values as a fill-off server's, no fill in its usage."""
+    on, off = servers
+    body = {"prompt": LONG, "echo": True, "logprobs": 1, "max_tokens": 0}
+    before = _counters(on)
+    got, want = (httpx.post(url + "/v1/completions", json=body, timeout=120).json() for url in (on, off))
+    assert "ridgefill" not in got["usage"] and _counters(on) == before
+    values, ref = got["choices"][0]["logprobs"]["token_logprobs"], want["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(values) == got["usage"]["prompt_tokens"] > TAIL and values[0] is None
+    assert None not in values[1:] and max(abs(a - b) for a, b in zip(values[1:], ref[1:])) < 1e-4
