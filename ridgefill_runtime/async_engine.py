@@ -79,6 +79,8 @@ class FillRows:
     exact_prefix: int  # prefix rows chosen to run exactly (len(Sequence.exact_rows))
     tail: int  # the last rows, run through every layer
     split: int
+    cached_filled: int = 0  # filled rows taken from the prefix cache (Sequence.cached_filled_rows)
+    remade: int = 0  # cached filled rows its selectors chose and made exact (len(Sequence.remade_rows))
 
 
 @dataclass(eq=False)
@@ -93,6 +95,7 @@ class RequestHandle:
     fill: bool = True  # False: exact prefill even when the engine's fill is on
     rows: RowsConfig | None = None  # this request's exact-row selectors; None: the engine's
     terminal_state: bool | None = None  # this request's terminal-state correction; None: the engine's
+    reuse_filled: str | None = None  # what it takes from the prefix cache's filled blocks; None: the engine's
     deadline: float | None = None  # time.monotonic() after which it ends with "timeout"
     seq: Sequence | None = None  # set by the engine thread once added
     fill_rows: FillRows | None = None  # set with seq when its prefix is filled (final once finished)
@@ -230,7 +233,7 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
                rows: RowsConfig | None = None, deadline: float | None = None,
-               terminal_state: bool | None = None) -> RequestHandle:
+               terminal_state: bool | None = None, reuse_filled: str | None = None) -> RequestHandle:
         """Validate and enqueue; raises InputError, EngineOverloaded or EngineStopped.
         `fill=False` asks for exact prefill even when the engine's fill is on; `rows` replaces
         the engine's exact-row selectors for this request (Engine.add_request); past `deadline`
@@ -241,7 +244,7 @@ class AsyncEngine:
         self.engine.check_terminal_request(terminal_state)  # NOTE: immutable engine facts, like validate
         self.engine.plan_loops(params)
         handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop(), fill=fill, rows=rows,
-                               deadline=deadline, terminal_state=terminal_state)
+                               deadline=deadline, terminal_state=terminal_state, reuse_filled=reuse_filled)
         with self._lock:
             # NOTE: checked and enqueued under the lock: once stop() has closed admission, no
             # add can land in the inbox behind its wake-up, unseen by the thread's last drain.
@@ -337,7 +340,7 @@ class AsyncEngine:
             return
         try:
             seq = self.engine.add_request(handle.prompt_ids, handle.params, fill=handle.fill, rows=handle.rows,
-                                          terminal_state=handle.terminal_state,
+                                          terminal_state=handle.terminal_state, reuse_filled=handle.reuse_filled,
                                           deadline=handle.deadline)
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
             self._finish(handle, StreamEvent("", [], True, "error", str(e)))
@@ -426,9 +429,12 @@ class AsyncEngine:
             if handle.fill_rows is not None:
                 # NOTE: the prefill is over (or abandoned), so the exact rows are final; written
                 # before the finishing event is sent, so usage read after it sees them.
-                exact = len(handle.seq.exact_rows)
+                seq = handle.seq
+                exact = len(seq.exact_rows)
                 handle.fill_rows = dataclasses.replace(
-                    handle.fill_rows, filled=handle.seq.fill_boundary - exact, exact_prefix=exact)
+                    handle.fill_rows, filled=seq.fill_boundary - exact, exact_prefix=exact,
+                    cached_filled=min(seq.cached_filled_rows, seq.fill_boundary) - len(seq.remade_rows),
+                    remade=len(seq.remade_rows))
         handle.times.finished = time.monotonic()
         with self._lock:
             self._in_flight -= 1

@@ -172,12 +172,13 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
                                  f"{server_config.served_model_name!r}", "model")
 
     def fill_for(body, eng: AsyncEngine):
-        """The request's (exact-row selectors, terminal-state correction) over the server's."""
+        """The request's (exact-row selectors, terminal-state correction, prefix-cache reuse of
+        filled blocks) over the server's."""
         tok = eng.engine.tokenizer
         rows = rq.request_rows(body, eng.engine.fill.rows, tok is not None and hasattr(tok, "token_type"))
-        return rows, rq.request_terminal_state(body, eng.engine)
+        return rows, rq.request_terminal_state(body, eng.engine), rq.request_reuse(body)
 
-    def submit(request: Request, body, prompt_ids, params, fill: bool, rows, terminal):
+    def submit(request: Request, body, prompt_ids, params, fill: bool, rows, terminal, reuse):
         """One engine sequence per choice (n); if one cannot be queued, those already are aborted."""
         eng = state.ready()
         deadline = deadline_for(body.timeout, server_config.request_timeout_s)
@@ -185,7 +186,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         handles = []
         try:
             for choice in rq.choice_params(params, body.n):
-                handles.append(eng.submit(prompt_ids, choice, fill, rows, deadline=deadline, terminal_state=terminal))
+                handles.append(eng.submit(prompt_ids, choice, fill, rows, deadline=deadline, terminal_state=terminal,
+                                          reuse_filled=reuse))
         except InputError as e:
             _abort_all(eng, handles)
             raise HTTPError(400, str(e), field_of(str(e)) or "prompt") from None
@@ -253,7 +255,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         fill = rq.wants_fill(body, scores_prompt)
         eng = state.ready()
         strings = state.token_strings(logprobs)
-        rows, terminal = fill_for(body, eng)
+        rows, terminal, reuse = fill_for(body, eng)
         rq.check_completion_prompt(body, eng.engine.max_model_len)
         params = rq.sampling_params(body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, server_config.max_stop_strings)
         params = rq.with_logprobs(params, logprobs, prompt=scores_prompt)
@@ -262,7 +264,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         # NOTE: every cheap check is done; tokenizing may take seconds, in a worker thread.
         prompt = await asyncio.to_thread(rq.completion_prompt, body, eng.engine.tokenizer)
         echo = Echo(rq.echo_text(body, prompt, eng.engine.tokenizer), tuple(prompt)) if body.echo else Echo()
-        handles = submit(request, body, prompt, params, fill, rows, terminal)
+        handles = submit(request, body, prompt, params, fill, rows, terminal, reuse)
         choices = [CompletionChoiceStream(i, h, strings, echo) for i, h in enumerate(handles)]
         rid, model = new_id("cmpl"), server_config.served_model_name
         if body.stream:
@@ -282,7 +284,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         fill = rq.wants_fill(body)
         eng = state.ready()
         strings = state.token_strings(logprobs)
-        rows, terminal = fill_for(body, eng)
+        rows, terminal, reuse = fill_for(body, eng)
         rq.check_messages(body.messages)
         params = rq.chat_sampling_params(body, server_config.default_chat_max_tokens, server_config.max_stop_strings)
         params = rq.with_logprobs(params, logprobs)
@@ -291,7 +293,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
         prompt = await asyncio.to_thread(rq.chat_prompt, body.messages, eng.engine.tokenizer)
         params = rq.fit_default_limit(body, params, len(prompt), eng.engine.max_model_len)
-        handles = submit(request, body, prompt, params, fill, rows, terminal)
+        handles = submit(request, body, prompt, params, fill, rows, terminal, reuse)
         rid, model = new_id("chatcmpl"), server_config.served_model_name
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)

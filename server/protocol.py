@@ -26,7 +26,9 @@ class RidgefillOptions(BaseModel):
     `num_tokens` (at most the server's speculative.num_tokens) set this request's speculative
     decoding; only greedy requests speculate. `recipe` (fill/recipes.py) sets this request's
     exact-row selectors (unless `selectors` is given) and whether the terminal-state correction
-    is added; the split, tail, maps and value rescale stay the server's. On a looped model,
+    is added; the split, tail, maps and value rescale stay the server's. `reuse_filled`
+    ("reselect", "as-is", "never") sets what this request takes from the prefix cache's filled
+    blocks (fill.reuse_filled). On a looped model,
     `loops`, `cache`, `window`, `block`, `draft_loops` and `allow_short_window` override the
     operator's [looped] table (ridgefill_runtime/config.LoopConfig) within what it stores. Other
     values are refused in `server/requests.py` and the engine (a 400 naming the field)."""
@@ -37,6 +39,7 @@ class RidgefillOptions(BaseModel):
     speculative: str | None = None
     num_tokens: int | None = None
     recipe: str | None = None
+    reuse_filled: str | None = None
     loops: int | None = None
     cache: str | None = None
     window: int | None = None
@@ -122,6 +125,12 @@ class FillUsage(BaseModel):
     exact_prefix_rows: int
     tail_rows: int
     split: int
+    cached_filled_rows: int = 0  # of the filled rows, those taken from the prefix cache
+    remade_exact_rows: int = 0  # cached filled rows this request's selectors chose and made exact
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens taken from the prefix cache (their K/V were not computed)
 
 
 class SpeculationUsage(BaseModel):
@@ -135,6 +144,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails(cached_tokens=0)
     # NOTE: present exactly when the request's prefix was filled
     ridgefill: FillUsage | None = Field(default=None, exclude_if=lambda v: v is None)
     # NOTE: present exactly when the request verified drafts (n-gram or a looped model's own)
@@ -142,21 +152,26 @@ class Usage(BaseModel):
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, fill: FillRows | None = None,
-               verifications: int = 0, verified_tokens: int = 0) -> Usage:
+               verifications: int = 0, verified_tokens: int = 0, cached_tokens: int = 0) -> Usage:
     fill_usage = None if fill is None else FillUsage(
-        filled_rows=fill.filled, exact_prefix_rows=fill.exact_prefix, tail_rows=fill.tail, split=fill.split)
+        filled_rows=fill.filled, exact_prefix_rows=fill.exact_prefix, tail_rows=fill.tail, split=fill.split,
+        cached_filled_rows=fill.cached_filled, remade_exact_rows=fill.remade)
     spec = None if not verifications else SpeculationUsage(
         verifications=verifications, tokens_per_verification=verified_tokens / verifications)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens, ridgefill=fill_usage, speculation=spec)
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens), ridgefill=fill_usage,
+                 speculation=spec)
 
 
 def usage_of(handles: Sequence[RequestHandle]) -> Usage:
     """The usage of a finished request, streamed or not: its choices share one prompt, counted
     once (and its fill, the same for each); their completion tokens add up."""
     seqs = [h.seq for h in handles if h.seq is not None]
+    # NOTE: the prompt tokens none of the choices computed (the first computes what the others reuse)
+    cached = min((s.num_cached for s in seqs), default=0)
     return make_usage(handles[0].num_prompt_tokens, sum(h.num_output_tokens for h in handles), handles[0].fill_rows,
-                      sum(s.verifications for s in seqs), sum(s.verified_tokens for s in seqs))
+                      sum(s.verifications for s in seqs), sum(s.verified_tokens for s in seqs), cached)
 
 
 def new_id(prefix: str) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 
 from ridgefill_runtime.config import SELECTORS, LoopOverrides, RowsConfig, SpeculativeConfig
 from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.config import REUSE_POLICIES
 from ridgefill_runtime.fill.recipes import RECIPES
 from ridgefill_runtime.fill.settings import needs_counts
 from ridgefill_runtime.sequence import MAX_LOGPROBS, SamplingParams
@@ -107,6 +108,15 @@ def _recipe(req: _SamplingFields):
         raise HTTPError(400, f"ridgefill.recipe: unknown recipe {name!r} (known: {', '.join(RECIPES)})",
                         "ridgefill.recipe")
     return None if name is None else RECIPES[name]
+
+
+def request_reuse(req: _SamplingFields) -> str | None:
+    """The request's ridgefill.reuse_filled (None: the server's fill.reuse_filled)."""
+    policy = req.ridgefill.reuse_filled if req.ridgefill is not None else None
+    if policy is not None and policy not in REUSE_POLICIES:
+        raise HTTPError(400, f"ridgefill.reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}",
+                        "ridgefill.reuse_filled")
+    return policy
 
 
 def request_terminal_state(req: _SamplingFields, engine) -> bool | None:

@@ -112,7 +112,7 @@ def _check_rows(usage: dict) -> int:
     exact = fill["exact_prefix_rows"]
     assert 1 <= exact < usage["prompt_tokens"] - TAIL  # position 0 is always exact
     assert fill == {"filled_rows": usage["prompt_tokens"] - TAIL - exact, "exact_prefix_rows": exact,
-                    "tail_rows": TAIL, "split": SPLIT}
+                    "tail_rows": TAIL, "split": SPLIT, "cached_filled_rows": 0, "remade_exact_rows": 0}
     return exact
 
 
@@ -140,7 +140,7 @@ def test_request_selectors_replace_the_servers_while_others_are_served(servers):
     # No selector: no exact prefix row, the whole prefix is filled.
     n = none["usage"]["prompt_tokens"]
     assert none["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
-                                          "tail_rows": TAIL, "split": SPLIT}
+                                          "tail_rows": TAIL, "split": SPLIT, "cached_filled_rows": 0, "remade_exact_rows": 0}
 
 
 def test_unknown_request_selector_is_400_and_the_server_keeps_serving(servers):
@@ -343,7 +343,7 @@ def test_request_recipe_sets_the_rows_and_refuses_what_the_server_cannot_do(serv
     plain = _complete(on, ridgefill={"recipe": "flash-next"})  # Flash-Next's plain mode: no exact prefix row
     n = plain["usage"]["prompt_tokens"]
     assert plain["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
-                                           "tail_rows": TAIL, "split": SPLIT}
+                                           "tail_rows": TAIL, "split": SPLIT, "cached_filled_rows": 0, "remade_exact_rows": 0}
     _check_rows(_complete(on, ridgefill={"recipe": "qwen3.8-27b"})["usage"])  # its selectors chose some rows
     both = _complete(on, ridgefill={"recipe": "flash-next", "selectors": ["special"]})  # selectors win
     assert both["usage"]["ridgefill"]["exact_prefix_rows"] >= 1
@@ -366,3 +366,27 @@ def test_echo_with_logprobs_on_a_fill_server_runs_an_exact_prefill(servers):
     values, ref = got["choices"][0]["logprobs"]["token_logprobs"], want["choices"][0]["logprobs"]["token_logprobs"]
     assert len(values) == got["usage"]["prompt_tokens"] > TAIL and values[0] is None
     assert None not in values[1:] and max(abs(a - b) for a, b in zip(values[1:], ref[1:])) < 1e-4
+
+
+def test_a_second_question_on_a_cached_filled_document_reports_its_rows(model_and_maps, tmp_path):
+    """Prefix caching on a fill server: the second question's usage says how many prompt tokens
+    came from the cache and how many of its filled rows; as-is remakes none; a bad policy is a 400."""
+    base, maps = model_and_maps
+    f = _config(tmp_path, f'[cache]\nnum_blocks = 64\n[fill]\nmode = "plain"\nsplit = {SPLIT}\ntail = {TAIL}\n'
+                          f'maps = "{maps[SPLIT]}"\n')
+    cfg, server_cfg, settings = load_config(f)
+    engine = Engine(base.model, base.tokenizer, cfg, load_fill_maps(cfg, base.model))
+    with BackgroundServer(create_app(cfg, server_cfg, settings, build=lambda: engine)) as srv:
+        srv.wait_ready()
+        first = _complete(srv.url, ridgefill={"reuse_filled": "as-is"})
+        second = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+            "prompt": LONG + " And once more?", **GREEDY, "ridgefill": {"reuse_filled": "as-is"}}).json()
+        bad = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "ridgefill": {"reuse_filled": "often"}})
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    fill = second["usage"]["ridgefill"]
+    boundary = first["usage"]["prompt_tokens"] - TAIL
+    assert cached >= boundary // 16 * 16 > 0  # the whole filled document, in full blocks
+    assert 0 < fill["cached_filled_rows"] <= first["usage"]["ridgefill"]["filled_rows"]
+    assert fill["remade_exact_rows"] == 0
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ridgefill.reuse_filled"

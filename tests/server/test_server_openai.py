@@ -185,3 +185,19 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(served):
 
 def _steps(served) -> float:
     return _metric(httpx.get(served.url + "/metrics").text, "ridgefill_engine_step_seconds_count")
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_the_prefix_cache_metrics(served):
+    body = {"prompt": PROMPT + " Tell me more about it, in detail, please.", **GREEDY}
+    before = httpx.get(served.url + "/metrics").text
+    first = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()
+    again = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()
+    after = httpx.get(served.url + "/metrics").text
+    n = first["usage"]["prompt_tokens"]
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    # every full block before the prompt's last token: this very prompt's, or an earlier test's
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // 16 * 16}
+    hits = _metric(after, "ridgefill_prefix_cache_hits_total") - _metric(before, "ridgefill_prefix_cache_hits_total")
+    queries = _metric(after, "ridgefill_prefix_cache_queries_total") - _metric(before, "ridgefill_prefix_cache_queries_total")
+    assert queries == 2 * n and hits == first["usage"]["prompt_tokens_details"]["cached_tokens"] + (n - 1) // 16 * 16
+    assert _metric(after, "ridgefill_prefix_cache_blocks") >= (n - 1) // 16
