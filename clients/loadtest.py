@@ -186,25 +186,26 @@ async def run_plain(args) -> dict:
     client = Client(args.url, args.model, args.api_key, args.timeout)
     try:
         prompts = [await client.prompt_ids(args.prompt_tokens, i) for i in range(args.num_prompts)]
-        gate = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
-
-        async def one(p):
-            async with gate:
-                return await client.stream(p, args.output_tokens)
-
-        recs, duration = await _arrivals(prompts, one, args.rate)
+        recs, duration = await _arrivals(prompts, lambda p: client.stream(p, args.output_tokens), args)
     finally:
         await client.close()
     return {"mode": "plain", "settings": _settings(args), "summary": summarize(recs, duration)}
 
 
-async def _arrivals(requests: list, one, rate: float) -> tuple[list[StreamRecord], float]:
-    """Send `one(request)` for each request at `rate` per second (inf: all at once)."""
+async def _arrivals(requests: list, send, args) -> tuple[list[StreamRecord], float]:
+    """`send(request)` for each request at args.rate per second (inf: all at once), at most
+    args.max_concurrency in flight; the records and the run's duration."""
+    gate = asyncio.Semaphore(args.max_concurrency or len(requests))
+
+    async def one(req):
+        async with gate:
+            return await send(req)
+
     t0 = time.perf_counter()
     tasks = []
     for i, req in enumerate(requests):
-        if i and rate != math.inf:
-            await asyncio.sleep(1 / rate)  # NOTE: fixed inter-arrival; the rate is the experiment
+        if i and args.rate != math.inf:
+            await asyncio.sleep(1 / args.rate)  # NOTE: fixed inter-arrival; the rate is the experiment
         tasks.append(asyncio.create_task(one(req)))
     recs = await asyncio.gather(*tasks)
     return recs, time.perf_counter() - t0
@@ -217,13 +218,7 @@ async def run_chat(args) -> dict:
         chats = [[{"role": "system", "content": system},
                   {"role": "user", "content": filler_text(args.user_tokens, i + 1)}]
                  for i in range(args.num_prompts)]
-        gate = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
-
-        async def one(messages):
-            async with gate:
-                return await client.stream_chat(messages, args.output_tokens)
-
-        recs, duration = await _arrivals(chats, one, args.rate)
+        recs, duration = await _arrivals(chats, lambda m: client.stream_chat(m, args.output_tokens), args)
     finally:
         await client.close()
     stats = summarize(recs, duration)

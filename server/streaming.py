@@ -167,17 +167,8 @@ async def stream_completion(engine: AsyncEngine, handles: list[RequestHandle], r
         return sse(CompletionChunk(id=rid, created=created, model=model,
                                    choices=[] if choice is None else [choice], usage=usage))
 
-    async with aclosing(choice_events(engine, handles)) as events:
-        async for i, event in events:
-            if event.error:  # NOTE: the stream ends here; closing `events` aborts the other choices
-                yield sse(error_body(500, event.error))
-                break
-            for piece in choices[i].pieces(event):
-                yield chunk(piece)
-        else:
-            if include_usage:
-                yield chunk(None, usage_of(handles))
-    yield sse("[DONE]")
+    async for line in _choice_lines(engine, handles, choices, chunk, include_usage):
+        yield line
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -230,6 +221,13 @@ async def stream_chat(engine: AsyncEngine, handles: list[RequestHandle], rid: st
 
     for choice in choices:
         yield chunk(choice.opening())
+    async for line in _choice_lines(engine, handles, choices, chunk, include_usage):
+        yield line
+
+
+async def _choice_lines(engine: AsyncEngine, handles: list[RequestHandle], choices, chunk,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """The SSE lines of n choices' pieces as their events arrive, the usage chunk, [DONE]."""
     async with aclosing(choice_events(engine, handles)) as events:
         async for i, event in events:
             if event.error:  # NOTE: the stream ends here; closing `events` aborts the other choices
@@ -241,4 +239,3 @@ async def stream_chat(engine: AsyncEngine, handles: list[RequestHandle], rid: st
             if include_usage:
                 yield chunk(None, usage_of(handles))
     yield sse("[DONE]")
-
