@@ -24,3 +24,17 @@ def app_server(build, **overrides) -> BackgroundServer:
     """The real app on a free loopback port, with server.* settings overridden by keyword."""
     engine_cfg, server_cfg, fill = load_config(None, {f"server.{k}": v for k, v in overrides.items()})
     return BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=build))
+
+
+def serve_embedded(tmp_path_factory, num_blocks: int = 256):
+    """Yields the real app on the embedded engine (default settings, `num_blocks` KV blocks),
+    ready, with the engine as its `engine` attribute: the body of a module-scoped fixture."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
+        torch.set_num_threads(2)
+        engine_cfg, server_cfg, fill = load_config(None, {"cache.num_blocks": num_blocks})
+        engine = build_engine(engine_cfg)
+        with BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=lambda: engine)) as srv:
+            srv.wait_ready()
+            srv.engine = engine
+            yield srv

@@ -13,11 +13,8 @@ import openai
 import pytest
 import torch
 
-from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.loader.gguf import default_model_path
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import load_config
+from served_app import serve_embedded
 
 TOL = 1e-4
 PROMPT = "The three most useful kitchen tools are"
@@ -26,16 +23,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
-    torch.set_num_threads(2)
-    engine_cfg, server_cfg, fill = load_config(None, {"cache.num_blocks": 256})
-    engine = build_engine(engine_cfg)
-    with BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=lambda: engine)) as srv:
-        srv.wait_ready()
-        srv.engine = engine
-        yield srv
-    mp.undo()
+    yield from serve_embedded(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

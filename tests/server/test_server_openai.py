@@ -12,12 +12,8 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
-from ridgefill_runtime.llm import build_engine
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import load_config
+from served_app import serve_embedded
 
 PROMPT = "The three most useful kitchen tools are"
 GREEDY = {"temperature": 0, "max_tokens": 12}
@@ -25,16 +21,7 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
-    torch.set_num_threads(2)
-    engine_cfg, server_cfg, fill = load_config(None, {"cache.num_blocks": 256})
-    engine = build_engine(engine_cfg)
-    with BackgroundServer(create_app(engine_cfg, server_cfg, fill, build=lambda: engine)) as srv:
-        srv.wait_ready()
-        srv.engine = engine
-        yield srv
-    mp.undo()
+    yield from serve_embedded(tmp_path_factory)
 
 
 @pytest.fixture
