@@ -39,7 +39,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = 1
 
 # Only types with an independent test of their dequantization are accepted.
-_DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
 
 # llama3 frequency factors, written by llama.cpp's converter as a tensor instead of metadata.
 _ROPE_FREQS = "rope_freqs.weight"

@@ -15,6 +15,8 @@ same tensor. Why each type is exact (all arithmetic float32, as gguf-py does it)
          an fp16's 11), so the sum is the exact (q - 8) * d too. -8 * d stays fp16 unless it
          overflows fp16 (|d| >= 8192); then scale and min are float32. The one difference is the
          sign of a zero: q == 8 with a negative d gives +0 here, -0 in gguf-py.
+- Q5_0   as Q4_0 with 5-bit q and -16 * d (gguf-py: (q - 16) * d); -16 * d overflows fp16 from
+         |d| >= 4096. The same zero-sign difference.
 - Q4_K   scale = d * sc and min = -(dmin * m) per 32-value sub-block, both exact products (fp16
          times a 6-bit integer), then q * scale + min, which IEEE defines as q * scale - dmin * m.
 - Q6_K   scale = d * sc per 16 values (exact), then q * scale: gguf-py's product, operands swapped.
@@ -62,16 +64,34 @@ def _decode_q8_0(blocks: np.ndarray) -> Decoded:
     return q, _half(blocks, 0)[:, None], None  # scale [B, 1]
 
 
-def _decode_q4_0(blocks: np.ndarray) -> Decoded:
-    # block_q4_0 { f16 d; u8 qs[16]; }  value j: low nibble of qs[j], j + 16: its high nibble; x = (q - 8) * d
-    d = _half(blocks, 0)[:, None]  # [B, 1]
-    q = _as_int8(_nibbles(blocks[:, 2:18]), (len(blocks), 32))  # [B, 32] in 0..15
-    minimum = d.astype(np.float32) * np.float32(-8)  # [B, 1], exact in float32
+def _offset_by(q: np.ndarray, d: np.ndarray, offset: int) -> Decoded:
+    """x = (q - offset) * d as q * d + (-offset * d): scale and min in fp16 while -offset * d is
+    one, else both float32 (a power-of-two multiple of an fp16 is exact in float32)."""
+    minimum = d.astype(np.float32) * np.float32(-offset)  # [B, 1], exact in float32
     with np.errstate(over="ignore"):
-        as_half = minimum.astype(np.float16)  # overflows to inf once |d| >= 8192
+        as_half = minimum.astype(np.float16)  # overflows to inf once |offset * d| > 65504
     if np.array_equal(as_half.astype(np.float32), minimum, equal_nan=True):
         return q, d, as_half
     return q, d.astype(np.float32), minimum
+
+
+def _decode_q4_0(blocks: np.ndarray) -> Decoded:
+    # block_q4_0 { f16 d; u8 qs[16]; }  value j: low nibble of qs[j], j + 16: its high nibble; x = (q - 8) * d
+    q = _as_int8(_nibbles(blocks[:, 2:18]), (len(blocks), 32))  # [B, 32] in 0..15
+    return _offset_by(q, _half(blocks, 0)[:, None], 8)
+
+
+_BIT = np.arange(32, dtype=np.uint32)  # [32]
+
+
+def _decode_q5_0(blocks: np.ndarray) -> Decoded:
+    # block_q5_0 { f16 d; u8 qh[4]; u8 qs[16]; }  value j: the nibbles as in Q4_0, with bit j of
+    # the little-endian uint32 qh as its fifth bit; x = (q - 16) * d
+    qh = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # [B, 1]
+    fifth = ((qh >> _BIT) & 1).astype(np.uint8)  # [B, 32]
+    low = _nibbles(blocks[:, 6:22]).reshape(len(blocks), 32)  # [B, 32]
+    q = _as_int8(low | (fifth << 4), (len(blocks), 32))  # [B, 32] in 0..31
+    return _offset_by(q, _half(blocks, 0)[:, None], 16)
 
 
 def _decode_q4_1(blocks: np.ndarray) -> Decoded:
@@ -131,6 +151,7 @@ class _Format:
 _FORMATS = {
     "Q8_0": _Format(32, 34, 8, 32, _decode_q8_0),
     "Q4_0": _Format(32, 18, 4, 32, _decode_q4_0),
+    "Q5_0": _Format(32, 22, 8, 32, _decode_q5_0),  # NOTE: 5-bit q held in the 8-bit layout
     "Q4_1": _Format(32, 20, 4, 32, _decode_q4_1),
     "Q4_K": _Format(256, 144, 4, 32, _decode_q4_k),
     "Q6_K": _Format(256, 210, 8, 16, _decode_q6_k),

@@ -28,7 +28,8 @@ BLOCKS = {
     Q.Q4_1: (32, 20, (0, 2)),  # d, m
     Q.Q4_K: (256, 144, (0, 2)),  # d, dmin
     Q.Q6_K: (256, 210, (208,)),  # d (last)
-    Q.Q5_0: (32, 22, (0,)),  # d; only used for the refusal
+    Q.Q5_0: (32, 22, (0,)),  # d
+    Q.Q5_1: (32, 24, (0, 2)),  # d, m; only used for the refusal
 }
 
 # fp16 extremes: the largest finite, +-8192 (the first |d| whose -8d overflows fp16), 8188 (-8d is
@@ -94,6 +95,7 @@ def assert_identical(actual: torch.Tensor, expected: torch.Tensor, zero_sign_may
 FORMATS = {
     Q.Q8_0: (8, 32, torch.float16, False, (-128, 127)),
     Q.Q4_0: (4, 32, torch.float32, True, (0, 15)),  # |d| >= 8192 among the d's: -8d overflows fp16
+    Q.Q5_0: (8, 32, torch.float32, True, (0, 31)),  # |d| >= 4096 among the d's: -16d overflows fp16
     Q.Q4_1: (4, 32, torch.float16, True, (0, 15)),
     Q.Q4_K: (4, 32, torch.float32, True, (0, 15)),
     Q.Q6_K: (8, 16, torch.float32, False, (-32, 31)),
@@ -109,7 +111,7 @@ def test_values_equal_gguf_py(tmp_path, qtype):
     assert g.q.shape == (ROWS, COLS) and g.scale.shape == (ROWS, COLS // group)
 
     expected = dequantize_tensor(tensor)  # gguf-py's float32 values, [N, K]
-    assert_identical(dequantize_groups(g), expected, zero_sign_may_differ=qtype == Q.Q4_0)
+    assert_identical(dequantize_groups(g), expected, zero_sign_may_differ=qtype in (Q.Q4_0, Q.Q5_0))
     assert float(expected.abs().max()) > 1e4  # the extreme scales were really used
     assert int(g.q.min()) == low and int(g.q.max()) == high  # the whole range, nothing beyond
 
@@ -169,10 +171,10 @@ def test_q6_k_layout_on_a_hand_made_block(tmp_path):
 def test_unsupported_types_are_refused_by_name(tmp_path):
     rng = np.random.default_rng(5)
     tensors = write_and_read(tmp_path / "other.gguf", {
-        "blk.3.ffn_up.weight": (random_blocks(rng, Q.Q5_0, 2, 64, halves=[1.0]), Q.Q5_0),
+        "blk.3.ffn_up.weight": (random_blocks(rng, Q.Q5_1, 2, 64, halves=[1.0]), Q.Q5_1),
         "blk.3.attn_q.weight": (rng.standard_normal((2, 64)).astype(np.float16), Q.F16),
     })
-    with pytest.raises(UnsupportedError, match=r"'blk\.3\.ffn_up\.weight' has type Q5_0"):
+    with pytest.raises(UnsupportedError, match=r"'blk\.3\.ffn_up\.weight' has type Q5_1"):
         grouped_from_gguf(tensors["blk.3.ffn_up.weight"])
     with pytest.raises(UnsupportedError, match=r"'blk\.3\.attn_q\.weight' has type F16"):
         grouped_from_gguf(tensors["blk.3.attn_q.weight"])
@@ -205,7 +207,7 @@ def test_grouped_ints_checks_shapes():
 @pytest.fixture
 def parts(tmp_path) -> dict[Q, GroupedInts]:
     rng = np.random.default_rng(7)
-    rows = {Q.Q4_K: 3, Q.Q6_K: 2, Q.Q8_0: 4, Q.Q4_1: 1, Q.Q4_0: 2}
+    rows = {Q.Q4_K: 3, Q.Q6_K: 2, Q.Q8_0: 4, Q.Q4_1: 1, Q.Q4_0: 2, Q.Q5_0: 2}
     written = write_and_read(tmp_path / "parts.gguf", {
         qtype.name: (random_blocks(rng, qtype, n, 512, halves=EXTREME_HALVES[:n * 2]), qtype)
         for qtype, n in rows.items()})
@@ -217,6 +219,7 @@ def parts(tmp_path) -> dict[Q, GroupedInts]:
     (Q.Q8_0, Q.Q4_1, Q.Q8_0),  # float16 throughout, Q8_0 given a -0.0 min
     (Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0),
     (Q.Q4_1, Q.Q4_1),
+    (Q.Q5_0, Q.Q5_0, Q.Q8_0),  # Gemma 3 270M's q, k, v
 ], ids=lambda mix: "+".join(q.name for q in mix))
 def test_concat_rows_is_exact(parts, mix):
     chosen = [parts[q] for q in mix]

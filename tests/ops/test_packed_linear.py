@@ -18,9 +18,9 @@ from ridgefill_runtime.ops.packed_linear import (
 
 needs_kernel = pytest.mark.skipif(not op_available("packed_linear"), reason="compiled extension not built")
 
-# (bits, group, scale dtype, with a min): Q4_1 / Q4_0, Q8_0, Q6_K, Q4_K as the loader repacks them
+# (bits, group, scale dtype, with a min): Q4_1 / Q4_0, Q8_0, Q6_K, Q4_K, Q5_0 as the loader repacks them
 FORMATS = [(4, 32, torch.float16, True), (8, 32, torch.float16, False), (8, 16, torch.float32, False),
-           (4, 32, torch.float32, True)]
+           (4, 32, torch.float32, True), (8, 32, torch.float16, True)]
 
 
 def _random(n: int, k: int, bits: int, group: int, dtype, with_min: bool, seed: int = 0):
