@@ -135,12 +135,8 @@ class Scheduler:
         NOTE: alone, it holds them alone and needs no copy, so it always runs in the end."""
         seq = item.seq
         indices = sorted({r // self.blocks.block_size for r in seq.remade_rows})
-        while self.blocks.num_free < self.caches.copies_needed(seq, indices):
-            victim = self.running[-1]
-            self._preempt(victim)
-            step.drop(victim)
-            if victim is seq:
-                return False
+        if not self._preempt_until(seq, step, lambda: self.blocks.num_free >= self.caches.copies_needed(seq, indices)):
+            return False
         item.copies = self.caches.make_private(seq, indices)
         return True
 
@@ -162,13 +158,19 @@ class Scheduler:
     def _make_room(self, seq: Sequence, end: int, step: _Step) -> bool:
         """Grow seq's table to cover `end` positions, preempting the newest running sequences
         until it fits; False when seq was the newest left and gave way itself."""
-        while not self.caches.can_grow(seq, end):
+        if not self._preempt_until(seq, step, lambda: self.caches.can_grow(seq, end)):
+            return False
+        self.caches.grow(seq, end)
+        return True
+
+    def _preempt_until(self, seq: Sequence, step: _Step, fits) -> bool:
+        """Preempt the newest running sequences until `fits()`; False when seq itself gave way."""
+        while not fits():
             victim = self.running[-1]  # at or after seq in admission order: never an older one
             self._preempt(victim)
             step.drop(victim)
             if victim is seq:
                 return False
-        self.caches.grow(seq, end)
         return True
 
     def _admit(self, step: _Step) -> None:

@@ -25,7 +25,6 @@ from .block_manager import BlockManager
 
 EXACT = b"exact"
 ROOT = b""  # the parent key of a sequence's first block
-from ..config import REUSE_POLICIES
 
 
 @dataclass(frozen=True)
@@ -74,9 +73,8 @@ def history_key(key: bytes, exact: tuple[int, ...]) -> bytes:
 def fill_identity(arm: str, split: int, maps_digest: str, policy: str, prompt: list[int] | None = None,
                   settings: str = "") -> bytes:
     """A filled request's block identity. `prompt` and `settings` (its exact-row choice, as
-    text) enter only under "never", whose blocks serve the byte-identical request alone."""
-    if policy not in REUSE_POLICIES:
-        raise ValueError(f"reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}")
+    text) enter only under "never", whose blocks serve the byte-identical request alone. The
+    policy is one of config.REUSE_POLICIES (FillConfig and Engine.add_request check it)."""
     # NOTE: "reselect" and "as-is" make and take the same blocks; they differ in what a request
     # does with the cached rows, not in what the rows hold
     kind = "never" if policy == "never" else "shared"
