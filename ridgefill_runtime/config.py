@@ -114,6 +114,27 @@ class LoopedConfig:
 
 
 @dataclass(frozen=True)
+class SlidingWindow:
+    """Interleaved local and global attention (Gemma 3): a local layer's query at position p
+    sees only keys at p - window < position <= p, and its RoPE turns at its own base."""
+
+    window: int
+    local_layers: tuple[int, ...]
+    local_rope_theta: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
+        if self.window <= 0:
+            raise ModelLoadError(f"model config: sliding window must be positive, got {self.window}")
+        if self.local_rope_theta <= 0:
+            raise ModelLoadError(f"model config: local rope theta must be positive, got {self.local_rope_theta}")
+
+    def window_of(self, layer: int) -> int:
+        """The layer's window; 0 for a global layer."""
+        return self.window if layer in self.local_layers else 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model math needs; filled from config.json or GGUF metadata."""
 
@@ -136,6 +157,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     hybrid: HybridConfig | None = None  # Gated DeltaNet layers beside attention; None: every layer attends
     looped: LoopedConfig | None = None  # prelude / core x R / coda; None: each layer runs once
+    sliding: SlidingWindow | None = None  # local (windowed) layers; None: every layer sees all keys
+    attention_scale: float | None = None  # q·k multiplier; None: head_dim ** -0.5
 
     def __post_init__(self) -> None:
         # NOTE: imported here, not at the top: the registry imports the model classes (torch),
@@ -154,9 +177,18 @@ class ModelConfig:
             )
         if self.looped is not None and self.looped.prelude + self.looped.core + self.looped.coda != self.num_layers:
             raise ModelLoadError(f"model config: prelude + core + coda layers != {self.num_layers} layers")
+        if self.sliding is not None and any(not 0 <= i < self.num_layers for i in self.sliding.local_layers):
+            raise ModelLoadError(f"model config: sliding-window layers {self.sliding.local_layers} outside "
+                                 f"0..{self.num_layers - 1}")
+        if self.attention_scale is not None and not self.attention_scale > 0:
+            raise ModelLoadError(f"model config: attention_scale must be positive, got {self.attention_scale}")
         if self.hybrid is not None and len(self.hybrid.layer_types) != self.num_layers:
             raise ModelLoadError(f"model config: {len(self.hybrid.layer_types)} layer types for "
                                  f"{self.num_layers} layers")
+
+    def window_of(self, layer: int) -> int:
+        """Layer's sliding window (0: it sees every earlier key)."""
+        return 0 if self.sliding is None else self.sliding.window_of(layer)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

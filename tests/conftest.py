@@ -32,3 +32,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's real GGUF, put together from its PyPI chunk packages (install.sh --test
+    installs them); a missing package fails the test with the pip command, never skips it."""
+    from ridgefill_runtime.loader.packaged import packaged_model_path
+
+    return packaged_model_path("gemma3-270m")

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import FillConfig
 from ..fill.corpus import evaluation_docs
 from ..fill.maps import FillMaps, check_maps_fit
-from ..fill.settings import shipped_maps
+from ..fill.settings import PACKAGED_MAPS, shipped_maps
 from .run import Arm, document_measures, markdown, needle_results, splices_for, summarize
 
 # the arm name for RidgeFill with the terminal-state correction (Flash-Next's quality mode)
@@ -36,7 +36,8 @@ def add_eval_parser(sub, engine_args) -> None:
 
 def run_eval(args, llm) -> int:
     model, tok = llm.engine.model, llm.tokenizer
-    maps_path = args.maps or str(shipped_maps(args.split))
+    packaged = args.model if args.model in PACKAGED_MAPS else None
+    maps_path = args.maps or str(shipped_maps(args.split, packaged))
     maps = FillMaps(maps_path, "resident", model.dtype, model.device)
     check_maps_fit(maps.meta, model.identity, model.config, args.split, maps_path)
     arms = []

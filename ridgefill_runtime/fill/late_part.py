@@ -26,10 +26,15 @@ def late_part(h: torch.Tensor, rope: tuple[torch.Tensor, ...], rope_at, fill: Fi
     return h_late, tuple(rope_late)
 
 
-def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], scale: float):
+def _no_window(layer: int) -> int:
+    return 0
+
+
+def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], scale: float,
+              window_of=_no_window):
     """An on_q(layer, q) hook appending, per request, the attention its keys receive at each of
     its layers ([K] float32) to found[request]; the runner adds them into its accumulators.
-    None when nothing is requested."""
+    window_of(layer): that layer's sliding window (0: none). None when nothing is requested."""
     if not requests:
         return None
 
@@ -37,6 +42,6 @@ def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], 
         for r, masses in zip(requests, found):
             if layer in r.layers:
                 k, _ = kv.read(layer, r.key_slots)  # [K, Hkv, D]
-                masses.append(key_mass(q[r.rows], r.q_pos, k, r.key_pos, scale))  # [K]
+                masses.append(key_mass(q[r.rows], r.q_pos, k, r.key_pos, scale, window=window_of(layer)))  # [K]
 
     return on_q

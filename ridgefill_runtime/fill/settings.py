@@ -32,8 +32,19 @@ SHIPPED_ROWS = {"selectors": ["special", "lexical"]}
 NEEDS_COUNTS = ("probe", "protected")  # selectors that read unigram counts (fill.rows.unigram)
 
 
-def shipped_maps(split: int = SHIPPED_SPLIT) -> Path:
-    return SHIPPED_DIR / f"smollm2-135m-instruct.split{split}.safetensors"
+# Maps shipped for packaged models (loader/packaged.py), by the model's name: fitted by
+# scripts/fit_default_maps.py on the same calibration rule as the embedded model's.
+PACKAGED_MAPS = {"gemma3-270m": "gemma3-270m"}
+
+
+def shipped_maps(split: int = SHIPPED_SPLIT, model: str | None = None) -> Path:
+    """The maps shipped for the embedded model (model None) or a packaged model by name."""
+    stem = "smollm2-135m-instruct" if model is None else PACKAGED_MAPS[model]
+    return SHIPPED_DIR / f"{stem}.split{split}.safetensors"
+
+
+def manifest_name(model: str | None = None) -> str:
+    return "manifest.json" if model is None else f"{PACKAGED_MAPS[model]}.manifest.json"
 
 
 def shipped_unigram() -> Path:
@@ -183,6 +194,8 @@ def _maps_path(model: str | None, given: dict, origin: dict[str, str]) -> str:
     embedded default model (they fit no other model, so a model path needs its own maps)."""
     if given.get("maps"):
         return given["maps"]
+    if model in PACKAGED_MAPS:
+        return str(shipped_maps(given.get("split", FillConfig().split), model))
     if model is not None:
         raise ConfigError(f"{origin['fill.mode']}: key 'fill.maps' is required when fill.mode = \"plain\" "
                           f"and model.path is set (the shipped maps fit only the embedded default model)")

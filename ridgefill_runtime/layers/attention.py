@@ -150,7 +150,8 @@ def _batched_for(q: torch.Tensor, batch: AttentionBatch) -> bool:
     return q.dtype != torch.float64 and batch.paged is not None
 
 
-def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: AttentionBatch, scale: float):
+def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: AttentionBatch, scale: float,
+             window: int = 0):
     """The batched kernel over step rows `rows` [R] (None: all N); q holds those rows [R, H, D].
     Returns (out [R', H*D] for the served ones, their indices into q [R'] or None when all)."""
     paged = batch.paged
@@ -161,7 +162,7 @@ def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: 
         pick = paged.served[owner].nonzero().flatten()  # [R']
         q, owner, pos = q[pick], owner[pick], pos[pick]
     out, _ = scattered_rows_attention(q, owner, pos, kv.k[layer], kv.v[layer], batch.block_tables,
-                                      paged.context_lens, batch.block_size, scale)
+                                      paged.context_lens, batch.block_size, scale, window=window)
     return out.reshape(q.shape[0], -1), pick
 
 
@@ -173,23 +174,30 @@ def causal_offset_mask(q_len: int, k_len: int, device: torch.device) -> torch.Te
 
 
 def attend_at(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              scale: float, k_pos: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float, k_pos: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Chosen query rows q [R, H, D] at positions q_pos [R] over k/v [Lk, Hkv, D] whose
-    positions are k_pos [Lk] (None: 0..Lk-1); a row sees keys at positions <= its own."""
+    positions are k_pos [Lk] (None: 0..Lk-1); a row sees keys at positions <= its own (and,
+    with a window, > its own - window)."""
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
     mask = None
     last = int(q_pos[0]) == (k.shape[0] - 1 if k_pos is None else int(k_pos[-1]))
-    if not (q.shape[0] == 1 and last):  # a last row sees everything
+    first = 0 if k_pos is None else int(k_pos[0])
+    if not (q.shape[0] == 1 and last and (not window or int(q_pos[0]) - first < window)):  # a last row sees everything
         if k_pos is None:
             k_pos = torch.arange(k.shape[0], device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [R, Lk]
+        if window:
+            mask &= q_pos[:, None] - k_pos[None, :] < window
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(q.shape[0], -1)  # [R, H*D]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """One sequence: q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H*D], queries = last Lq positions."""
     q_len, k_len = q.shape[0], k.shape[0]
+    if window and k_len > window:
+        q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
+        return attend_at(q, q_pos, k, v, scale, window=window)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
     if q_len == k_len:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
@@ -201,25 +209,36 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return out[0].transpose(0, 1).reshape(q_len, -1)  # [Lq, H*D]
 
 
-def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int):
-    """Sequence i's K/V over its whole context [ctx, Hkv, D]."""
+def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window: int = 0):
+    """Sequence i's K/V [L, Hkv, D] and their positions [L] (None: 0..ctx-1): the whole context,
+    or with a window only the keys some row of the step can see."""
     slots = batch.read_slots[i]
     if slots is None:  # NOTE: fresh prefill: its K/V are all in hand, skip the gather.
         lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
-        return k_new[lo:hi], v_new[lo:hi]
-    return kv.read(layer, slots)
+        return k_new[lo:hi], v_new[lo:hi], None
+    k_pos = batch.key_pos[i] if batch.key_pos is not None else None
+    if window:
+        # NOTE: keys older than every row's window are never read: a windowed layer's cache
+        # need not hold them (the fill does not write them), and the slab is not zeroed.
+        first = int(batch.row_positions(i, slots.device).min()) - window + 1
+        if k_pos is None:
+            keep = max(first, 0)
+            return *kv.read(layer, slots[keep:]), torch.arange(keep, len(slots), device=slots.device)
+        visible = k_pos >= first
+        slots, k_pos = slots[visible], k_pos[visible]
+    return *kv.read(layer, slots), k_pos
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    kv, layer: int, batch: AttentionBatch, scale: float) -> torch.Tensor:
+                    kv, layer: int, batch: AttentionBatch, scale: float, window: int = 0) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend per sequence.
 
-    q [N, H, D], k_new/v_new [N, Hkv, D] -> [N, H*D].
-    """
+    q [N, H, D], k_new/v_new [N, Hkv, D] -> [N, H*D]. window > 0: a row sees only the keys
+    less than `window` positions behind it (a sliding-window layer)."""
     kv.write(layer, batch.write_slots, k_new, v_new)
     served = None
     if _batched_for(q, batch):
-        out, pick = _batched(q, None, kv, layer, batch, scale)  # [R', H*D]
+        out, pick = _batched(q, None, kv, layer, batch, scale, window)  # [R', H*D]
         if pick is None:  # NOTE: the decode step: every row was served in that one call
             return out
         served = batch.paged.served_seqs
@@ -228,12 +247,12 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         if served is not None and served[i]:
             continue
         lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
-        k, v = _context(k_new, v_new, kv, layer, batch, i)
-        if batch.scattered(i) or (batch.key_pos is not None and batch.key_pos[i] is not None):
+        k, v, k_pos = _context(k_new, v_new, kv, layer, batch, i, window)
+        if batch.scattered(i) or k_pos is not None:
             outs.append((lo, attend_at(q[lo:hi], batch.row_positions(i, q.device), k, v, scale,
-                                       batch.key_positions(i, q.device))))
+                                       k_pos, window)))
         else:
-            outs.append((lo, attend(q[lo:hi], k, v, scale)))
+            outs.append((lo, attend(q[lo:hi], k, v, scale, window)))
     if served is None:
         return outs[0][1] if len(outs) == 1 else torch.cat([o for _, o in outs], dim=0)
     full = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [N, H*D]
@@ -244,7 +263,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 
 
 def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                         kv, layer: int, batch: AttentionBatch, scale: float) -> torch.Tensor:
+                         kv, layer: int, batch: AttentionBatch, scale: float, window: int = 0) -> torch.Tensor:
     """Like paged_attention, but only the sorted batch rows `rows` [R] attend; all rows' K/V
     are written. q [R, H, D] holds those rows' queries -> [R, H*D]."""
     kv.write(layer, batch.write_slots, k_new, v_new)
@@ -253,7 +272,7 @@ def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tenso
     owner = torch.searchsorted(starts, rows, right=True) - 1  # [R] sequence of each row
     served = None
     if _batched_for(q, batch) and rows.numel():
-        done, pick = _batched(q, rows, kv, layer, batch, scale)
+        done, pick = _batched(q, rows, kv, layer, batch, scale, window)
         if pick is None:
             return done
         out[pick] = done
@@ -263,14 +282,13 @@ def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tenso
             continue
         pick = (owner == i).nonzero().flatten()
         pos = batch.row_positions(i, rows.device)[rows[pick] - batch.query_starts[i]]  # [Ri]
-        k, v = _context(k_new, v_new, kv, layer, batch, i)
-        k_pos = batch.key_pos[i] if batch.key_pos is not None else None
-        out[pick] = attend_at(q[pick], pos, k, v, scale, k_pos)
+        k, v, k_pos = _context(k_new, v_new, kv, layer, batch, i, window)
+        out[pick] = attend_at(q[pick], pos, k, v, scale, k_pos, window)
     return out
 
 
 def key_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
-             scale: float, rows_per_block: int = 64) -> torch.Tensor:
+             scale: float, rows_per_block: int = 64, window: int = 0) -> torch.Tensor:
     """Attention each key receives: q [R, H, D] at q_pos [R] over k [Lk, Hkv, D] at k_pos [Lk]
     -> float32 [Lk], the softmax probabilities summed over rows and heads (causal by position).
 
@@ -284,6 +302,8 @@ def key_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch
         qb, pb = q[lo:lo + rows_per_block].float(), q_pos[lo:lo + rows_per_block]
         scores = torch.einsum("rhd,lhd->rhl", qb, kf) * scale  # [r, H, Lk]
         visible = k_pos[None, :] <= pb[:, None]  # [r, Lk]
+        if window:
+            visible &= pb[:, None] - k_pos[None, :] < window
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         mass += torch.softmax(scores, dim=-1).sum(dim=(0, 1))
     return mass

@@ -14,3 +14,11 @@ def swiglu_mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     # NOTE: in place on the GEMM's output: no [N, I] temporaries on the prefill path.
     F.silu(gate, inplace=True)
     return linear(gate.mul_(up), down)
+
+
+def geglu_mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """Gemma's feed-forward: down(gelu_tanh(gate x) * up x); x [N, d] -> [N, d], same layout as
+    swiglu_mlp."""
+    h = linear(x, gate_up)  # [N, 2I]
+    gate, up = h.chunk(2, dim=-1)
+    return linear(F.gelu(gate, approximate="tanh").mul_(up), down)

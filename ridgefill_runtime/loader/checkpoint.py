@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..config import HybridConfig, LoopedConfig, ModelConfig, MoEConfig, RopeScaling
+from ..config import HybridConfig, LoopedConfig, ModelConfig, MoEConfig, RopeScaling, SlidingWindow
 from ..errors import ModelLoadError
 from .tokenizer import Tokenizer
 
@@ -48,4 +48,6 @@ def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
         values["hybrid"] = HybridConfig(**hybrid)
     if values.get("looped") is not None:
         values["looped"] = LoopedConfig(**values["looped"])
+    if values.get("sliding") is not None:
+        values["sliding"] = SlidingWindow(**values["sliding"])
     return ModelConfig(**values)

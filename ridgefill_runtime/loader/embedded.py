@@ -10,5 +10,10 @@ EMBEDDED = {"looped": Path(__file__).resolve().parent.parent / "data" / "looped"
 
 
 def model_path(path: str | os.PathLike) -> Path:
-    """The path of a model argument: an embedded model's name, or the path itself."""
+    """The path of a model argument: an embedded model's name, a packaged model's name (PyPI chunk
+    packages put together on first use, loader/packaged.py), or the path itself."""
+    from .packaged import PACKAGED, packaged_model_path
+
+    if str(path) in PACKAGED:
+        return packaged_model_path(str(path))
     return EMBEDDED.get(str(path), Path(path))

@@ -214,6 +214,8 @@ def convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
             weight = unpermute_rope_rows(weight, config.num_heads)
         elif family.gguf.interleaved_rope_rows and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = unpermute_rope_rows(weight, config.num_kv_heads)
+        if family.gguf.norm_offset and hf_name.endswith("norm.weight"):
+            weight = weight - family.gguf.norm_offset
         tensors[hf_name] = weight
     _check_complete(path, family, config, tensors)
     return config, tensors, tokenizer

@@ -21,7 +21,7 @@ from ..fill.corrections import rescale_filled
 from ..fill.late_part import late_part, mass_hook
 from ..fill.step import FillStep
 from .forward import ForwardBatch, ForwardOutput
-from .weights import DenseWeights, LayerWeights, build_weights
+from .weights import DenseWeights, build_weights
 
 
 class DenseLM:
@@ -32,7 +32,7 @@ class DenseLM:
         self.device = torch.device(device)
         self.weights: DenseWeights = build_weights(config, tensors, dtype, self.device)
         self.rotary = RotaryTable(config, self.device)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale or config.head_dim ** -0.5
 
     def cache_spec(self) -> CacheSpec:
         """Every layer keeps paged K/V; the fill's stash keeps hidden-size split states."""
@@ -44,9 +44,18 @@ class DenseLM:
         """input_ids [N] -> hidden [N, d]."""
         return weight_rows(self.weights.embed, input_ids, self.dtype)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for rows at `positions` [N]; computed once per forward, used by every layer."""
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos, sin for rows at `positions` [N]; computed once per forward, used by every layer.
+        A family may return more tensors (one pair per RoPE base); layer_rope picks a layer's."""
         return self.rotary.lookup(positions, self.dtype)
+
+    def layer_rope(self, layer: int, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) pair of `rope` that `layer` turns by."""
+        return rope
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window (0: it sees every earlier key)."""
+        return self.config.window_of(layer)
 
     def qkv(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Layer input [N, d] -> q [N, H, D], k/v [N, Hkv, D], RoPE applied."""
@@ -56,7 +65,7 @@ class DenseLM:
         n, hd = h.shape[0], cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * hd, cfg.num_kv_heads * hd
         v = qkv[:, q_dim + kv_dim:].view(n, cfg.num_kv_heads, hd)
-        cos, sin = rope
+        cos, sin = self.layer_rope(layer, rope)
         if cfg.qk_norm:
             q = rms_norm(qkv[:, :q_dim].view(n, cfg.num_heads, hd), w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(qkv[:, q_dim:q_dim + kv_dim].view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps)
@@ -76,7 +85,7 @@ class DenseLM:
         k, v = kv.view(x.shape[0], 2, cfg.num_kv_heads, hd).unbind(1)
         if cfg.qk_norm:
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        cos, sin = rope
+        cos, sin = self.layer_rope(layer, rope)
         return apply_rotary(k, cos, sin), v
 
     def layer(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -91,18 +100,23 @@ class DenseLM:
         `on_q(layer, q)` sees every row's query once the cache holds this layer's K/V (the
         selectors record attention there).
         """
-        w: LayerWeights = self.weights.layers[layer]
         kv = kv_pool_of(kv)
         q, k, v = self.qkv(layer, h, rope)
         if on_kv is not None:
             on_kv(layer, k, v)
+        window = self.window(layer)
         if rows is None:
-            attn = paged_attention(q, k, v, kv, layer, batch, self.scale)  # [N, H*D]
+            attn = paged_attention(q, k, v, kv, layer, batch, self.scale, window)  # [N, H*D]
         else:
-            attn = paged_attention_rows(q[rows], rows, k, v, kv, layer, batch, self.scale)  # [R, H*D]
+            attn = paged_attention_rows(q[rows], rows, k, v, kv, layer, batch, self.scale, window)  # [R, H*D]
             h = h[rows]
         if on_q is not None:
             on_q(layer, q)
+        return self.finish_layer(layer, h, attn)
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """After attention: residual [R, d] + output projection of attn [R, H*D], then the MLP."""
+        w = self.weights.layers[layer]
         h = h + linear(attn, w.o)
         x = rms_norm(h, w.post_norm, self.config.rms_norm_eps)
         return h + swiglu_mlp(x, w.gate_up, w.down)
@@ -146,12 +160,12 @@ class DenseLM:
         h = self.embed(input_ids)
         rope = self.rope(positions)
         last = self.config.num_layers - 1
-        on_q = mass_hook(fill.lower_mass, kv, lower_mass, self.scale)
+        on_q = mass_hook(fill.lower_mass, kv, lower_mass, self.scale, self.window)
         for i in range(fill.split if batch.num_seqs else 0):
             h = self.layer(i, h, rope, batch, kv, on_q=on_q)
         split_states = h[fill.exit_rows]  # [X, d]
         h, rope, on_kv = self._enter_late_layers(h, rope, kv, fill)
-        on_q = mass_hook(fill.late_mass, kv, late_mass, self.scale)
+        on_q = mass_hook(fill.late_mass, kv, late_mass, self.scale, self.window)
         if h.shape[0] == 0:  # only lower rows this step: write their late K/V, nothing attends
             for i in range(fill.split, last + 1):
                 on_kv(i, None, None)

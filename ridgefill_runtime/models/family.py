@@ -35,6 +35,9 @@ class GGUFFormat:
     # llama.cpp's converter interleaves the rotary halves of q/k rows for some families (llama);
     # the loader undoes it.
     interleaved_rope_rows: bool = False
+    # llama.cpp's converter adds this to every norm weight of some families (Gemma: 1, for their
+    # (1 + w) norms); the loader subtracts it so the tensors are Hugging Face's.
+    norm_offset: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.architecture:

@@ -1,4 +1,5 @@
-"""Our dense model against transformers on tiny random checkpoints (float32, 300 tokens)."""
+"""Our dense models (Llama, Qwen3, Gemma 3 with a sliding window) against transformers on tiny random
+checkpoints (float32, 300 tokens)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from ridgefill_runtime.config import CacheConfig, EngineConfig
 from ridgefill_runtime.llm import LLM
 from ridgefill_runtime.loader.hf import load_hf_folder
-from ridgefill_runtime.models.dense import DenseLM
+from ridgefill_runtime.models.registry import family
 from ridgefill_runtime.scheduler import ScheduledSeq
 from ridgefill_runtime.sequence import SamplingParams
 from harness import Harness, rel_err
@@ -22,7 +23,7 @@ def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     ref = build_tiny(request.param, folder)
     ckpt = load_hf_folder(folder)
-    ours = DenseLM(ckpt.config, ckpt.tensors)
+    ours = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors, torch.float32, "cpu")
     torch.manual_seed(1)
     ids = torch.randint(0, ckpt.config.vocab_size, (SEQ_LEN,)).tolist()
     with torch.no_grad():
@@ -125,7 +126,7 @@ def test_bfloat16_error_is_within_twice_transformers_own(tiny):
     """bf16 has no exact reference: our bf16 error against the fp32 logits must be at most
     2x (plus a small floor) what transformers' own bf16 run makes on the same input."""
     ckpt = load_hf_folder(tiny["folder"])
-    ours = DenseLM(ckpt.config, ckpt.tensors, dtype=torch.bfloat16)
+    ours = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors, torch.bfloat16, "cpu")
     h = Harness(ours)
     seq = h.new_seq(tiny["ids"])
     parts = [h.step([(seq, SEQ_LEN - 16)])[0]] + [h.step([(seq, 1)])[0] for _ in range(16)]

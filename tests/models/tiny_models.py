@@ -22,6 +22,14 @@ TINY_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=320,
         max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
     ),
+    # Gemma 3: a 16-key window on two local layers (the 300-token tests reach far past it), a
+    # global layer, query_pre_attn_scalar unlike head_dim, and two RoPE bases.
+    "gemma3_sliding": dict(
+        model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=320,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, sliding_window=16, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
+    ),
 }
 
 
