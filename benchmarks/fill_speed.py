@@ -1,6 +1,8 @@
-"""RidgeFill prefill speed on the embedded SmolLM2: exact vs filled, one run, same threads.
+"""RidgeFill prefill speed on the embedded SmolLM2 (or a packaged model: --model gemma3-270m):
+exact vs filled, one run, same threads.
 
     python benchmarks/fill_speed.py --threads 2 --lengths 2048 4096 8000 --reps 3
+    python benchmarks/fill_speed.py --threads 2 --model gemma3-270m --split 9 --lengths 4096 8192
 
 Each figure is time to first token through the whole engine (one request, idle engine,
 prompt in one chunk). Ceiling (seed 000, §2.5): 1/r with r = S/L + (1 - S/L)·T/N, which
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--split", type=int, default=15)
     ap.add_argument("--tail", type=int, default=1024)
     ap.add_argument("--arm", default="ridgefill", choices=["ridgefill", "identity"])
+    ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -39,9 +42,9 @@ def main() -> None:
     from ridgefill_runtime.sequence import SamplingParams
     from prefill import real_text_ids
 
-    llm = LLM(EngineConfig(cache=CacheConfig(kv_cache_gib=0.05)))
+    llm = LLM(EngineConfig(model=args.model, cache=CacheConfig(kv_cache_gib=0.05)))
     model = llm.engine.model
-    maps_path = str(shipped_maps(args.split)) if args.arm == "ridgefill" else None
+    maps_path = str(shipped_maps(args.split, args.model)) if args.arm == "ridgefill" else None
     fill = FillConfig(arm=args.arm, split=args.split, tail=args.tail, maps=maps_path)
 
     def engine(n: int, fill_config: FillConfig) -> Engine:
@@ -58,7 +61,7 @@ def main() -> None:
 
     L, S, T = model.config.num_layers, args.split, args.tail
     ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
-    print(f"threads={torch.get_num_threads()} model=SmolLM2-135M-Instruct float32 CPU, arm={args.arm}, "
+    print(f"threads={torch.get_num_threads()} model={args.model or 'SmolLM2-135M-Instruct'} float32 CPU, arm={args.arm}, "
           f"split={S}/{L}, tail={T}")
     print(f"{'tokens':>6} | {'exact s':>7} | {'fill s':>7} | {'speedup':>7} | {'ceiling 1/r':>11} | {'measured/ceiling':>16}")
     print("-" * 72)

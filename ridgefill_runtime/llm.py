@@ -70,10 +70,10 @@ class LLM:
             return list(prompt)
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer: pass token ids")
-        if chat:
+        if chat:  # NOTE: the template writes any BOS itself (as the server encodes chat prompts)
             prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                         add_generation_prompt=True)
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=not chat)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams,
                  chat: bool = False) -> list[Completion]:

