@@ -30,18 +30,21 @@ TORCH_LIBRARY(ridgefill, m) {
 
   // Attention of an arbitrary subset of prompt rows over the paged KV cache.
   // q [R, H, D]; row i is sequence q_seq[i] (int32) at position q_pos[i]
-  // (int64) and sees that sequence's keys 0..q_pos[i]; k_slab/v_slab
+  // (int64) and sees that sequence's keys 0..q_pos[i], or, with a sliding
+  // window (window > 0; Gemma 3's local layers), only the keys j with
+  // q_pos[i] - j < window (keys before that are never read); k_slab/v_slab
   // [S, Hkv, D]; block_tables int32 [B, max_blocks]; context_lens int32 [B].
   // Returns out [R, H, D] and, if return_key_mass, key_mass float32
   // [B, max_blocks * block_size] (probability each key receives, summed over
   // the sequence's rows and all heads), else an empty float32 [0].
+  // window is last with a default so that callers without it keep working.
   // CUDA: scattered_rows_attention.cu. CPU: cpu/scattered_rows_attention_cpu.cpp
   // (the batched paged attention of every decode / prefill-chunk / scattered
   // row in one call; split-KV for few long rows; AVX-512/AVX2 picked at run time).
   m.def(
       "scattered_rows_attention(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
-      "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass) "
-      "-> (Tensor, Tensor)");
+      "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass, "
+      "int window=0) -> (Tensor, Tensor)");
 
   // Gated DeltaNet, Qwen3-Next convention (see ridgefill_runtime/ops/gdn.py).
   // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; states float32

@@ -4,8 +4,13 @@
 // Query rows are an arbitrary subset of prompt rows (exact prefix rows, the
 // tail, the probe rows) of several sequences. Row i belongs to sequence
 // q_seq[i] and sits at position q_pos[i]; it sees that sequence's keys at
-// positions 0..q_pos[i] through the paged cache:
+// positions 0..q_pos[i] (with a sliding window, window > 0: only
+// first..q_pos[i], first = max(0, q_pos[i] - window + 1)) through the paged
+// cache:
 //   slot(b, j) = block_tables[b, j / block_size] * block_size + j % block_size.
+// attend_rows (gqa_attention.cuh) walks keys 0..n_keys-1; the locator shifts
+// them by `first`, so keys before the window are never read (a sliding-window
+// cache may hold NaN there) and the shared block routine stays unchanged.
 // Grid: (rows, kv heads, head chunks); see gqa_attention.cuh for the block.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -36,9 +41,11 @@ struct PagedLocator {
   int64_t k_slot_stride;
   int64_t v_slot_stride;
   int block_size;
+  int first;               // position of the routine's key 0 (the window's start)
 
   __device__ __forceinline__ int64_t slot(int j) const {
-    return static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
+    const int p = first + j;
+    return static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size;
   }
   __device__ __forceinline__ const scalar_t* k(int j) const { return k_base + slot(j) * k_slot_stride; }
   __device__ __forceinline__ const scalar_t* v(int j) const { return v_base + slot(j) * v_slot_stride; }
@@ -59,7 +66,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                                     int64_t k_slot_stride, int64_t k_head_stride,
                                     int64_t v_slot_stride, int64_t v_head_stride,
                                     int max_blocks, int block_size, int64_t max_ctx,
-                                    float scale) {
+                                    float scale, int64_t window) {
   __shared__ AttnSmem<MAXG> smem;
   const int row = blockIdx.x;
   const int kv_head = blockIdx.y;
@@ -72,21 +79,25 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int64_t ctx = context_lens[b];
   const int64_t causal = q_pos[row] + 1;
   const int64_t visible = causal < ctx ? causal : ctx;
-  const int n_keys = visible > 0 ? static_cast<int>(visible) : 0;
+  // Sliding window: keys first..visible-1 (first <= q_pos, so n_keys >= 1 for a valid row; the clamp to
+  // visible only keeps a malformed row's key_mass pointer inside the sequence).
+  const int64_t start = window > 0 ? q_pos[row] - window + 1 : 0;
+  const int64_t first = start <= 0 ? 0 : (start < visible ? start : (visible > 0 ? visible : 0));
+  const int n_keys = visible > first ? static_cast<int>(visible - first) : 0;
 
   PagedLocator<scalar_t> loc{k_slab + kv_head * k_head_stride, v_slab + kv_head * v_head_stride,
                              block_tables + static_cast<int64_t>(b) * max_blocks,
-                             k_slot_stride, v_slot_stride, block_size};
+                             k_slot_stride, v_slot_stride, block_size, static_cast<int>(first)};
   const int64_t row_off = (static_cast<int64_t>(row) * num_heads + head0) * head_dim;
   attend_rows<scalar_t, DPL, MAXG, KEY_MASS>(q + row_off, head_dim, out + row_off, head_dim, g_count,
                                              n_keys, head_dim, scale, loc,
-                                             KEY_MASS ? key_mass + b * max_ctx : nullptr, smem);
+                                             KEY_MASS ? key_mass + b * max_ctx + first : nullptr, smem);
 }
 
 std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cuda(
     const at::Tensor& q, const at::Tensor& q_seq, const at::Tensor& q_pos, const at::Tensor& k_slab,
     const at::Tensor& v_slab, const at::Tensor& block_tables, const at::Tensor& context_lens,
-    int64_t block_size, double scale, bool return_key_mass) {
+    int64_t block_size, double scale, bool return_key_mass, int64_t window) {
   constexpr const char* kName = "ridgefill::scattered_rows_attention: ";
   TORCH_CHECK(q.is_cuda(), kName, "q must be a CUDA tensor, got ", q.device());
   for (const at::Tensor* t : {&q_seq, &q_pos, &k_slab, &v_slab, &block_tables, &context_lens}) {
@@ -120,6 +131,7 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cuda(
                   context_lens.size(0) == batch,
               kName, "context_lens must be int32 [B]");
   TORCH_CHECK(block_size >= 1, kName, "block_size must be positive");
+  TORCH_CHECK_VALUE(window >= 0, kName, "window must be >= 0 (0 = no sliding window), got ", window);
   // The slabs are the whole KV cache: never copy them silently.
   TORCH_CHECK(k_slab.stride(2) == 1 && v_slab.stride(2) == 1, kName,
               "k_slab/v_slab need a contiguous last dim");
@@ -153,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cuda(
             lens_c.const_data_ptr<int32_t>(), return_key_mass ? key_mass.data_ptr<float>() : nullptr,
             static_cast<int>(heads), static_cast<int>(head_dim), group, k_slab.stride(0), k_slab.stride(1),
             v_slab.stride(0), v_slab.stride(1), static_cast<int>(max_blocks), static_cast<int>(block_size),
-            max_ctx, static_cast<float>(scale));
+            max_ctx, static_cast<float>(scale), window);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (return_key_mass) {

@@ -7,6 +7,10 @@
 // sequence b = q_seq[i] at position q_pos[i] and sees b's keys 0..q_pos[i],
 // read where they lie in the paged cache (no gather of the context):
 //   slot(b, j) = block_tables[b, j / block_size] * block_size + j % block_size.
+// With a sliding window (window > 0, Gemma 3's local layers) the row sees only
+// keys max(0, q_pos[i] - window + 1)..q_pos[i]: every loop below starts at that
+// key rather than masking the earlier ones, because a sliding-window cache may
+// hold anything (NaN included) in the slots before it.
 // GQA: query head h reads KV head h / (H / Hkv).
 //
 // One task = one row (or, split-KV, a chunk of its keys), all its heads. A first
@@ -275,7 +279,14 @@ struct Problem {
   int64_t max_blocks, block_size;
   int64_t heads, kv_heads, group, head_dim, dpad;
   float scale;
+  int64_t window;  // 0: full causal; > 0: row r sees keys first_key(r)..q_pos[r]
 };
+
+// First key row r sees; its last is q_pos[r].
+template <typename T>
+RIDGEFILL_INLINE int64_t first_key(const Problem<T>& P, int64_t row) {
+  return P.window > 0 ? std::max<int64_t>(0, P.q_pos[row] - P.window + 1) : 0;
+}
 
 // Prefetch of one key's K (or V) rows for every KV head: one contiguous run when the heads are adjacent.
 template <typename T>
@@ -568,17 +579,20 @@ RIDGEFILL_ATTN_CLONES void key_mass_chunk(const Problem<T>& P, const int64_t* b_
   collect_slots(table, P.block_size, j0, j1, slots);
   for (int64_t ri = 0; ri < n_b_rows; ++ri) {
     const int64_t row = b_rows[ri];
-    const int64_t n = std::min(j1, P.q_pos[row] + 1) - j0;
+    // The row's keys in this chunk: [lo, lo + n), outside them it adds nothing (and reads nothing).
+    const int64_t lo = std::max(j0, first_key(P, row));
+    const int64_t n = std::min(j1, P.q_pos[row] + 1) - lo;
     if (n <= 0) continue;
     load_queries(P, row, S.qf.data());
-    score_keys(P, slots, n, S.qf.data(), scores, cap, S.ktile.data());
+    score_keys(P, slots + (lo - j0), n, S.qf.data(), scores, cap, S.ktile.data());
+    float* row_mass = mass + (lo - j0);
     for (int64_t h = 0; h < H; ++h) {
       const float* st = stats + (row * H + h) * 2;
       const float m = st[0], inv_l = 1.0f / st[1];
       const float* s = scores + h * cap;
       int64_t j = 0;
-      for (; j + kW <= n; j += kW) storef(mass + j, loadf(mass + j) + vexp(loadf(s + j) - m) * inv_l);
-      for (; j < n; ++j) mass[j] += sexp(s[j] - m) * inv_l;
+      for (; j + kW <= n; j += kW) storef(row_mass + j, loadf(row_mass + j) + vexp(loadf(s + j) - m) * inv_l);
+      for (; j < n; ++j) row_mass[j] += sexp(s[j] - m) * inv_l;
     }
   }
   std::copy(mass, mass + (j1 - j0), mass_out + j0);
@@ -644,10 +658,12 @@ template <typename T>
 void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max_ctx, T* out, float* key_mass) {
   const int64_t D = P.head_dim, H = P.heads, Dp = P.dpad;
   const int64_t threads = std::max(1, at::get_num_threads());
+  // Keys row r reads: first_key(r)..q_pos[r].
+  auto row_keys = [&](int64_t r) { return P.q_pos[r] + 1 - first_key(P, r); };
   int64_t total_keys = 0, longest = 0;
   for (int64_t r = 0; r < rows; ++r) {
-    total_keys += P.q_pos[r] + 1;
-    longest = std::max(longest, P.q_pos[r] + 1);
+    total_keys += row_keys(r);
+    longest = std::max(longest, row_keys(r));
   }
   const int64_t workers = total_keys * H * D < kSerialWork ? 1 : threads;
 
@@ -665,20 +681,20 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
   // Tasks, the largest first (rows sorted by length, stable so a sequence's rows stay together).
   std::vector<int64_t> order(rows);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return P.q_pos[a] > P.q_pos[b]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row_keys(a) > row_keys(b); });
   std::vector<Task> tasks;
   std::vector<int64_t> split_rows, part_begin;  // rows cut into chunks; their first part (then a sentinel)
   int64_t n_parts = 0;
   tasks.reserve(rows);
   for (int64_t r : order) {
-    const int64_t n = P.q_pos[r] + 1;
-    if (chunk == 0 || n <= chunk) {
-      tasks.push_back({r, 0, n, -1});
+    const int64_t first = first_key(P, r), end = P.q_pos[r] + 1;
+    if (chunk == 0 || end - first <= chunk) {
+      tasks.push_back({r, first, end, -1});
       continue;
     }
     split_rows.push_back(r);
     part_begin.push_back(n_parts);
-    for (int64_t j0 = 0; j0 < n; j0 += chunk) tasks.push_back({r, j0, std::min(n, j0 + chunk), n_parts++});
+    for (int64_t j0 = first; j0 < end; j0 += chunk) tasks.push_back({r, j0, std::min(end, j0 + chunk), n_parts++});
   }
   part_begin.push_back(n_parts);
   if (chunk > 0) {
@@ -746,12 +762,15 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
   }
 
   if (key_mass == nullptr) return;
-  // Key mass: rows grouped by sequence (counting sort), tasks = (sequence, kMassChunk keys).
+  // Key mass: rows grouped by sequence (counting sort), tasks = (sequence, kMassChunk keys) over the keys from the
+  // first any of its rows sees (seq_first, past 0 with a window) to the last.
   std::vector<int64_t> seq_begin(batch + 1, 0), seq_keys(batch, 0), b_rows(rows);
+  std::vector<int64_t> seq_first(batch, std::numeric_limits<int64_t>::max());
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = P.q_seq[r];
     ++seq_begin[b + 1];
     seq_keys[b] = std::max(seq_keys[b], P.q_pos[r] + 1);
+    seq_first[b] = std::min(seq_first[b], first_key(P, r));
   }
   for (int64_t b = 0; b < batch; ++b) seq_begin[b + 1] += seq_begin[b];
   {
@@ -760,7 +779,7 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
   }
   std::vector<std::pair<int64_t, int64_t>> mass_tasks;  // (b, j0)
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t j0 = 0; j0 < seq_keys[b]; j0 += kMassChunk) mass_tasks.emplace_back(b, j0);
+    for (int64_t j0 = seq_first[b]; j0 < seq_keys[b]; j0 += kMassChunk) mass_tasks.emplace_back(b, j0);
   }
   run_tasks(static_cast<int64_t>(mass_tasks.size()), workers, H, Dp, kMassChunk, [&](Scratch& S, int64_t t) {
     const auto [b, j0] = mass_tasks[t];
@@ -773,7 +792,7 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
 std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
     const at::Tensor& q, const at::Tensor& q_seq, const at::Tensor& q_pos, const at::Tensor& k_slab,
     const at::Tensor& v_slab, const at::Tensor& block_tables, const at::Tensor& context_lens,
-    int64_t block_size, double scale, bool return_key_mass) {
+    int64_t block_size, double scale, bool return_key_mass, int64_t window) {
   constexpr const char* kName = "ridgefill::scattered_rows_attention: ";
   TORCH_CHECK(q.device().is_cpu(), kName, "q must be a CPU tensor, got ", q.device());
   for (const at::Tensor* t : {&q_seq, &q_pos, &k_slab, &v_slab, &block_tables, &context_lens}) {
@@ -805,6 +824,7 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
                     kName, "need block_tables [B, max_blocks] and context_lens [B]; got ", block_tables.sizes(),
                     " and ", context_lens.sizes());
   TORCH_CHECK_VALUE(block_size >= 1, kName, "block_size must be positive, got ", block_size);
+  TORCH_CHECK_VALUE(window >= 0, kName, "window must be >= 0 (0 = no sliding window), got ", window);
   // The slabs are the whole KV cache: never copy them.
   TORCH_CHECK_VALUE(k_slab.stride(2) == 1 && v_slab.stride(2) == 1, kName,
                     "k_slab/v_slab need a contiguous last dim");
@@ -827,7 +847,9 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
     TORCH_CHECK_VALUE(lens[b] <= max_ctx, kName, "a context is longer than its block table (context_lens[", b,
                       "] = ", lens[b], " > ", max_blocks, " blocks x ", block_size, ")");
   }
-  std::vector<int64_t> seq_keys(batch, 0);
+  // Keys [seq_first[b], seq_keys[b]) cover every key a row of b reads; with a window the blocks before
+  // seq_first[b] are never read, so they need not be valid.
+  std::vector<int64_t> seq_keys(batch, 0), seq_first(batch, std::numeric_limits<int64_t>::max());
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t b = seq[r];
     TORCH_CHECK_VALUE(b >= 0 && b < batch, kName, "q_seq out of range: q_seq[", r, "] = ", b, " with B=", batch);
@@ -835,9 +857,10 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
                       "every q_pos must be in [0, context_lens[q_seq]); row ", r, " has q_pos ", pos[r],
                       " but sequence ", b, " has context_lens ", lens[b]);
     seq_keys[b] = std::max(seq_keys[b], pos[r] + 1);
+    seq_first[b] = std::min(seq_first[b], window > 0 ? std::max<int64_t>(0, pos[r] - window + 1) : int64_t{0});
   }
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = 0; i * block_size < seq_keys[b]; ++i) {
+    for (int64_t i = seq_keys[b] > 0 ? seq_first[b] / block_size : 0; i * block_size < seq_keys[b]; ++i) {
       const int64_t block = tables[b * max_blocks + i];
       const int64_t used = std::min(block_size, seq_keys[b] - i * block_size);
       TORCH_CHECK_INDEX(block >= 0 && block * block_size + used <= num_slots, kName, "block_tables[", b, ", ", i,
@@ -868,6 +891,7 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
     P.head_dim = head_dim;
     P.dpad = (head_dim + kW - 1) / kW * kW;
     P.scale = static_cast<float>(scale);
+    P.window = window;
     run_attention<T>(P, rows, batch, max_ctx, out.data_ptr<T>(),
                      return_key_mass ? key_mass.data_ptr<float>() : nullptr);
   };

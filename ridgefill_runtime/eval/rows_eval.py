@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import FillConfig, RowsConfig
+from ..config import EngineConfig, FillConfig, RowsConfig
 from ..engine import token_table
 from ..fill.corpus import evaluation_docs
 from ..fill.maps import FillMaps, check_maps_fit
@@ -175,17 +175,21 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default=None,
+                    help="a packaged model with shipped maps (e.g. gemma3-270m; default: the embedded SmolLM2)")
     ap.add_argument("--exact-from", type=Path, default=None,
                     help="a finished run on the same prompts: reuse its exact answers (more arms later)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     k, n_shards = (int(x) for x in args.shard.split("/"))
-    llm = LLM()
+    llm = LLM(EngineConfig(model=args.model)) if args.model else LLM()
     model, tok = llm.engine.model, llm.tokenizer
-    maps_path = str(shipped_maps(args.split))
+    maps_path = str(shipped_maps(args.split, args.model))
     maps = FillMaps(maps_path, "resident", model.dtype, model.device)
     check_maps_fit(maps.meta, model.identity, model.config, args.split, maps_path)
-    base = RowsConfig(budget_factor=args.budget, unigram=str(shipped_unigram()))
+    # NOTE: unigram counts ship for the embedded model only: another model runs selectors without them
+    unigram = None if args.model else str(shipped_unigram())
+    base = RowsConfig(budget_factor=args.budget, unigram=unigram)
     fill = FillConfig(arm="ridgefill", split=args.split, tail=args.tail, maps=maps_path, rows=base)
     selector = RowSelector(token_table(tok, base))
     arms = arm_list(args.arms.split(","))

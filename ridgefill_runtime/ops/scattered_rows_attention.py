@@ -6,14 +6,20 @@ sequence's keys in the runtime's cache (ridgefill_runtime/cache/kv_pool.py):
 
   q            [R, H, D]            the rows' queries (any float dtype; k/v share it)
   q_seq        int32 [R]            sequence (batch index b) of each row
-  q_pos        int64 [R]            position of each row in its sequence; it sees keys 0..q_pos
+  q_pos        int64 [R]            position of each row in its sequence; it sees keys 0..q_pos, or with a
+                                    sliding window (window > 0) only max(0, q_pos - window + 1)..q_pos
   k_slab/v_slab [S, Hkv, D]         one layer's cache slabs; position p of sequence b lives at slot
                                     block_tables[b, p // block_size] * block_size + p % block_size
   block_tables int32 [B, max_blocks]
   context_lens int32 [B]            keys written for each sequence; q_pos < context_lens[q_seq]
+  window       int                  0: full causal attention; > 0: sliding window (Gemma 3's local layers), a row
+                                    at p sees the keys j with p - j < window. Keys outside every row's window are
+                                    never read (a sliding-window cache may have recycled their slots: NaN there
+                                    must not leak)
   -> out [R, H, D] in q's dtype, and key_mass float32 [B, max_blocks * block_size] when requested:
      key_mass[b, j] = sum over b's rows and all H heads of the softmax probability of key j (entries
-     at j >= context_lens[b] are 0). That is what the probe selector ranks prefix rows by.
+     at j >= context_lens[b] are 0; a row adds nothing to keys outside its window). That is what the probe
+     selector ranks prefix rows by.
 
 GQA: head h reads KV head h // (H // Hkv) (transformers' repeat_kv). Scores and softmax in fp32.
 Rows are usually sorted by (seq, pos) but need not be. An empty subset returns empty outputs.
@@ -36,7 +42,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 
-def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size) -> None:
+def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window) -> None:
     """Shape/dtype contract shared by every path (data-dependent checks live in the reference)."""
     if q.dtype not in _DTYPES or k_slab.dtype != q.dtype or v_slab.dtype != q.dtype:
         raise TypeError(f"scattered_rows_attention: q, k_slab, v_slab must share a float dtype; got {q.dtype}, "
@@ -61,12 +67,22 @@ def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, blo
         raise ValueError("scattered_rows_attention: need block_tables [B, max_blocks] and context_lens [B]")
     if block_size < 1:
         raise ValueError("scattered_rows_attention: block_size must be positive")
+    # bool is an int subclass, but window=True is surely a mix-up with return_key_mass.
+    if isinstance(window, bool) or not isinstance(window, (int, torch.SymInt)):
+        raise TypeError(f"scattered_rows_attention: window must be an int (0 = no sliding window), got "
+                        f"{type(window).__name__}")
+    if window < 0:
+        raise ValueError(f"scattered_rows_attention: window must be >= 0 (0 = no sliding window), got {window}")
 
 
 def scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
-                                       block_size: int, scale: float, return_key_mass: bool = False):
-    """Pure torch; one sequence at a time, fp32 scores/softmax/weighted sum. Returns (out, key_mass)."""
-    _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size)
+                                       block_size: int, scale: float, return_key_mass: bool = False,
+                                       window: int = 0):
+    """Pure torch; one sequence at a time, fp32 scores/softmax/weighted sum. Returns (out, key_mass).
+
+    Each sequence gathers only the keys some row of it can see (the union of the rows' windows): a key no row
+    sees may be NaN, and masking it afterwards would not help (0 * NaN in the weighted sum is NaN)."""
+    _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window)
     rows, heads, head_dim = q.shape
     batch, max_blocks = block_tables.shape
     kv_heads = k_slab.shape[1]
@@ -86,27 +102,34 @@ def scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_ta
         raise ValueError("scattered_rows_attention: a context is longer than its block table")
     for b in torch.unique(q_seq).tolist():
         pick = (q_seq == b).nonzero().flatten()  # [Rb]
-        n_keys = int(q_pos[pick].max()) + 1
-        pos = torch.arange(n_keys, device=q.device)
+        last = q_pos[pick]  # [Rb] each row's last visible key
+        first = (last - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(last)  # [Rb]
+        n_keys = int(last.max()) + 1
+        # Keys seen by at least one row: +1 where a row's range starts, -1 past its end, running sum > 0.
+        starts = torch.zeros(n_keys + 1, dtype=torch.long, device=q.device)
+        starts.index_add_(0, first, torch.ones_like(first))
+        starts.index_add_(0, last + 1, -torch.ones_like(last))
+        pos = (starts[:n_keys].cumsum(0) > 0).nonzero().flatten()  # [L] key positions, ascending
         slots = block_tables[b].long()[pos // block_size] * block_size + pos % block_size  # [L]
         k = k_slab.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_slab.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [L, H, D]
         qb = q[pick].float()  # [Rb, H, D]
         scores = torch.einsum("rhd,lhd->rhl", qb, k) * scale  # [Rb, H, L]
-        visible = pos[None, :] <= q_pos[pick][:, None]  # [Rb, L]
+        visible = (pos[None, :] <= last[:, None]) & (pos[None, :] >= first[:, None])  # [Rb, L]
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [Rb, H, L]
         out[pick] = torch.einsum("rhl,lhd->rhd", probs, v)
         if return_key_mass:
-            key_mass[b, :n_keys] += probs.sum(dim=(0, 1))
+            key_mass[b].index_add_(0, pos, probs.sum(dim=(0, 1)))
     return out.to(q.dtype), key_mass
 
 
 if op_available("scattered_rows_attention"):
 
     @torch.library.register_fake(_OP_NAME)
-    def _fake(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass):
-        _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size)
+    def _fake(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass,
+              window=0):
+        _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window)
         out = q.new_empty(q.shape)
         if return_key_mass:
             mass = q.new_empty((block_tables.shape[0], block_tables.shape[1] * block_size), dtype=torch.float32)
@@ -130,10 +153,13 @@ def compiled_for(device: torch.device) -> bool:
 def scattered_rows_attention(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k_slab: torch.Tensor,
                              v_slab: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                              block_size: int, scale: float,
-                             return_key_mass: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                             return_key_mass: bool = False, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [R, H, D], key_mass [B, max_blocks*block_size] or empty); see the module docstring."""
     if q.is_cuda or (_CPU_KERNEL and q.device.type == "cpu"):
+        # The kernels check window >= 0 too; checking here names the argument the same way on every path.
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window)
         return _compiled(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale,
-                         return_key_mass)
+                         return_key_mass, window)
     return scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
-                                              block_size, scale, return_key_mass)
+                                              block_size, scale, return_key_mass, window)

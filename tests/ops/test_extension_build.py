@@ -142,7 +142,7 @@ NEW_OP_SCHEMAS = {
     "int8_map_gemm": "ridgefill::int8_map_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
     "scattered_rows_attention": (
         "ridgefill::scattered_rows_attention(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
-        "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass) "
+        "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass, int window=0) "
         "-> (Tensor, Tensor)"
     ),
     "gdn_chunk": (

@@ -54,8 +54,8 @@ def pick_rows(context_lens, fraction, seed, device="cpu"):
             torch.tensor(poss, dtype=torch.int64, device=device))
 
 
-def naive_f64(q, q_seq, q_pos, k_slab, v_slab, block_tables, block_size, scale, max_ctx):
-    """Plain loops in Python floats."""
+def naive_f64(q, q_seq, q_pos, k_slab, v_slab, block_tables, block_size, scale, max_ctx, window=0):
+    """Plain loops in Python floats; with window > 0 a row at p sees only the keys max(0, p - window + 1)..p."""
     rows, heads, head_dim = q.shape
     group = heads // k_slab.shape[1]
     qd, kd, vd = q.double().tolist(), k_slab.double().tolist(), v_slab.double().tolist()
@@ -64,7 +64,8 @@ def naive_f64(q, q_seq, q_pos, k_slab, v_slab, block_tables, block_size, scale, 
     mass = [[0.0] * max_ctx for _ in range(block_tables.shape[0])]
     for r in range(rows):
         b, p = int(q_seq[r]), int(q_pos[r])
-        slots = [tables[b][j // block_size] * block_size + j % block_size for j in range(p + 1)]
+        lo = max(0, p - window + 1) if window > 0 else 0
+        slots = [tables[b][j // block_size] * block_size + j % block_size for j in range(lo, p + 1)]
         for h in range(heads):
             kvh = h // group
             s = [scale * math.fsum(a * c for a, c in zip(qd[r][h], kd[slot][kvh])) for slot in slots]
@@ -72,7 +73,7 @@ def naive_f64(q, q_seq, q_pos, k_slab, v_slab, block_tables, block_size, scale, 
             e = [math.exp(x - top) for x in s]
             z = math.fsum(e)
             probs = [x / z for x in e]
-            for j, pj in enumerate(probs):
+            for j, pj in enumerate(probs, start=lo):
                 mass[b][j] += pj
             for d in range(head_dim):
                 out[r][h][d] = math.fsum(pj * vd[slot][kvh][d] for pj, slot in zip(probs, slots))
@@ -240,3 +241,128 @@ def test_kernel_opcheck(dtype):
     for mass in (True, False):
         torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default,
                               (q_all[rows], q_seq, q_pos, k_slab, v_slab, tables, ctx, 4, 0.2, mass))
+
+
+# ---------------------------------------------------------------------------
+# Sliding window (window > 0: a row at p sees the keys j with p - j < window; Gemma 3's local layers).
+
+
+def poison_outside_windows(k_slab, v_slab, block_tables, q_seq, q_pos, block_size, window):
+    """NaN in every slot no row's window covers (a sliding-window cache may have recycled it), the slots of a
+    sequence before and between its rows' windows included; returns the poisoned copies."""
+    keep = torch.zeros(k_slab.shape[0], dtype=torch.bool, device=k_slab.device)
+    tables = block_tables.cpu()
+    for b, p in zip(q_seq.tolist(), q_pos.tolist()):
+        pos = torch.arange(max(0, p - window + 1) if window > 0 else 0, p + 1)
+        keep[(tables[b].long()[pos // block_size] * block_size + pos % block_size).to(k_slab.device)] = True
+    nan = torch.tensor(float("nan"), dtype=k_slab.dtype, device=k_slab.device)
+    return torch.where(keep[:, None, None], k_slab, nan), torch.where(keep[:, None, None], v_slab, nan)
+
+
+def check_window_mass(mass, q_seq, q_pos, heads, window):
+    """One unit per row and head, all of it inside that row's window."""
+    per_seq = torch.bincount(q_seq.long().cpu(), minlength=mass.shape[0]).double() * heads
+    torch.testing.assert_close(mass.double().cpu().sum(1), per_seq, rtol=1e-5, atol=1e-5)
+    seen = torch.zeros(mass.shape, dtype=torch.bool)
+    for b, p in zip(q_seq.tolist(), q_pos.tolist()):
+        seen[b, max(0, p - window + 1) : p + 1] = True
+    assert float(mass.cpu()[~seen].abs().sum()) == 0.0
+
+
+WINDOW_CASES = CASES + [([9000, 700], 4, 2, 16, 16, 0.0005)]  # long context (windows 512 / 9000 keys)
+
+
+@pytest.mark.parametrize("window", [1, 3, 512])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"lens{c[0]}-H{c[1]}-Hkv{c[2]}-D{c[3]}-bs{c[4]}")
+def test_reference_window_matches_naive_f64(case, dtype, window):
+    lens, heads, kv_heads, head_dim, block_size, fraction = case
+    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype, seed=len(lens))
+    rows, q_seq, q_pos = pick_rows(lens, fraction, seed=heads)
+    if lens[0] == 9000:  # a few chosen rows: the last, one just inside the first window, the first
+        q_seq = torch.tensor([0, 0, 0, 0, 1], dtype=torch.int32)
+        q_pos = torch.tensor([8999, 5000, 511, 0, 699])
+        rows = q_pos + torch.tensor([0, 0, 0, 0, 9000])
+    k_slab, v_slab = poison_outside_windows(k_slab, v_slab, tables, q_seq, q_pos, block_size, window)
+    q = q_all[rows]
+    scale = head_dim**-0.5
+    max_ctx = tables.shape[1] * block_size
+    out, mass = scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale,
+                                                   True, window)
+    exp_out, exp_mass = naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, max_ctx, window)
+    assert out.dtype == dtype and out.shape == q.shape and out.isfinite().all()
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), exp_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(mass.double(), exp_mass, rtol=1e-5, atol=1e-5)
+    check_window_mass(mass, q_seq, q_pos, heads, window)
+    # The public wrapper (the compiled CPU kernel when built) gives the same answer.
+    wrapped_out, wrapped_mass = scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size,
+                                                         scale, True, window)
+    torch.testing.assert_close(wrapped_out.double(), exp_out, rtol=tol, atol=max(tol, 1e-5))
+    torch.testing.assert_close(wrapped_mass.double(), exp_mass, rtol=1e-4, atol=1e-5)
+
+
+def test_reference_window_past_context_is_full_attention():
+    """A window covering every row's keys (the longest row sees 21) is bitwise window=0; one key less is not."""
+    q_all, k_slab, v_slab, tables, ctx = make_cache([21, 13], 6, 3, 16, 4, torch.float32, seed=2)
+    q_seq = torch.tensor([0, 0, 1], dtype=torch.int32)
+    q_pos = torch.tensor([20, 7, 12])
+    args = (q_all[[20, 7, 33]], q_seq, q_pos, k_slab, v_slab, tables, ctx, 4, 0.25, True)
+    full = scattered_rows_attention_reference(*args)
+    for window in (21, 22, 10**9):
+        windowed = scattered_rows_attention_reference(*args, window)
+        assert torch.equal(windowed[0], full[0]) and torch.equal(windowed[1], full[1])
+    narrow_out, narrow_mass = scattered_rows_attention_reference(*args, 20)
+    assert not torch.equal(narrow_out[0], full[0][0]) and torch.equal(narrow_out[1:], full[0][1:])
+    # Key 0 keeps the mass of the row at 7 (7 - 0 < 20) and loses that of the row at 20.
+    assert 0 < float(narrow_mass[0, 0]) < float(full[1][0, 0])
+
+
+def test_reference_rejects_bad_window():
+    q_all, k_slab, v_slab, tables, ctx = make_cache([5], 4, 2, 8, 4, torch.float32)
+    args = (q_all[:1], torch.zeros(1, dtype=torch.int32), torch.tensor([1]), k_slab, v_slab, tables, ctx, 4, 1.0, False)
+    with pytest.raises(ValueError, match=r"window must be >= 0 \(0 = no sliding window\), got -1"):
+        scattered_rows_attention_reference(*args, -1)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        scattered_rows_attention(*args, -1)
+    with pytest.raises(TypeError, match="window must be an int"):
+        scattered_rows_attention_reference(*args, 1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [1, 3, 512, 100_000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", GPU_CASES + [([9000, 40], 16, 4, 128, 16, 0.002)],
+                         ids=lambda c: f"B{len(c[0])}-H{c[1]}-Hkv{c[2]}-D{c[3]}-bs{c[4]}")
+def test_kernel_window_matches_reference(case, dtype, window):
+    lens, heads, kv_heads, head_dim, block_size, fraction = case
+    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype,
+                                                    device="cuda", seed=7)
+    rows, q_seq, q_pos = pick_rows(lens, fraction, seed=8, device="cuda")
+    k_slab, v_slab = poison_outside_windows(k_slab, v_slab, tables, q_seq, q_pos, block_size, window)
+    q = q_all[rows]
+    scale = head_dim**-0.5
+    args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale, True, window)
+    out, mass = _kernel(*args)
+    assert out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
+    exact_out, exact_mass = scattered_rows_attention_reference(
+        q.cpu().float(), q_seq.cpu(), q_pos.cpu(), k_slab.cpu().float(), v_slab.cpu().float(), tables.cpu(),
+        ctx.cpu(), block_size, scale, True, window)
+    # Exact answer on the same rounded inputs: fp32 sum noise, plus the output's rounding in bf16/fp16.
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (TOL[dtype], 1e-4)
+    torch.testing.assert_close(out.float().cpu(), exact_out, rtol=rtol, atol=atol)
+    torch.testing.assert_close(mass.cpu(), exact_mass, rtol=1e-4, atol=1e-4)
+    check_window_mass(mass, q_seq.cpu(), q_pos.cpu(), heads, window)
+    out2, none = _kernel(*args[:9], False, window)
+    assert none.shape == (0,) and torch.equal(out2, out)
+
+
+@pytest.mark.gpu
+def test_kernel_rejects_bad_window_and_opchecks_window():
+    q_all, k_slab, v_slab, tables, ctx = make_cache([11, 6], 4, 2, 32, 4, torch.float32, device="cuda", seed=5)
+    rows, q_seq, q_pos = pick_rows([11, 6], 0.5, seed=6, device="cuda")
+    args = (q_all[rows], q_seq, q_pos, torch.nan_to_num(k_slab), torch.nan_to_num(v_slab), tables, ctx, 4, 0.2, True)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        _kernel(*args, -1)
+    for window in (1, 3):
+        torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default, args + (window,))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ridgefill_runtime import ops
-from ridgefill_runtime.ops import scattered_rows_attention
+from ridgefill_runtime.ops import scattered_rows_attention, scattered_rows_attention_reference
 
 SPLIT_ENV = "RIDGEFILL_CPU_ATTN_SPLIT"  # "0": never split the keys, "1": split every item > 256 keys
 D = 64
@@ -289,3 +289,210 @@ def test_compiled_kernel_is_the_cpu_path():
         torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default,
                               (q_small, torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([2, 6, 3]),
                                k_small.nan_to_num(), v_small.nan_to_num(), t_small, c_small, 4, 0.3, mass))
+
+
+# ---------------------------------------------------------------------------
+# Sliding window (window > 0: a row at p sees the keys j with p - j < window; Gemma 3's local layers).
+
+
+def window_first(p: int, window: int) -> int:
+    return max(0, p - window + 1) if window > 0 else 0
+
+
+def make_window_cache(context_lens, rows, window, kv_heads, head_dim, block_size, dtype, seed=0):
+    """Like make_cache, but only the keys some row's window covers are written: every other slot, including the
+    slots of the same sequence before and between the windows, holds NaN, so a read outside a window shows."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(context_lens)
+    max_blocks = max(1, max(math.ceil(n / block_size) for n in context_lens)) + 1
+    num_blocks = batch * max_blocks + 3
+    tables = torch.randperm(num_blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    k_slab = torch.full((num_blocks * block_size, kv_heads, head_dim), float("nan"))
+    v_slab = torch.full((num_blocks * block_size, kv_heads, head_dim), float("nan"))
+    needed = [set() for _ in context_lens]
+    for b, p in rows:
+        needed[b].update(range(window_first(p, window), p + 1))
+    for b, keys in enumerate(needed):
+        pos = torch.tensor(sorted(keys), dtype=torch.long)
+        if len(pos) == 0:
+            continue
+        slot = tables[b].long()[pos // block_size] * block_size + pos % block_size
+        k_slab[slot] = torch.randn(len(pos), kv_heads, head_dim, generator=gen)
+        v_slab[slot] = torch.randn(len(pos), kv_heads, head_dim, generator=gen)
+    return k_slab.to(dtype), v_slab.to(dtype), tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+def naive_window_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, window):
+    """Per row and head in float64, with an explicit softmax over the keys of the row's window only."""
+    rows, heads, head_dim = q.shape
+    group = heads // k_slab.shape[1]
+    out = torch.zeros(rows, heads, head_dim, dtype=torch.float64)
+    mass = torch.zeros(tables.shape[0], tables.shape[1] * block_size, dtype=torch.float64)
+    for r in range(rows):
+        b, p = int(q_seq[r]), int(q_pos[r])
+        lo = window_first(p, window)
+        pos = torch.arange(lo, p + 1)
+        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
+        k, v = k_slab[slots].double(), v_slab[slots].double()  # [n, Hkv, D]
+        for h in range(heads):
+            s = (k[:, h // group] @ q[r, h].double()) * scale  # [n]
+            e = torch.exp(s - s.max())
+            w = e / e.sum()
+            out[r, h] = w @ v[:, h // group]
+            mass[b, lo : p + 1] += w
+    return out, mass
+
+
+def window_batch(window, heads, kv_heads, block_size, dtype, seed=0):
+    """Decode rows, a prefill chunk over a cached prefix and scattered rows (some far apart in one sequence, so
+    NaN lies between their windows), shuffled; caches hold only what the windows need."""
+    lens = [1, 700, 340, 4096, 129, 2]
+    rows = [(0, 0), (1, 699), (3, 4095), (5, 1)]
+    rows += [(2, p) for p in range(300, 340)]
+    rows += [(3, p) for p in (0, 1, 2, 15, 16, 17, 255, 256, 1000, 2047, 3001)] + [(1, 3), (4, 128), (5, 0)]
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    rows = [rows[i] for i in perm]
+    k_slab, v_slab, tables, ctx = make_window_cache(lens, rows, window, kv_heads, D, block_size, dtype, seed=seed)
+    q_seq = torch.tensor([b for b, _ in rows], dtype=torch.int32)
+    q_pos = torch.tensor([p for _, p in rows], dtype=torch.int64)
+    q = torch.randn(len(rows), heads, D, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    return q, q_seq, q_pos, k_slab, v_slab, tables, ctx
+
+
+def assert_window_mass(mass, exact, q_seq, q_pos, heads, window):
+    assert_mass_close(mass, exact)
+    # One unit per row and head, all of it on keys inside that row's window.
+    per_seq = torch.bincount(q_seq.long(), minlength=mass.shape[0]).double() * heads
+    torch.testing.assert_close(mass.double().sum(1), per_seq, rtol=1e-5, atol=1e-5)
+    seen = torch.zeros(mass.shape, dtype=torch.bool)
+    for b, p in zip(q_seq.tolist(), q_pos.tolist()):
+        seen[b, window_first(p, window) : p + 1] = True
+    assert float(mass[~seen].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("split", ["0", "1", None], ids=["whole", "split", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (9, 3)], ids=["g1", "g3"])
+@pytest.mark.parametrize("window", [1, 3, 512])
+def test_window_mixed_batch_matches_f64(window, heads, kv_heads, dtype, split, monkeypatch):
+    if split is None:
+        monkeypatch.delenv(SPLIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SPLIT_ENV, split)
+    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = window_batch(window, heads, kv_heads, 16, dtype, seed=window)
+    assert k_slab.isnan().any()  # keys no window covers are poison
+    args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, D**-0.5)
+    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, window)
+    out, none = scattered_rows_attention(*args, False, window)
+    assert none.shape == (0,)
+    assert_out_close(out, exact_out, dtype)
+    out_m, mass = scattered_rows_attention(*args, True, window)
+    assert_out_close(out_m, exact_out, dtype)
+    assert_window_mass(mass, exact_mass, q_seq, q_pos, heads, window)
+
+
+def test_window_longer_than_context_is_full_attention():
+    """A window past every row's position changes nothing: bitwise today's (window=0) answer and key mass."""
+    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(9, 3, 16, torch.float32, seed=21)
+    args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, D**-0.5, True)
+    full = scattered_rows_attention(*args)
+    for window in (4096, 4097, 1 << 40):
+        windowed = scattered_rows_attention(*args, window)
+        assert torch.equal(windowed[0], full[0]) and torch.equal(windowed[1], full[1])
+    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, 4097)
+    assert_out_close(full[0], exact_out, torch.float32)
+    assert_mass_close(full[1], exact_mass)
+
+
+@pytest.mark.parametrize("split", ["0", "1", None], ids=["whole", "split", "auto"])
+@pytest.mark.parametrize("window", [512, 5000])
+def test_window_long_contexts_split_kv(window, split, monkeypatch):
+    """9000 and 5000 keys, GQA 3: window 512 leaves each row 512 keys (two split-KV chunks when forced);
+    window 5000 leaves the last row 5000 keys starting at 4000 (several softmax passes, or split chunks)."""
+    if split is None:
+        monkeypatch.delenv(SPLIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SPLIT_ENV, split)
+    rows = [(0, 8999), (1, 4999), (0, 4100), (1, 4095), (0, 600), (0, 10)]
+    k_slab, v_slab, tables, ctx = make_window_cache([9000, 5000], rows, window, 3, D, 16, torch.float32, seed=31)
+    q_seq = torch.tensor([b for b, _ in rows], dtype=torch.int32)
+    q_pos = torch.tensor([p for _, p in rows])
+    q = torch.randn(len(rows), 9, D, generator=torch.Generator().manual_seed(32))
+    args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, D**-0.5)
+    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, window)
+    out, mass = scattered_rows_attention(*args, True, window)
+    assert_out_close(out, exact_out, torch.float32)
+    assert_window_mass(mass, exact_mass, q_seq, q_pos, 9, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_window_nan_outside_does_not_leak(dtype, monkeypatch):
+    """One decode row at 4095 with window 3 (GQA 4): only keys 4093..4095 are written, everything else in the
+    slabs is NaN (as a sliding-window cache that recycled its slots may hold), and the table entries of the
+    blocks wholly before the window are unmapped (-1): the answer is finite and right, split or not."""
+    rows = [(0, 4095)]
+    k_slab, v_slab, tables, ctx = make_window_cache([4096], rows, 3, 2, D, 16, dtype, seed=41)
+    assert int((~k_slab.isnan()).all(dim=(1, 2)).sum()) == 3
+    tables[0, : 4093 // 16] = -1
+    q = torch.randn(1, 8, D, generator=torch.Generator().manual_seed(42)).to(dtype)
+    args = (q, torch.zeros(1, dtype=torch.int32), torch.tensor([4095]), k_slab, v_slab, tables, ctx, 16, D**-0.5)
+    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, 3)
+    for split in ("0", "1"):
+        monkeypatch.setenv(SPLIT_ENV, split)
+        out, mass = scattered_rows_attention(*args, True, 3)
+        assert out.isfinite().all() and mass.isfinite().all()
+        rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+        torch.testing.assert_close(out.double(), exact_out, rtol=rtol, atol=1e-4 if dtype != torch.float32 else 1e-5)
+        assert_window_mass(mass, exact_mass, args[1], args[2], 8, 3)
+
+
+def test_window_one_sees_only_itself():
+    """window=1: each row's output is its own V row exactly (a one-key softmax is 1), key mass H per row."""
+    rows = [(0, 0), (0, 5), (1, 9), (0, 30)]
+    k_slab, v_slab, tables, ctx = make_window_cache([31, 10], rows, 1, 2, D, 4, torch.float32, seed=51)
+    q_seq = torch.tensor([b for b, _ in rows], dtype=torch.int32)
+    q_pos = torch.tensor([p for _, p in rows])
+    q = torch.randn(len(rows), 6, D, generator=torch.Generator().manual_seed(52))
+    out, mass = scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 4, D**-0.5, True, 1)
+    for r, (b, p) in enumerate(rows):
+        slot = int(tables[b, p // 4]) * 4 + p % 4
+        torch.testing.assert_close(out[r], v_slab[slot].repeat_interleave(3, dim=0), rtol=1e-6, atol=1e-6)
+        assert float(mass[b, p]) == pytest.approx(6.0, rel=1e-6)
+    assert float(mass.sum()) == pytest.approx(6.0 * len(rows), rel=1e-6)
+
+
+def test_bad_window_raises_clear_errors():
+    k_slab, v_slab, tables, ctx = make_cache([5, 3], 2, 8, 4, torch.float32)
+    args = (torch.randn(1, 4, 8), torch.zeros(1, dtype=torch.int32), torch.tensor([1]), k_slab.nan_to_num(),
+            v_slab.nan_to_num(), tables, ctx, 4, 1.0, False)
+    with pytest.raises(ValueError, match=r"window must be >= 0"):
+        scattered_rows_attention(*args, -1)
+    with pytest.raises(TypeError, match="window must be an int"):
+        scattered_rows_attention(*args, 2.5)
+    with pytest.raises(TypeError, match="window must be an int"):
+        scattered_rows_attention(*args, True)
+    with pytest.raises(ValueError, match=r"window must be >= 0"):
+        scattered_rows_attention_reference(*args, -3)
+    if compiled():
+        with pytest.raises(ValueError, match=r"window must be >= 0 \(0 = no sliding window\), got -2"):
+            torch.ops.ridgefill.scattered_rows_attention(*args, -2)
+
+
+def test_window_default_and_compiled_schema():
+    """window defaults to 0 (callers without it unchanged): in the wrapper and, compiled, in the op's schema,
+    whose fake accepts the argument (opcheck)."""
+    k_small, v_small, t_small, c_small = make_cache([7, 4], 2, 8, 4, torch.float32, seed=2)
+    base = (torch.randn(3, 4, 8), torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([2, 6, 3]),
+            k_small.nan_to_num(), v_small.nan_to_num(), t_small, c_small, 4, 0.3, True)
+    default = scattered_rows_attention(*base)
+    explicit = scattered_rows_attention(*base, 0)
+    assert torch.equal(default[0], explicit[0]) and torch.equal(default[1], explicit[1])
+    narrow = scattered_rows_attention(*base, 2)
+    assert not torch.equal(narrow[0], default[0])  # the row at 6 loses keys 0..4
+    if not compiled():
+        return
+    default = torch.ops.ridgefill.scattered_rows_attention(*base)
+    explicit = torch.ops.ridgefill.scattered_rows_attention(*base, 0)
+    assert torch.equal(default[0], explicit[0]) and torch.equal(default[1], explicit[1])
+    for window in (1, 2, 100):
+        torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default, base + (window,))
