@@ -39,21 +39,23 @@ def tiny_family():
 
 
 def test_one_list_names_the_built_in_families():
-    assert registry.supported() == ("llama", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_next", "huginn_raven")
-    assert registry.gguf_architectures() == ("llama", "qwen3")  # no GGUF reader for the hybrids or looped models
+    assert registry.supported() == ("llama", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_next", "huginn_raven",
+                                    "gemma3_text")
+    # no GGUF reader for the hybrids or looped models
+    assert registry.gguf_architectures() == ("llama", "qwen3", "gemma3")
     assert registry.family("qwen3").qk_norm and not registry.family("llama").qk_norm
     assert registry.family("llama").gguf.interleaved_rope_rows and not registry.family("qwen3").gguf.interleaved_rope_rows
 
 
 def test_unsupported_architecture_messages_name_the_supported_list():
-    every = "llama, qwen3, qwen3_5_text, qwen3_5, qwen3_next, huginn_raven"
+    every = "llama, qwen3, qwen3_5_text, qwen3_5, qwen3_next, huginn_raven, gemma3_text"
     with pytest.raises(UnsupportedError, match=rf"unsupported architecture 'mamba' \(supported: {every}\)"):
         _config("mamba")
     with pytest.raises(UnsupportedError, match=r"^cfg.json: unsupported architecture model_type='mamba' "
                                                rf"\(supported: {every}\)$"):
         registry.family_for_model_type("mamba", "cfg.json")
     with pytest.raises(UnsupportedError, match=r"^x.gguf: GGUF architecture 'mamba' is not supported "
-                                               r"\(supported: llama, qwen3\)$"):
+                                               r"\(supported: llama, qwen3, gemma3\)$"):
         registry.family_for_gguf("mamba", "x.gguf")
 
 
