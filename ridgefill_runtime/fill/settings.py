@@ -32,19 +32,20 @@ SHIPPED_ROWS = {"selectors": ["special", "lexical"]}
 NEEDS_COUNTS = ("probe", "protected")  # selectors that read unigram counts (fill.rows.unigram)
 
 
-# Maps shipped for packaged models (loader/packaged.py), by the model's name: fitted by
-# scripts/fit_default_maps.py on the same calibration rule as the embedded model's.
-PACKAGED_MAPS = {"gemma3-270m": "gemma3-270m"}
+# Maps shipped for packaged models (loader/packaged.py), by the model's name: (file stem, the
+# split used when none is given). Fitted by scripts/fit_default_maps.py on the embedded model's
+# calibration rule; Gemma's are derived from Gemma, so its terms come with them (GEMMA_NOTICE.md).
+PACKAGED_MAPS = {"gemma3-270m": ("gemma3-270m", 9)}
 
 
 def shipped_maps(split: int = SHIPPED_SPLIT, model: str | None = None) -> Path:
     """The maps shipped for the embedded model (model None) or a packaged model by name."""
-    stem = "smollm2-135m-instruct" if model is None else PACKAGED_MAPS[model]
+    stem = "smollm2-135m-instruct" if model is None else PACKAGED_MAPS[model][0]
     return SHIPPED_DIR / f"{stem}.split{split}.safetensors"
 
 
 def manifest_name(model: str | None = None) -> str:
-    return "manifest.json" if model is None else f"{PACKAGED_MAPS[model]}.manifest.json"
+    return "manifest.json" if model is None else f"{PACKAGED_MAPS[model][0]}.manifest.json"
 
 
 def shipped_unigram() -> Path:
@@ -181,6 +182,8 @@ def resolve_fill(values: dict[str, dict[str, Any]], origin: dict[str, str], *, m
     except ValueError as e:
         raise ConfigError(f"{origin['fill.mode']}: {e}") from None
     if settings.arm == "ridgefill":
+        if model in PACKAGED_MAPS and "split" not in given:
+            given["split"] = PACKAGED_MAPS[model][1]
         given["maps"] = _maps_path(model, given, origin)
     rows = _rows(model, settings, values["rows"], origin, source)
     try:
