@@ -9,7 +9,7 @@ from ridgefill_runtime.config import RowsConfig, CacheConfig, EngineConfig, Fill
 from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.fill.maps import FillMaps, MapMeta, save_maps
 from ridgefill_runtime.loader.hf import load_hf_folder
-from ridgefill_runtime.models.dense import DenseLM
+from ridgefill_runtime.models.registry import family
 from ridgefill_runtime.offline import PromptLogits
 from ridgefill_runtime.sequence import SamplingParams
 from fill_reference import reference_tail_logits
@@ -18,12 +18,13 @@ from tiny_models import build_tiny
 SPLIT, TAIL, N = 1, 40, 150
 
 
-@pytest.fixture(scope="module", params=["llama_gqa_untied", "qwen3_qk_norm"])
+@pytest.fixture(scope="module", params=["llama_gqa_untied", "qwen3_qk_norm", "gemma3_sliding"])
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf = build_tiny(request.param, folder)
     ckpt = load_hf_folder(folder)
-    model = DenseLM(ckpt.config, ckpt.tensors)
+    # through the registry: Gemma 3 is a DenseLM subclass (its norms, RoPE bases, windows)
+    model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors, torch.float32, "cpu")
     model.identity = ckpt.identity
     torch.manual_seed(2)
     ids = torch.randint(0, ckpt.config.vocab_size, (N,)).tolist()
