@@ -47,7 +47,7 @@ def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str)
             qk_norm=family.qk_norm,
             attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
-            eos_token_ids=_as_tuple(eos),
+            eos_token_ids=as_id_tuple(eos),
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: missing key {e.args[0]!r}") from None
@@ -72,7 +72,7 @@ def _hf_rope(raw: dict, where: str) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _as_tuple(x) -> tuple[int, ...]:
+def as_id_tuple(x) -> tuple[int, ...]:
     if x is None:
         return ()
     return tuple(int(i) for i in x) if isinstance(x, (list, tuple)) else (int(x),)

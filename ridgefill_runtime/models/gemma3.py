@@ -36,6 +36,7 @@ def _local_layers(kinds, layers: int, pattern: int) -> tuple[int, ...]:
 
 
 def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str) -> ModelConfig:
+    """config.json (transformers v4 keys, or v5's rope_parameters per layer kind) -> ModelConfig."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if raw.get(key) is not None:
             raise UnsupportedError(f"{where}: {key}={raw[key]} is not supported")
@@ -43,21 +44,34 @@ def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str)
     if act != "gelu_pytorch_tanh":
         raise UnsupportedError(f"{where}: unsupported hidden_activation {act!r} (supported: gelu_pytorch_tanh)")
     params = raw.get("rope_parameters") or {}
-    full = params.get("full_attention", params)
-    local = params.get("sliding_attention", {})
+    full, local = params.get("full_attention", params), params.get("sliding_attention", {})
     scaling = raw.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
     if scaling:
         raise UnsupportedError(f"{where}: rope scaling {scaling} is not supported for gemma3 yet")
-    base = decoder_config.config_from_hf(family, {**raw, "hidden_act": "silu", "rope_parameters": None,
-                                                  "rope_theta": full.get("rope_theta", raw.get("rope_theta", 1e6)),
-                                                  "tie_word_embeddings": raw.get("tie_word_embeddings", True)},
-                                         generation, where)
-    layers = base.num_layers
-    sliding = SlidingWindow(
-        window=int(raw["sliding_window"]),
-        local_layers=_local_layers(raw.get("layer_types"), layers, int(raw.get("sliding_window_pattern", _PATTERN))),
-        local_rope_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", _LOCAL_THETA))))
-    return base.replace(sliding=sliding, attention_scale=float(raw.get("query_pre_attn_scalar", base.head_dim)) ** -0.5)
+    try:
+        hidden, heads, layers = int(raw["hidden_size"]), int(raw["num_attention_heads"]), int(raw["num_hidden_layers"])
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        pattern = int(raw.get("sliding_window_pattern", _PATTERN))
+        eos = generation.get("eos_token_id", raw.get("eos_token_id"))
+        return ModelConfig(
+            architecture=family.name, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1e6))),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qk_norm=True,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
+            eos_token_ids=decoder_config.as_id_tuple(eos),
+            sliding=SlidingWindow(
+                window=int(raw["sliding_window"]),
+                local_layers=_local_layers(raw.get("layer_types"), layers, pattern),
+                local_rope_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", _LOCAL_THETA)))),
+            attention_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{where}: missing key {e.args[0]!r}") from None
 
 
 def config_from_gguf(family: ModelFamily, metadata: MetadataLookup, tensors: dict, tokenizer,
