@@ -204,7 +204,13 @@ def _read_api_key_file(server: dict[str, Any], origin: dict[str, str]) -> None:
 def _check_model_path(model: str | None, origin: dict[str, str]) -> None:
     """A model path that does not exist is an operator error at startup, not a load failure
     found after the server has started."""
-    if model is not None and not model_path(model).exists():
+    if model is None:
+        return
+    try:
+        found = model_path(model).exists()
+    except ModelLoadError as e:  # a packaged model whose packages are missing or damaged
+        raise ConfigError(f"{origin['model.path']}: key 'model.path': {e}") from None
+    if not found:
         raise ConfigError(f"{origin['model.path']}: key 'model.path': {model} not found")
 
 
