@@ -24,7 +24,7 @@ from ..engine import token_table
 from ..fill.corpus import evaluation_docs
 from ..fill.maps import FillMaps, check_maps_fit
 from ..fill.select import RowSelector
-from ..fill.settings import shipped_maps, shipped_unigram
+from ..fill.settings import PACKAGED_MAPS, shipped_maps, shipped_unigram
 from ..llm import LLM
 from ..offline import PromptLogits
 from .measures import binomial_floor, novel_mask, paired_bootstrap, target_nll
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--model", default=None,
+    ap.add_argument("--model", default=None, choices=sorted(PACKAGED_MAPS),
                     help="a packaged model with shipped maps (e.g. gemma3-270m; default: the embedded SmolLM2)")
     ap.add_argument("--exact-from", type=Path, default=None,
                     help="a finished run on the same prompts: reuse its exact answers (more arms later)")

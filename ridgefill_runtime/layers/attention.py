@@ -65,6 +65,12 @@ class AttentionBatch:
     def scattered(self, i: int) -> bool:
         return self.query_pos is not None and self.query_pos[i] is not None
 
+    def first_row_position(self, i: int) -> int:
+        """The lowest position among sequence i's rows (no tensor built for ordinary rows)."""
+        if self.scattered(i):
+            return int(self.query_pos[i].min())
+        return self.context_lens[i] - (self.query_starts[i + 1] - self.query_starts[i])
+
     def row_positions(self, i: int, device) -> torch.Tensor:
         """Positions [n_i] of sequence i's rows."""
         if self.scattered(i):
@@ -72,11 +78,6 @@ class AttentionBatch:
         lo, hi = self.query_starts[i], self.query_starts[i + 1]
         return torch.arange(self.context_lens[i] - (hi - lo), self.context_lens[i], device=device)
 
-    def key_positions(self, i: int, device) -> torch.Tensor:
-        """Positions [ctx_i] of the keys sequence i reads."""
-        if self.key_pos is not None and self.key_pos[i] is not None:
-            return self.key_pos[i]
-        return torch.arange(self.context_lens[i], device=device)
 
 
 class ContextSlots:
@@ -220,7 +221,7 @@ def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window
     if window:
         # NOTE: keys older than every row's window are never read: a windowed layer's cache
         # need not hold them (the fill does not write them), and the slab is not zeroed.
-        first = int(batch.row_positions(i, slots.device).min()) - window + 1
+        first = batch.first_row_position(i) - window + 1
         if k_pos is None:
             keep = max(first, 0)
             return *kv.read(layer, slots[keep:]), torch.arange(keep, len(slots), device=slots.device)

