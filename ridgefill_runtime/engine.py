@@ -97,9 +97,12 @@ class Engine:
             raise ValueError(f"speculative.method = {self.speculative.method!r}: this model has recurrent "
                              f"layers {list(cache_spec.recurrent_layers)}, whose states cannot be rolled back "
                              f"past rejected draft tokens; use speculative.method = \"off\"")
-        self.caches = build_caches(cache_spec, engine_budget(config, cfg.max_position_embeddings, self.loop_store is not None), model.device)
-        self.kv = self.caches.kv
         self.prefix_caching = prefix_caching_on(config.cache.prefix_caching, cache_spec)
+        # NOTE: without the prefix cache, sliding-window layers give back the pages they can no longer read
+        budget = engine_budget(config, cfg.max_position_embeddings, self.loop_store is not None,
+                               window_bounded=not self.prefix_caching)
+        self.caches = build_caches(cache_spec, budget, model.device)
+        self.kv = self.caches.kv
         manager = self.caches.manager(self.prefix_caching)  # the scheduler owns it; freeing a slot clears the pools
         self.blocks = manager.blocks
         self.fill = config.fill
@@ -119,7 +122,7 @@ class Engine:
         self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps)
         self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
-        self.max_model_len = min(cfg.max_position_embeddings, self.caches.num_blocks * self.caches.block_size)
+        self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.counts = _Counts()
 
@@ -293,7 +296,8 @@ def _loop_store(spec, config: EngineConfig):
     return store
 
 
-def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False) -> CacheBudget:
+def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False,
+                  window_bounded: bool = False) -> CacheBudget:
     """The engine's caches: the configured KV pool, one state slot per sequence that may run
     (admission never waits on a slot, so liveness rests on the blocks alone)."""
     c = config.cache
@@ -302,7 +306,7 @@ def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False
         history = config.looped.block + 1
     return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib,
                        state_slots=config.scheduler.max_num_seqs, max_positions=max_positions,
-                       history_rows=history)
+                       history_rows=history, window_bounded=window_bounded)
 
 
 def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,
@@ -322,10 +326,14 @@ def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None
 
 
 def prefix_caching_on(setting: str, spec) -> bool:
-    """cache.prefix_caching: "auto" turns it on where the model's caches are K/V only."""
+    """cache.prefix_caching: "auto" turns it on where the model's caches are K/V only and no layer
+    has a sliding window (there "auto" chooses the smaller cache: a window layer's old pages go
+    back to the pool, and a cached prefix would need them kept; "on" keeps them)."""
     if setting == "on" and not spec.prefix_cacheable:
         raise ValueError("cache.prefix_caching = \"on\": " + spec.why_not_prefix_cacheable())
-    return setting != "off" and spec.prefix_cacheable
+    if setting == "auto":
+        return spec.prefix_cacheable and not spec.windowed
+    return setting == "on"
 
 
 def cache_identity(seq: Sequence, fill, maps_digest: str, policy: str) -> bytes | None:

@@ -215,6 +215,7 @@ class Scheduler:
                 continue
             advance(item, rs, self.select)
             self.caches.settle(seq)
+            self.caches.trim(seq)
             if scored is not None:
                 _record_prompt_scores(seq, *scored)
             if not item.samples:  # a prefill chunk: what it finished may serve others at once

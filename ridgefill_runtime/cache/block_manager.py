@@ -68,6 +68,19 @@ class BlockManager:
         self._release(table)
         table.clear()
 
+    def take(self, n: int) -> list[int]:
+        """n blocks held by no table (a window group's pages, window_pages.py)."""
+        if n > self.num_free:
+            raise RuntimeError(f"KV cache out of blocks: need {n}, {self.num_free} free")
+        taken = [self._take_free() for _ in range(n)]
+        for block in taken:
+            self._refs[block] = 1
+        return taken
+
+    def put(self, blocks: list[int]) -> None:
+        """Give back blocks from take()."""
+        self._release(blocks)
+
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 

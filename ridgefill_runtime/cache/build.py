@@ -8,10 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BlockManager
+from .kv_layout import KVLayout, window_layout
 from .kv_pool import KVPool
 from .manager import CacheManager
 from .spec import CacheSpec
 from .state_pool import StatePool
+from .window_pages import WindowPages
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,9 @@ class CacheBudget:
     state_slots: int = 1
     max_positions: int = 4096  # a model with no attention still needs blocks to count positions
     history_rows: int = 0  # most rows one speculative verification runs (recurrent snapshots)
+    # Sliding-window layers give their old pages back (kv_layout.py); a model without such
+    # layers ignores it. Off for the prefix cache, which needs every layer of a cached block.
+    window_bounded: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -53,16 +58,26 @@ class ModelCaches:
     kv: KVPool  # K/V slabs of the attention layers, keyed by layer
     states: StatePool  # per-slot recurrent states and split-state stashes
     block_size: int
-    num_blocks: int
+    num_blocks: int  # pool blocks (with a layout: pages of group_size layers each)
+    layout: KVLayout | None = None
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest sequence the pool holds alone, every group keeping every position (a
+        filled prefill does until its late sweep ends)."""
+        per_block = 1 if self.layout is None else self.layout.num_groups
+        return self.num_blocks // per_block * self.block_size
 
     def manager(self, prefix_caching: bool = False) -> CacheManager:
         """A manager of these pools' ids; freeing a slot clears what the pools keep in it."""
         if prefix_caching and not self.spec.prefix_cacheable:
             raise ValueError("cache.prefix_caching: " + self.spec.why_not_prefix_cacheable())
-        return CacheManager(BlockManager(self.num_blocks, self.block_size), self.states.num_slots,
+        blocks = BlockManager(self.num_blocks, self.block_size)
+        pages = None if self.layout is None else WindowPages(self.layout, blocks, self.kv.map_pages)
+        return CacheManager(blocks, self.states.num_slots,
                             self.spec.stash_bytes_per_row(), on_free_slot=self.states.free_slot,
                             on_stash_done=self.states.drop_stash, on_rollback=self.states.restore_row,
-                            prefix_caching=prefix_caching)
+                            prefix_caching=prefix_caching, window_pages=pages)
 
 
 def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
@@ -71,19 +86,23 @@ def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
 
 
 def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | str) -> ModelCaches:
-    num_blocks = _num_blocks(spec, budget)
+    layout = window_layout(spec, budget.block_size) if budget.window_bounded else None
+    num_blocks = _num_blocks(spec, budget, layout)
     att = spec.attention
     heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)
-    kv = KVPool(spec.paged_keys, num_blocks * budget.block_size, heads, dim, spec.dtype, device)
+    kv = KVPool(spec.paged_keys, num_blocks * budget.block_size, heads, dim, spec.dtype, device, layout)
     states = StatePool(spec, budget.state_slots, device, budget.history_rows)
-    return ModelCaches(spec, kv, states, budget.block_size, num_blocks)
+    return ModelCaches(spec, kv, states, budget.block_size, num_blocks, layout)
 
 
-def _num_blocks(spec: CacheSpec, budget: CacheBudget) -> int:
+def _num_blocks(spec: CacheSpec, budget: CacheBudget, layout: KVLayout | None = None) -> int:
+    """Pool blocks. With a layout a block is a page of group_size layers, so the same memory
+    (or an explicit num_blocks of whole-model blocks) makes num_groups times as many."""
+    per_model_block = 1 if layout is None else layout.num_groups
     if budget.num_blocks is not None:
-        return budget.num_blocks
+        return budget.num_blocks * per_model_block
     per_block = spec.kv_bytes_per_token() * budget.block_size
     if per_block == 0:  # NOTE: no attention: blocks only count positions, room for every slot at full length
         return budget.state_slots * -(-budget.max_positions // budget.block_size)
     room = int(budget.kv_cache_gib * 2**30) - spec.state_bytes_per_sequence() * budget.state_slots
-    return max(1, room // per_block)
+    return max(1, room // per_block) * per_model_block

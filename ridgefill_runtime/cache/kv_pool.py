@@ -1,4 +1,9 @@
-"""The paged KV cache's storage: one K and one V slab per attention layer, addressed by slot."""
+"""The paged KV cache's storage: one K and one V slab per attention layer, addressed by slot.
+
+With a KVLayout (kv_layout.py) sliding-window layers take pages of their own: layer j of each
+group shares slab j, and a slot the scheduler computes from a block table (a block id, as
+group 0 numbers it) is turned into the group's page here, on every read and write, so no
+caller above the pool needs to know which layer keeps what."""
 
 from __future__ import annotations
 
@@ -6,35 +11,74 @@ from collections.abc import Iterable
 
 import torch
 
+from .kv_layout import KVLayout
+
 
 class KVPool:
     def __init__(self, layers: int | Iterable[int], num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, layout: KVLayout | None = None):
         """`layers`: the attention layers' indices (an int n means layers 0..n-1). k[i], v[i] are
-        layer i's slabs; a layer without attention (a recurrent one) has none."""
+        layer i's slabs; a layer without attention (a recurrent one) has none. With `layout`,
+        num_slots counts the pool's pages times block_size, shared by every group."""
         ids = range(layers) if isinstance(layers, int) else tuple(layers)
         shape = (num_slots, num_kv_heads, head_dim)
+        self.num_slots = num_slots
+        self.layout = layout
         # NOTE: empty, not zeros: a slot is always written before it is read, and a
         # GiB-sized memset would cost every start-up about a second.
-        self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
-        self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
-        self.num_slots = num_slots
+        if layout is None:
+            self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
+            self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
+            return
+        k_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
+        v_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
+        self.k = {i: k_slabs[layout.place(i)[1]] for i in ids}
+        self.v = {i: v_slabs[layout.place(i)[1]] for i in ids}
+        self._group = {i: layout.place(i)[0] for i in ids}
+        num_pages = num_slots // layout.block_size
+        # page_of[g, block]: the page group g keeps block's positions in, -1 while it has none;
+        # group 0's pages are the block ids themselves.
+        self.page_of = torch.full((layout.num_groups, num_pages), -1, dtype=torch.int64, device=device)
+        self.page_of[0] = torch.arange(num_pages, device=device)
 
     @property
     def layers(self) -> tuple[int, ...]:
         return tuple(self.k)
 
+    def map_pages(self, group: int, blocks: list[int], pages: list[int]) -> None:
+        """Group `group` keeps blocks[i]'s positions in pages[i] (-1: in none any more)."""
+        at = torch.tensor(blocks, dtype=torch.int64)
+        self.page_of[group].index_copy_(0, at.to(self.page_of.device),
+                                        torch.tensor(pages, dtype=torch.int64, device=self.page_of.device))
+
+    def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The slab slots [N] of block-table slots [N] at `layer`."""
+        if self.layout is None or self._group[layer] == 0:
+            return slots
+        bs = self.layout.block_size
+        return self.page_of[self._group[layer]][slots // bs] * bs + slots % bs
+
+    def block_tables(self, layer: int, tables: torch.Tensor) -> torch.Tensor:
+        """int32 [B, max_blocks] tables as `layer`'s slab is paged (-1: a page let go)."""
+        if self.layout is None or self._group[layer] == 0:
+            return tables
+        return self.page_of[self._group[layer]][tables.long()].to(torch.int32)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, Hkv, D] at slots [N]."""
-        self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        at = self.physical(layer, slots)
+        self.k[layer].index_copy_(0, at, k)
+        self.v[layer].index_copy_(0, at, v)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [L, Hkv, D] gathered from slots [L]."""
-        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+        at = self.physical(layer, slots)
+        return self.k[layer].index_select(0, at), self.v[layer].index_select(0, at)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Copy-on-write: every slab's slots of block `source` into block `copy`, per pair."""
+        if self.layout is not None:
+            raise RuntimeError("copy-on-write needs the prefix cache, which window-bounded K/V runs without")
         src = torch.cat([torch.arange(a * block_size, (a + 1) * block_size) for a, _ in pairs])
         dst = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for _, b in pairs])
         for slabs in (self.k, self.v):
@@ -42,10 +86,12 @@ class KVPool:
                 t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
 
     def bytes_per_token(self) -> int:
-        if not self.k:
+        """What the slabs take per slot, all layers together."""
+        slabs = {id(t): t for t in self.k.values()}
+        if not slabs:
             return 0
-        k = next(iter(self.k.values()))
-        return 2 * len(self.k) * k.shape[1] * k.shape[2] * k.element_size()
+        k = next(iter(slabs.values()))
+        return 2 * len(slabs) * k.shape[1] * k.shape[2] * k.element_size()
 
 
 def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:

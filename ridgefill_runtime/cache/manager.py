@@ -14,6 +14,7 @@ from typing import Callable
 
 from .block_manager import BlockManager
 from .prefix_cache import NO_HIT, PrefixCache, PrefixHit
+from .window_pages import WindowPages
 
 SlotHook = Callable[[int], None]
 
@@ -50,7 +51,10 @@ class CacheManager:
     def __init__(self, blocks: BlockManager, num_state_slots: int, stash_bytes_per_row: int = 0,
                  on_free_slot: SlotHook = _ignore, on_stash_done: SlotHook = _ignore,
                  on_rollback: Callable[[int, int], None] = lambda slot, row: None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, window_pages: WindowPages | None = None):
+        """window_pages: a sliding-window model's per-group pages (the blocks then count pages:
+        each block of a table takes one per group, and window groups give theirs back as rows
+        pass); None: one block holds every layer's K/V."""
         if num_state_slots <= 0:
             raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
         self.blocks = blocks
@@ -60,7 +64,11 @@ class CacheManager:
         # NOTE: a stack, like the blocks: the most recently freed slot is reused first.
         self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
         self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
+        if prefix_caching and window_pages is not None:
+            raise ValueError("prefix caching needs every layer's K/V of a cached block; window-bounded K/V lets "
+                             "sliding-window layers' old pages go")
         self.prefix = PrefixCache(blocks) if prefix_caching else None
+        self.pages = window_pages
 
     # -- asking ---------------------------------------------------------------------------
 
@@ -69,7 +77,10 @@ class CacheManager:
         return len(self._free_slots)
 
     def blocks_needed(self, seq, num_tokens: int) -> int:
-        return self.blocks.blocks_needed(seq.block_table, num_tokens)
+        """Pool blocks seq must take to hold `num_tokens` positions in all (with window pages,
+        one per group for each new block of its table)."""
+        new = self.blocks.blocks_needed(seq.block_table, num_tokens)
+        return new if self.pages is None else new * self.pages.per_block
 
     def match(self, seq) -> PrefixHit:
         """The cached blocks seq's prompt may start from (none without prefix caching)."""
@@ -84,7 +95,7 @@ class CacheManager:
         return slot_ok and need <= self.blocks.num_free - reserved_blocks
 
     def can_grow(self, seq, num_tokens: int) -> bool:
-        return self.blocks.can_grow(seq.block_table, num_tokens)
+        return self.blocks_needed(seq, num_tokens) <= self.blocks.num_free
 
     # -- changing ---------------------------------------------------------------------------
 
@@ -108,13 +119,29 @@ class CacheManager:
         self.grow(seq, num_tokens)
 
     def grow(self, seq, num_tokens: int) -> None:
+        need = self.blocks_needed(seq, num_tokens)
+        if need > self.blocks.num_free:
+            raise RuntimeError(f"KV cache out of blocks: need {need}, {self.blocks.num_free} free")
+        before = len(seq.block_table)
         self.blocks.grow(seq.block_table, num_tokens)
+        if self.pages is not None:
+            self.pages.attach(seq.block_table[before:])
+
+    def trim(self, seq) -> None:
+        """After a step: sliding-window groups give back the pages no later row of seq can see.
+        NOTE: only once its two-sweep prefill is over (an exact sequence at once): until then
+        the late sweep still runs exact prefix rows, which read their own windows."""
+        if self.pages is not None and seq.stage.done and seq.block_table:
+            self.pages.trim(seq.block_table, seq.num_computed)
 
     def rollback(self, seq, num_valid: int, num_kept: int, verified_row: int | None = None) -> None:
         """A verification step rejected draft rows: positions from `num_valid` on hold rejected
         K/V (overwritten when recomputed, so only the blocks matter) and blocks past those for
         `num_kept` positions go back. Recurrent states have absorbed every verified row: they
         go back to their snapshot after row `verified_row` of the verification (the pool's)."""
+        keep = -(-max(num_valid, num_kept) // self.blocks.block_size)
+        if self.pages is not None:
+            self.pages.release(seq.block_table[keep:])
         self.blocks.shrink(seq.block_table, max(num_valid, num_kept))
         if verified_row is not None and seq.state_slot is not None:
             self._on_rollback(seq.state_slot, verified_row)
@@ -149,6 +176,9 @@ class CacheManager:
         self.publish(seq)
         if self.prefix is not None:
             self.prefix.unclaim(seq)
+        if self.pages is not None:
+            self.pages.release(seq.block_table)
+            self.pages.forget(seq.block_table)
         self.blocks.free(seq.block_table)
         seq.block_keys = []
         slot = seq.state_slot

@@ -22,14 +22,18 @@ import torch
 
 @dataclass(frozen=True)
 class AttentionCache:
-    """Paged K/V: per token, one [num_kv_heads, head_dim] key and one value."""
+    """Paged K/V: per token, one [num_kv_heads, head_dim] key and one value. A sliding-window
+    layer (window > 0) is read only `window` positions back, so its old pages can be let go."""
 
     num_kv_heads: int
     head_dim: int
+    window: int = 0
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"attention cache needs positive heads and head_dim, got {self}")
+        if self.window < 0:
+            raise ValueError(f"attention cache window must be >= 0, got {self.window}")
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_kv_heads * self.head_dim * dtype.itemsize
@@ -136,8 +140,10 @@ class CacheSpec:
     @classmethod
     def dense(cls, config, dtype: torch.dtype) -> "CacheSpec":
         """Every layer attends (Llama, Qwen3): what a model without its own cache_spec() keeps."""
-        layer = AttentionCache(config.num_kv_heads, config.head_dim)
-        return cls(layers=(layer,) * config.num_layers, dtype=dtype, stash_width=config.hidden_size)
+        window_of = getattr(config, "window_of", lambda layer: 0)
+        layers = tuple(AttentionCache(config.num_kv_heads, config.head_dim, window_of(i))
+                       for i in range(config.num_layers))
+        return cls(layers=layers, dtype=dtype, stash_width=config.hidden_size)
 
     def first_layers(self, n: int) -> "CacheSpec":
         """The spec of layers 0..n-1 only (a run that stops early needs no later cache)."""
@@ -156,6 +162,11 @@ class CacheSpec:
         return tuple(i for i, c in enumerate(self.layers) if isinstance(c, LoopPlanesCache))
 
     @property
+    def windowed(self) -> bool:
+        """Some attention layer is a sliding-window one (its out-of-window pages can go)."""
+        return any(isinstance(c, AttentionCache) and c.window for c in self.layers)
+
+    @property
     def paged_keys(self) -> tuple:
         """The KV pool's slabs: an attention layer's index, or (layer, plane) for loop planes."""
         keys: list = []
@@ -170,9 +181,7 @@ class CacheSpec:
     def attention(self) -> AttentionCache | None:
         """The (shared) K/V geometry of the layers that attend; None when none does."""
         found = next((c for c in self.layers if isinstance(c, (AttentionCache, LoopPlanesCache))), None)
-        if found is None or isinstance(found, AttentionCache):
-            return found
-        return AttentionCache(found.num_kv_heads, found.head_dim)
+        return None if found is None else AttentionCache(found.num_kv_heads, found.head_dim)
 
     def kv_bytes_per_token(self) -> int:
         return sum(c.bytes_per_token(self.dtype) for c in self.layers

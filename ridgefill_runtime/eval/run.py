@@ -70,10 +70,11 @@ def _splicer(exact_runner, exact_seq, what: str, split: int):
         src = exact_runner._seq_slots(exact_seq, 0, seq.fill_boundary)
         dst = runner._seq_slots(seq, 0, seq.fill_boundary)
         for layer in (l for l in runner.caches.spec.attention_layers if l >= split):
+            to, at = runner.kv.physical(layer, dst), exact_runner.kv.physical(layer, src)
             if what in ("keys", "both", "all"):
-                runner.kv.k[layer][dst] = exact_runner.kv.k[layer][src]
+                runner.kv.k[layer][to] = exact_runner.kv.k[layer][at]
             if what in ("values", "both", "all"):
-                runner.kv.v[layer][dst] = exact_runner.kv.v[layer][src]
+                runner.kv.v[layer][to] = exact_runner.kv.v[layer][at]
     return splice
 
 

@@ -17,11 +17,12 @@ def head_norm_ratio(exact: torch.Tensor, predicted: torch.Tensor) -> torch.Tenso
 
 def rescale_filled(kv, layer: int, r: Rescale, k_exact, v_exact, k_pred, v_pred) -> None:
     """Multiply the filled slots' cached values / keys of `layer` by the measured ratios."""
+    slots = kv.physical(layer, r.filled_slots)  # [P] the slab's own slots (kv_pool.py)
     if r.values:
-        _scale_slots(kv.v[layer], r.filled_slots, head_norm_ratio(v_exact, v_pred))
+        _scale_slots(kv.v[layer], slots, head_norm_ratio(v_exact, v_pred))
     if r.keys:
         # NOTE: RoPE is a rotation, so the ratio of key norms is the same before and after it.
-        _scale_slots(kv.k[layer], r.filled_slots, head_norm_ratio(k_exact, k_pred))
+        _scale_slots(kv.k[layer], slots, head_norm_ratio(k_exact, k_pred))
 
 
 def _scale_slots(slab: torch.Tensor, slots: torch.Tensor, ratio: torch.Tensor) -> None:

@@ -1,0 +1,79 @@
+"""The pages of a model's sliding-window groups (kv_layout.py), as plain integers.
+
+Every block a sequence's table gains takes one page per window group too; once no later row of
+the sequence can see a block's positions in a group (they lie `window` or more positions behind
+the lowest position it may still run), that page goes back to the pool. The KV pool hears of
+each change through `on_map` (its page_of table), as the pools hear of freed state slots."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .block_manager import BlockManager
+from .kv_layout import KVLayout
+
+MapHook = Callable[[int, list[int], list[int]], None]  # (group, blocks, pages; -1: none)
+
+
+class WindowPages:
+    def __init__(self, layout: KVLayout, blocks: BlockManager, on_map: MapHook):
+        self.layout = layout
+        self.blocks = blocks
+        self._on_map = on_map
+        self._pages: dict[int, list[int]] = {}  # block id -> its page in each window group (-1: gone)
+        # id(table) -> per window group, how many of its first blocks trim() has let go (so a
+        # step looks at its newly passed blocks only); dropped by forget()
+        self._trimmed: dict[int, list[int]] = {}
+
+    @property
+    def per_block(self) -> int:
+        """Pages a new block takes: its own (group 0's) and one per window group."""
+        return self.layout.num_groups
+
+    def attach(self, new_blocks: list[int]) -> None:
+        """Give each new block of a table a page in every window group."""
+        if not new_blocks:
+            return
+        for g in range(1, self.layout.num_groups):
+            pages = self.blocks.take(len(new_blocks))
+            for block, page in zip(new_blocks, pages):
+                self._pages.setdefault(block, []).append(page)
+            self._on_map(g, new_blocks, pages)
+
+    def release(self, blocks: list[int]) -> None:
+        """Blocks leaving a table: their window pages still held go back."""
+        held = [b for b in blocks if b in self._pages]
+        for g in range(1, self.layout.num_groups):
+            gone = [b for b in held if self._pages[b][g - 1] >= 0]
+            self.blocks.put([self._pages[b][g - 1] for b in gone])
+            if gone:
+                self._on_map(g, gone, [-1] * len(gone))
+        for b in held:
+            del self._pages[b]
+
+    def trim(self, table: list[int], reach: int) -> int:
+        """No row of table's sequence runs below position `reach` any more: each window group
+        gives back the pages of the blocks wholly behind its window. Returns the pages freed."""
+        bs, freed = self.layout.block_size, 0
+        done = self._trimmed.setdefault(id(table), [0] * (self.layout.num_groups - 1))
+        for g in range(1, self.layout.num_groups):
+            window = self.layout.groups[g][0]
+            behind = min(len(table), max(0, reach - window + 1) // bs)  # blocks no later row sees
+            gone = [b for b in table[done[g - 1]:behind] if self._pages[b][g - 1] >= 0]
+            done[g - 1] = max(done[g - 1], behind)
+            if not gone:
+                continue
+            self.blocks.put([self._pages[b][g - 1] for b in gone])
+            for b in gone:
+                self._pages[b][g - 1] = -1
+            self._on_map(g, gone, [-1] * len(gone))
+            freed += len(gone)
+        return freed
+
+    def forget(self, table: list[int]) -> None:
+        """The table is emptied (its sequence freed or preempted): no trim cursor left for it."""
+        self._trimmed.pop(id(table), None)
+
+    def held(self) -> int:
+        """Window pages held now, all groups together."""
+        return sum(p >= 0 for pages in self._pages.values() for p in pages)

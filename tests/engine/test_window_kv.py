@@ -1,0 +1,185 @@
+"""Window-bounded K/V (cache/kv_layout.py, cache/window_pages.py): sliding-window layers give back
+the pages no later row can read, and nothing the model computes changes.
+
+References: transformers' greedy tokens (full forward per step) on the same tiny Gemma 3 checkpoint
+(window 16); the
+same engine keeping every page (cache.prefix_caching = "on", which needs them); and, for the
+pages held, the definition itself: a window group keeps a block while one of its positions is at
+or after (lowest position a later row may have) - window + 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ridgefill_runtime.cache.block_manager import BlockManager
+from ridgefill_runtime.cache.kv_layout import KVLayout, window_layout
+from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec
+from ridgefill_runtime.cache.window_pages import WindowPages
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig, SpeculativeConfig
+from ridgefill_runtime.llm import build_engine
+from ridgefill_runtime.sequence import SamplingParams
+from tiny_models import build_tiny
+
+WINDOW = 16  # the tiny gemma3_sliding config's
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3_sliding")
+    return folder, build_tiny("gemma3_sliding", folder)
+
+
+def _spec(windows: list[int]) -> CacheSpec:
+    return CacheSpec(tuple(AttentionCache(2, 8, w) for w in windows), torch.float32)
+
+
+def test_layout_cuts_layers_into_equal_groups_global_first():
+    gemma_270m = [0 if i % 6 == 5 else 512 for i in range(18)]  # layers 5, 11, 17 global
+    layout = window_layout(_spec(gemma_270m), 16)
+    assert layout.group_size == 3 and layout.num_groups == 6
+    assert layout.groups[0] == (0, (5, 11, 17))
+    gemma_1b = [0 if i % 6 == 5 else 512 for i in range(26)]  # 4 global, 22 local
+    layout = window_layout(_spec(gemma_1b), 16)
+    assert layout.group_size == 2 and layout.windows == (0, 0) + (512,) * 11
+    placed = sorted(layer for _, layers in layout.groups for layer in layers)
+    assert placed == list(range(26))
+    assert window_layout(_spec([0] * 4), 16) is None  # nothing to bound
+    assert window_layout(_spec([8] * 4), 16) is None  # no global group to number blocks
+
+
+def test_trim_keeps_exactly_the_blocks_a_later_row_can_read():
+    layout = KVLayout(BLOCK, ((0, (1,)), (6, (0,)), (11, (2,))))
+    for reach in range(0, 41):
+        blocks = BlockManager(64, BLOCK)
+        mapped: dict[int, dict[int, int]] = {1: {}, 2: {}}
+        pages = WindowPages(layout, blocks, lambda g, bs, ps: mapped[g].update(zip(bs, ps)))
+        table: list[int] = []
+        blocks.grow(table, 40)
+        pages.attach(table)
+        pages.trim(table, reach)
+        for g, window in ((1, 6), (2, 11)):
+            for i, block in enumerate(table):
+                seen = any(p >= reach - window + 1 for p in range(i * BLOCK, (i + 1) * BLOCK))
+                assert (mapped[g][block] >= 0) == seen, (reach, g, i)
+        held = sum(p >= 0 for g in (1, 2) for p in mapped[g].values())
+        assert blocks.num_free == 64 - len(table) - held
+        pages.release(table)
+        blocks.free(table)
+        assert blocks.num_free == 64
+
+
+def _engine(folder, prefix_caching: str, num_blocks: int = 256, fill: FillConfig | None = None,
+            speculative: SpeculativeConfig | None = None, chunk: int = 8):
+    config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
+                                                               prefix_caching=prefix_caching),
+                          scheduler=SchedulerConfig(chunk_size=chunk, max_num_batched_tokens=64, max_num_seqs=8),
+                          fill=fill or FillConfig(), speculative=speculative or SpeculativeConfig())
+    return build_engine(config)
+
+
+def _expected_pages(engine) -> int:
+    """Pages a window-bounded pool should hold now, from the definition."""
+    manager = engine.scheduler.caches
+    total = 0
+    for seq in engine.scheduler.running:
+        n = len(seq.block_table)
+        total += n  # group 0 keeps every block
+        for window in manager.pages.layout.windows[1:]:
+            if not seq.stage.done:
+                total += n
+                continue
+            first = max(0, seq.num_computed - window + 1)  # lowest key a later row reads
+            total += sum((i + 1) * BLOCK - 1 >= first for i in range(n))
+    return total
+
+
+def _run(engine, prompts, params, check_pages: bool = False):
+    seqs = [engine.add_request(p, params) for p in prompts]
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        used = engine.stats().kv_blocks_used
+        peak = max(peak, used)
+        if check_pages:
+            assert used == _expected_pages(engine)
+    assert engine.stats().kv_blocks_used == 0  # every page back
+    return seqs, peak
+
+
+def _prompts(lengths, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_bounded_engine_matches_transformers_and_the_unbounded_engine(gemma):
+    folder, ref = gemma
+    prompts = _prompts((40, 75, 130))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    bounded = _engine(folder, "auto")
+    assert bounded.caches.layout is not None and not bounded.prefix_caching
+    full = _engine(folder, "on")
+    assert full.caches.layout is None
+    got, peak_bounded = _run(bounded, prompts, params, check_pages=True)
+    want, _ = _run(full, prompts, params)
+    for a, b, prompt in zip(got, want, prompts):
+        assert a.output_ids == b.output_ids
+        lp_a = torch.tensor([t.logprob for t in a.output_logprobs])
+        lp_b = torch.tensor([t.logprob for t in b.output_logprobs])
+        assert (lp_a - lp_b).abs().max() < 1e-5
+        assert a.output_ids == _greedy_uncached(ref, prompt, 24)
+
+
+def _greedy_uncached(ref, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, each from a full forward over everything so far.
+    NOTE: not ref.generate: its cached path disagrees with its own full forward on this
+    checkpoint for the 40-token prompt (second token 199 vs 202); the full forward is the definition."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_window_pages_let_more_sequences_run_without_preemption(gemma):
+    """A pool that holds the four sequences' every-layer K/V only with preemptions holds their
+    global K/V and the local windows at once."""
+    folder, _ = gemma
+    prompts = _prompts((120, 121, 122, 123), seed=5)  # + 40 tokens: 40-41 blocks each, 162 for all
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    bounded = _engine(folder, "off", num_blocks=100)
+    full = _engine(folder, "on", num_blocks=100)
+    got, _ = _run(bounded, prompts, params, check_pages=True)
+    want, _ = _run(full, prompts, params)
+    assert bounded.scheduler.num_preemptions == 0
+    assert full.scheduler.num_preemptions > 0
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+
+
+def test_filled_prefill_keeps_pages_until_its_late_sweep_ends(gemma):
+    """RidgeFill's exact prefix rows read their own windows in the late sweep: the pages stay until
+    the prefill is over, then go; what the fill computes is the same as with every page kept."""
+    folder, _ = gemma
+    fill = FillConfig(arm="identity", split=1, tail=16)
+    prompts = _prompts((90, 60))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    got, _ = _run(_engine(folder, "off", fill=fill), prompts, params, check_pages=True)
+    want, _ = _run(_engine(folder, "on", fill=fill), prompts, params)
+    for a, b in zip(got, want):
+        assert a.fill_boundary > 0 and a.output_ids == b.output_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+
+
+def test_speculative_rollback_gives_back_the_rejected_blocks_pages(gemma):
+    folder, _ = gemma
+    base = _prompts((12,), seed=9)[0]
+    prompts = [base * 6]  # repeats: the n-gram drafter proposes, some drafts are rejected
+    spec = SpeculativeConfig(method="ngram", num_tokens=4)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    bounded = _engine(folder, "off", speculative=spec)
+    got, _ = _run(bounded, prompts, params, check_pages=True)
+    want, _ = _run(_engine(folder, "on", speculative=spec), prompts, params)
+    assert bounded.scheduler.spec.steps > 0
+    assert got[0].output_ids == want[0].output_ids
