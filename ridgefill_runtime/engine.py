@@ -119,7 +119,9 @@ class Engine:
             _check_terminal_shift(cache_spec, self.fill.split, fill_maps)
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
-        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps)
+        # NOTE: a cached filled block must hold every filled row's K/V: another request's rows reach others
+        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps,
+                             defer_windows=not self.prefix_caching)
         self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
         self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
@@ -306,7 +308,8 @@ def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False
         history = config.looped.block + 1
     return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib,
                        state_slots=config.scheduler.max_num_seqs, max_positions=max_positions,
-                       history_rows=history, window_bounded=window_bounded)
+                       history_rows=history, window_bounded=window_bounded,
+                       fill_split=config.fill.split if config.fill.enabled else 0)
 
 
 def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,

@@ -39,7 +39,8 @@ class PromptLogits:
         seq), on a hybrid, runs once the late sweep has carried the recurrent states to the prefix's
         end, before any tail row reads them (the state splice replaces them there)."""
         caches = build_caches(spec_of(self.model), CacheBudget.for_tokens(len(ids), self.block_size), self.model.device)
-        runner = Runner(self.model, caches, self.block_size, self.fill, self.maps)
+        # NOTE: a splice edits every filled row's late K/V, so every one must be written first
+        runner = Runner(self.model, caches, self.block_size, self.fill, self.maps, defer_windows=after_fill is None)
         held = caches.manager()
         seq = self.new_sequence(ids, rows, hide_from)
         held.allocate(seq, len(ids))

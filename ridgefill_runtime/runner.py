@@ -35,8 +35,10 @@ class StepLogits:
 
 class Runner:
     def __init__(self, model, caches: ModelCaches, block_size: int, fill: FillConfig | None = None,
-                 maps=None):
-        """`caches`: what build_caches made for this model."""
+                 maps=None, defer_windows: bool = False):
+        """`caches`: what build_caches made for this model. defer_windows: the fill writes a filled
+        row's K/V at sliding-window late layers only once a later row reaches it (fill/plan.py);
+        only where nothing else reads the filled cache (no prefix cache, no splice, no replay)."""
         self.model = model
         self.caches = caches
         self.kv = self.caches.kv
@@ -53,7 +55,7 @@ class Runner:
         self.drafter = SelfDrafter(model, self.caches, self._slots) if self.looped else None
         self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self.states,
                                    model.config, model.dtype, self.device, self.caches.spec.attention_layers,
-                                   terminal)
+                                   terminal, defer_windows)
 
     def forward(self, items: list[ScheduledSeq]) -> StepLogits:
         """Run the step's model call (a looped model's self-drafts first) and keep what the fill

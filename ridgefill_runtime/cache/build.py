@@ -30,6 +30,7 @@ class CacheBudget:
     # Sliding-window layers give their old pages back (kv_layout.py); a model without such
     # layers ignores it. Off for the prefix cache, which needs every layer of a cached block.
     window_bounded: bool = False
+    fill_split: int = 0  # RidgeFill's split when the fill may run: window groups are cut there
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -86,7 +87,7 @@ def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
 
 
 def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | str) -> ModelCaches:
-    layout = window_layout(spec, budget.block_size) if budget.window_bounded else None
+    layout = window_layout(spec, budget.block_size, budget.fill_split) if budget.window_bounded else None
     num_blocks = _num_blocks(spec, budget, layout)
     att = spec.attention
     heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)

@@ -25,10 +25,12 @@ from .spec import AttentionCache, CacheSpec
 
 @dataclass(frozen=True)
 class KVLayout:
-    """groups[g] = (window, layers); group 0 is global (window 0)."""
+    """groups[g] = (window, layers); group 0 is global (window 0). `split`: RidgeFill's split layer
+    when the groups were cut there (no group holds layers on both sides), else 0."""
 
     block_size: int
     groups: tuple[tuple[int, tuple[int, ...]], ...]
+    split: int = 0
 
     def __post_init__(self) -> None:
         sizes = {len(layers) for _, layers in self.groups}
@@ -49,6 +51,11 @@ class KVLayout:
     def windows(self) -> tuple[int, ...]:
         return tuple(w for w, _ in self.groups)
 
+    def late(self, group: int) -> bool:
+        """The group's layers lie above the split: the late sweep, not the rows' own order,
+        decides when they are read."""
+        return self.split > 0 and self.groups[group][1][0] >= self.split
+
     def place(self, layer: int) -> tuple[int, int]:
         """(group, index within the group) of an attention layer; the index names its slab."""
         for g, (_, layers) in enumerate(self.groups):
@@ -57,20 +64,22 @@ class KVLayout:
         raise KeyError(f"layer {layer} keeps no paged K/V")
 
 
-def window_layout(spec: CacheSpec, block_size: int) -> KVLayout | None:
+def window_layout(spec: CacheSpec, block_size: int, split: int = 0) -> KVLayout | None:
     """The layout that lets sliding-window layers give back old pages; None when the model has
     none, has no global layer (its block ids would have nothing to hold on to), or keeps other
-    kinds of cache (recurrent states, loop planes) beside its K/V."""
+    kinds of cache (recurrent states, loop planes) beside its K/V. `split` > 0: RidgeFill runs
+    with this split, so groups are cut there: the lower layers' pages can go as the lower sweep
+    moves on, while the late layers' wait for the late sweep (cache/window_pages.py)."""
     if not spec.windowed or not all(isinstance(c, AttentionCache) for c in spec.layers):
         return None
-    by_window: dict[int, list[int]] = {}
+    by_class: dict[tuple[int, bool], list[int]] = {}
     for i, c in enumerate(spec.layers):
-        by_window.setdefault(c.window, []).append(i)
-    if 0 not in by_window:
+        by_class.setdefault((c.window, split > 0 and i >= split), []).append(i)
+    if not any(window == 0 for window, _ in by_class):
         return None
-    size = math.gcd(*(len(layers) for layers in by_window.values()))
+    size = math.gcd(*(len(layers) for layers in by_class.values()))
     groups = []
-    for window in sorted(by_window):  # NOTE: 0 first: group 0 is global
-        layers = by_window[window]
+    for window, late in sorted(by_class):  # NOTE: window 0 first: group 0 is global
+        layers = by_class[(window, late)]
         groups += [(window, tuple(layers[k:k + size])) for k in range(0, len(layers), size)]
-    return KVLayout(block_size, tuple(groups))
+    return KVLayout(block_size, tuple(groups), split)

@@ -129,10 +129,15 @@ class CacheManager:
 
     def trim(self, seq) -> None:
         """After a step: sliding-window groups give back the pages no later row of seq can see.
-        NOTE: only once its two-sweep prefill is over (an exact sequence at once): until then
-        the late sweep still runs exact prefix rows, which read their own windows."""
-        if self.pages is not None and seq.stage.done and seq.block_table:
-            self.pages.trim(seq.block_table, seq.num_computed)
+        Below the split rows run in order (the lower sweep, then decoding), so the lowest row
+        to come is num_computed. Above it a two-sweep prefill runs its queue (exact prefix rows,
+        then the tail, in position order) once the lower sweep has chosen the exact rows: until
+        then nothing there can go."""
+        if self.pages is None or not seq.block_table:
+            return
+        if not seq.stage.done and not self.pages.layout.split:  # NOTE: groups not cut at the split
+            return
+        self.pages.trim(seq.block_table, seq.num_computed, _late_reach(seq))
 
     def rollback(self, seq, num_valid: int, num_kept: int, verified_row: int | None = None) -> None:
         """A verification step rejected draft rows: positions from `num_valid` on hold rejected
@@ -206,3 +211,13 @@ class CacheManager:
                           prefix_queried_tokens=self.prefix.queried_tokens if self.prefix else 0,
                           prefix_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
                           prefix_evictions=self.blocks.evictions)
+
+
+def _late_reach(seq) -> int | None:
+    """The lowest position a later row of seq runs at in the layers above the split; None while
+    the lower sweep or the probe runs (the exact rows are not chosen yet)."""
+    if seq.stage.done:
+        return seq.num_computed
+    if seq.stage == "late" and seq.queue_done < len(seq.queue):
+        return seq.queue[seq.queue_done]
+    return None

@@ -51,14 +51,18 @@ class WindowPages:
         for b in held:
             del self._pages[b]
 
-    def trim(self, table: list[int], reach: int) -> int:
-        """No row of table's sequence runs below position `reach` any more: each window group
+    def trim(self, table: list[int], reach: int, late_reach: int | None = None) -> int:
+        """No row of table's sequence runs below position `reach` any more in the layers below
+        the split (below `late_reach` above it; None: not yet known there): each window group
         gives back the pages of the blocks wholly behind its window. Returns the pages freed."""
         bs, freed = self.layout.block_size, 0
         done = self._trimmed.setdefault(id(table), [0] * (self.layout.num_groups - 1))
         for g in range(1, self.layout.num_groups):
             window = self.layout.groups[g][0]
-            behind = min(len(table), max(0, reach - window + 1) // bs)  # blocks no later row sees
+            reach_g = late_reach if self.layout.late(g) else reach
+            if reach_g is None:
+                continue
+            behind = min(len(table), max(0, reach_g - window + 1) // bs)  # blocks no later row sees
             gone = [b for b in table[done[g - 1]:behind] if self._pages[b][g - 1] >= 0]
             done[g - 1] = max(done[g - 1], behind)
             if not gone:

@@ -41,7 +41,20 @@ def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], 
     def on_q(layer: int, q: torch.Tensor) -> None:
         for r, masses in zip(requests, found):
             if layer in r.layers:
-                k, _ = kv.read(layer, r.key_slots)  # [K, Hkv, D]
-                masses.append(key_mass(q[r.rows], r.q_pos, k, r.key_pos, scale, window=window_of(layer)))  # [K]
+                masses.append(_mass(kv, layer, q[r.rows], r, scale, window_of(layer)))  # [K]
 
     return on_q
+
+
+def _mass(kv, layer: int, q: torch.Tensor, r: MassRequest, scale: float, window: int) -> torch.Tensor:
+    """What each of r's keys [K] receives from rows q [R, H, D] at `layer`. NOTE: a windowed layer
+    reads only keys some row can see: older ones may be unwritten (the fill writes what later
+    rows reach) or their pages given back (cache/window_pages.py)."""
+    if not window:
+        k, _ = kv.read(layer, r.key_slots)  # [K, Hkv, D]
+        return key_mass(q, r.q_pos, k, r.key_pos, scale)
+    seen = r.key_pos >= int(r.q_pos.min()) - window + 1  # [K]
+    k, _ = kv.read(layer, r.key_slots[seen])
+    mass = torch.zeros(r.key_pos.shape[0], dtype=torch.float32, device=q.device)
+    mass[seen] = key_mass(q, r.q_pos, k, r.key_pos[seen], scale, window=window)
+    return mass

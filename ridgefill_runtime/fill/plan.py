@@ -39,15 +39,23 @@ def needs_fill_step(items) -> bool:
 
 class FillPlanner:
     def __init__(self, config: FillConfig, predict: Predictor | None, slots_of: SlotsOf,
-                 states, model_config, dtype, device, attention_layers=None, terminal_shift=None):
+                 states, model_config, dtype, device, attention_layers=None, terminal_shift=None,
+                 defer_windows: bool = False):
         """states: the StatePool whose slots hold each sequence's split-state stash;
         attention_layers: the layers with K/V (None: every layer), the only ones attention
-        measurements can be taken at."""
+        measurements can be taken at. defer_windows: write a filled row's K/V at sliding-window
+        late layers only when a later row reaches it (nothing else may read the filled cache: no
+        prefix cache, no splice; the rescale, which rewrites every filled row at once, turns it off)."""
         self.config, self.predict, self.slots_of = config, predict, slots_of
         self.states, self.dtype, self.device = states, dtype, device
         self.width, self.num_layers = model_config.hidden_size, model_config.num_layers
         self.attention_layers = frozenset(range(self.num_layers) if attention_layers is None else attention_layers)
         self.terminal_shift = terminal_shift  # layer -> ΔM, when the terminal-state correction is on
+        window_of = getattr(model_config, "window_of", lambda layer: 0)
+        late = [window_of(i) for i in range(config.split, self.num_layers) if i in self.attention_layers]
+        self.late_window = max(late, default=0)  # NOTE: the widest: a narrower layer reads a subset
+        rescales = config.value_rescale or config.key_rescale
+        self.defer_windows = defer_windows and self.late_window > 0 and predict is not None and not rescales
 
     def build(self, items, batch: AttentionBatch) -> PlannedFill:
         """batch: the lower part's layout (one entry per full / lower item, in item order)."""
@@ -67,7 +75,8 @@ class FillPlanner:
                 lower_k += 1
             else:
                 self._late_item(item, acc)
-        return acc.finish(self.config.split, self.predict, self.width, self.dtype, self.device, self.terminal_shift)
+        return acc.finish(self.config.split, self.predict, self.width, self.dtype, self.device, self.terminal_shift,
+                          self.defer_windows)
 
     # -- the three kinds of item ----------------------------------------------------------------
 
@@ -116,6 +125,8 @@ class FillPlanner:
         pos = torch.tensor(item.positions, dtype=torch.int64, device=self.device)
         keys = self._late_keys(item)
         read = self.slots_of(seq, keys if keys is not None else torch.arange(item.end, device=self.device))
+        if self.defer_windows and seq.fill_arm != "nofill" and not seq.carry_all_rows:
+            self._window_writes(seq, stash, pos, acc)
         start = acc.late_size
         acc.late_x.append(stash.x[pos])
         acc.late_pos.append(pos)
@@ -136,6 +147,23 @@ class FillPlanner:
             c = min(self.config.rescale_rows, item.num_tokens)
             acc.rescales.append(Rescale(rows=rows[:c], values=self.config.value_rescale, keys=self.config.key_rescale,
                                         filled_slots=self.slots_of(seq, self._rescaled_positions(seq))))
+
+    def _window_writes(self, seq, stash, pos: torch.Tensor, acc: "_Parts") -> None:
+        """The filled rows that rows `pos` [n] are the first to reach at the sliding-window late
+        layers (less than `window` positions before one of them): written there this step.
+        NOTE: queued rows run in position order, so a row's window is written by its own step
+        or an earlier one, and exact prefix rows (never filled) have made their own K/V by then."""
+        back = torch.arange(1, self.late_window, device=self.device)  # [w-1]
+        near = (pos[:, None] - back[None, :]).flatten()  # [n * (w-1)] positions q - w < p < q
+        near = near[(near >= 0) & (near < seq.fill_boundary)].unique()
+        exact = torch.tensor(seq.exact_rows, dtype=torch.int64, device=self.device)
+        need = near[~stash.window_written[near] & ~torch.isin(near, exact)]  # [W]
+        if len(need) == 0:
+            return
+        stash.window_written[need] = True
+        acc.window_x.append(stash.x[need])
+        acc.window_pos.append(need)
+        acc.window_slots.append(self.slots_of(seq, need))
 
     def _filled(self, item, pos: torch.Tensor) -> torch.Tensor | None:
         """[n] bool: which of a late item's rows are filled prefix rows (hybrids walk them too)."""
@@ -193,6 +221,7 @@ class _Parts:
         self.lower_mass, self.late_mass, self.rescales = [], [], []
         self.lower_into, self.late_into = [], []  # the stash accumulator of each mass request
         self.slots, self.fresh, self.filled, self.prefix_ends, self.verifies = [], [], [], [], []
+        self.window_x, self.window_pos, self.window_slots = [], [], []  # filled rows first reached
 
     @property
     def late_size(self) -> int:
@@ -211,7 +240,7 @@ class _Parts:
         self.k_pos.append(k_pos)
         self.write.append(write)
 
-    def finish(self, split, predict, width, dtype, device, terminal_shift=None) -> PlannedFill:
+    def finish(self, split, predict, width, dtype, device, terminal_shift=None, defer_windows=False) -> PlannedFill:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
         stay_to = [torch.arange(self.starts[k], self.starts[k + 1], device=device)
                    for k in range(len(self.ctx)) if self.q_pos[k] is None]
@@ -227,7 +256,9 @@ class _Parts:
                         late_to=cat(self.late_to), late_size=self.late_size, late_batch=batch,
                         lower_mass=self.lower_mass, late_mass=self.late_mass, rescales=self.rescales,
                         late_filled=filled, late_exact=exact, late_exact_batch=exact_batch,
-                        prefix_ends=self.prefix_ends, terminal_shift=terminal_shift)
+                        prefix_ends=self.prefix_ends, terminal_shift=terminal_shift, defer_windows=defer_windows,
+                        window_x=torch.cat(self.window_x) if self.window_x else None,
+                        window_pos=cat(self.window_pos), window_slots=cat(self.window_slots))
         return PlannedFill(step, self.lower_into, self.late_into)
 
     def _exact_part(self, batch: AttentionBatch, device):

@@ -72,3 +72,10 @@ class FillStep:
     prefix_ends: list[int] = field(default_factory=list)
     # the terminal-state correction's ΔM of a late recurrent layer ([Hv, Dk, Dv]); None: off
     terminal_shift: Callable[[int], torch.Tensor] | None = None
+    # Sliding-window late layers: a filled row's K/V there is written only once a later row
+    # reaches it (less than `window` positions after it). Then fill_rows skip those layers and
+    # these rows, from the stash, are written there this step (fill/plan.py).
+    defer_windows: bool = False
+    window_x: torch.Tensor | None = None  # [W, d] their split states
+    window_pos: torch.Tensor | None = None  # [W]
+    window_slots: torch.Tensor | None = None  # [W]

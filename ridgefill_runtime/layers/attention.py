@@ -221,8 +221,13 @@ def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window
         return k_new[lo:hi], v_new[lo:hi], None
     k_pos = batch.key_pos[i] if batch.key_pos is not None else None
     if window:
-        # NOTE: keys older than every row's window are never read: a windowed layer's cache
-        # need not hold them (the fill does not write them), and the slab is not zeroed.
+        # NOTE: a key no row's window holds is never read: a windowed layer's cache need not hold
+        # it (its page may be gone, the fill writes only what later rows reach), and the slab is
+        # not zeroed: a masked key's garbage would still reach the sum (0 * NaN).
+        if batch.scattered(i):
+            seen = _seen_by(batch.query_pos[i], window, len(slots))  # [ctx] bool
+            k_pos = seen.nonzero().flatten() if k_pos is None else k_pos[seen[k_pos]]
+            return *kv.read(layer, slots[k_pos]), k_pos
         first = batch.first_row_position(i) - window + 1
         if k_pos is None:
             keep = max(first, 0)
@@ -230,6 +235,14 @@ def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window
         visible = k_pos >= first
         slots, k_pos = slots[visible], k_pos[visible]
     return *kv.read(layer, slots), k_pos
+
+
+def _seen_by(q_pos: torch.Tensor, window: int, ctx: int) -> torch.Tensor:
+    """[ctx] bool: positions inside some row's window (q - window < p <= q), for rows at q_pos [n]."""
+    edges = torch.zeros(ctx + 1, dtype=torch.int64, device=q_pos.device)
+    edges.index_add_(0, (q_pos - window + 1).clamp(min=0), torch.ones_like(q_pos))
+    edges.index_add_(0, q_pos + 1, -torch.ones_like(q_pos))
+    return edges[:ctx].cumsum(0) > 0
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -182,11 +182,17 @@ class DenseLM:
         rope_fill = tuple(t[fill.fill_rows] for t in rope)
         h_late, rope_late = late_part(h, rope, self.rope, fill)
         rescale_inputs = [(r, h_late[r.rows], tuple(t[r.rows] for t in rope_late)) for r in fill.rescales]
+        reached = fill.window_x is not None and len(fill.window_pos) > 0
+        rope_reached = self.rope(fill.window_pos) if reached else None
 
         def on_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            if fill.predict is not None and len(fill.fill_rows):
+            windowed = self.window(layer) > 0
+            if fill.predict is not None and len(fill.fill_rows) and not (fill.defer_windows and windowed):
                 k_hat, v_hat = self.kv_only(layer, fill.predict(layer, x_fill), rope_fill)
                 kv.write(layer, fill.fill_slots, k_hat, v_hat)
+            if reached and windowed:  # filled rows a late row reaches first this step
+                k_hat, v_hat = self.kv_only(layer, fill.predict(layer, fill.window_x), rope_reached)
+                kv.write(layer, fill.window_slots, k_hat, v_hat)
             for r, xs, rp in rescale_inputs:
                 k_pred, v_pred = self.kv_only(layer, fill.predict(layer, xs), rp)
                 rescale_filled(kv, layer, r, k[r.rows], v[r.rows], k_pred, v_pred)

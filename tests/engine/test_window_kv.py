@@ -17,7 +17,10 @@ from ridgefill_runtime.cache.block_manager import BlockManager
 from ridgefill_runtime.cache.kv_layout import KVLayout, window_layout
 from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec
 from ridgefill_runtime.cache.window_pages import WindowPages
-from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig, SpeculativeConfig
+from ridgefill_runtime.fill.select import RowSelector
+from ridgefill_runtime.fill.tokens import TokenTable
+from ridgefill_runtime.config import (CacheConfig, EngineConfig, FillConfig, RowsConfig, SchedulerConfig,
+                                     SpeculativeConfig)
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import build_tiny
@@ -80,18 +83,26 @@ def _engine(folder, prefix_caching: str, num_blocks: int = 256, fill: FillConfig
     return build_engine(config)
 
 
+def _lowest_row(seq, late: bool) -> int | None:
+    """The lowest position a later row of seq runs at, below the split or above it (None: not
+    known yet: the exact prefix rows are chosen after the lower sweep)."""
+    if not late or seq.stage.done:
+        return seq.num_computed
+    if seq.stage == "late" and seq.queue_done < len(seq.queue):
+        return seq.queue[seq.queue_done]
+    return None
+
+
 def _expected_pages(engine) -> int:
     """Pages a window-bounded pool should hold now, from the definition."""
-    manager = engine.scheduler.caches
+    layout = engine.scheduler.caches.pages.layout
     total = 0
     for seq in engine.scheduler.running:
         n = len(seq.block_table)
         total += n  # group 0 keeps every block
-        for window in manager.pages.layout.windows[1:]:
-            if not seq.stage.done:
-                total += n
-                continue
-            first = max(0, seq.num_computed - window + 1)  # lowest key a later row reads
+        for window, layers in layout.groups[1:]:
+            lowest = _lowest_row(seq, layout.split > 0 and layers[0] >= layout.split)
+            first = 0 if lowest is None else max(0, lowest - window + 1)  # lowest key a later row reads
             total += sum((i + 1) * BLOCK - 1 >= first for i in range(n))
     return total
 
@@ -158,18 +169,76 @@ def test_window_pages_let_more_sequences_run_without_preemption(gemma):
     assert [s.output_ids for s in got] == [s.output_ids for s in want]
 
 
-def test_filled_prefill_keeps_pages_until_its_late_sweep_ends(gemma):
-    """RidgeFill's exact prefix rows read their own windows in the late sweep: the pages stay until
-    the prefill is over, then go; what the fill computes is the same as with every page kept."""
+# exact prefix rows scattered through the prefix: the attention selector reads the lower (windowed)
+# layer 0, the probe the late layers, so both measure attention over windowed, trimmed caches
+ROWS = RowsConfig(selectors=("special", "attention", "probe"), attention_layers=(0,), window=8, probe_window=8,
+                  attention_share=0.15, base_attention_share=0.15)
+# the tiny checkpoint has no tokenizer: a plain vocabulary of words, all equally common
+SELECT = RowSelector(TokenTable(tuple(f" w{i}" for i in range(320)), frozenset(), (10,) * 320))
+
+
+def test_filled_prefill_pages_and_outputs(gemma):
+    """Below the split the lower sweep lets old pages go as it moves on; above it the pages wait
+    until the exact prefix rows are chosen, then follow the late sweep's queue; the fill writes a
+    filled row's windowed K/V only once a late row reaches it. Outputs equal the engine that keeps
+    every page and writes every filled row (the prefix cache needs both)."""
     folder, _ = gemma
-    fill = FillConfig(arm="identity", split=1, tail=16)
+    fill = FillConfig(arm="identity", split=1, tail=16, rows=ROWS)
     prompts = _prompts((90, 60))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-    got, _ = _run(_engine(folder, "off", fill=fill), prompts, params, check_pages=True)
-    want, _ = _run(_engine(folder, "on", fill=fill), prompts, params)
+    bounded = _engine(folder, "off", fill=fill)
+    assert bounded.caches.layout.split == 1 and bounded.runner.planner.defer_windows
+    full = _engine(folder, "on", fill=fill)
+    bounded.scheduler.select = full.scheduler.select = SELECT
+    got, peak = _run(bounded, prompts, params, check_pages=True)
+    want, _ = _run(full, prompts, params)
     for a, b in zip(got, want):
-        assert a.fill_boundary > 0 and a.output_ids == b.output_ids
+        assert a.fill_boundary > 0 and len(a.exact_rows) > 2 and a.exact_rows == b.exact_rows
+        assert a.output_ids == b.output_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+
+
+def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
+    """Offline, slabs poisoned with NaN: at the windowed late layer a filled row's slot is written
+    iff some exact prefix row or tail row lies less than `window` positions after it, and the
+    logits equal a run that writes every filled row (a splice hook turns the deferral off)."""
+    folder, _ = gemma
+    from ridgefill_runtime.loader.hf import load_hf_folder
+    from ridgefill_runtime.models.registry import family
+    from ridgefill_runtime.offline import PromptLogits
+    import ridgefill_runtime.offline as offline
+
+    ckpt = load_hf_folder(folder)
+    model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors, torch.float32, "cpu")
+    fill = FillConfig(arm="identity", split=1, tail=16, rows=ROWS.replace(selectors=("special", "attention"),
+                                                                           attention_share=0.06))
+    ids = _prompts((120,), seed=11)[0]
+    real_build = offline.build_caches
+
+    def poisoned(*a, **kw):
+        caches = real_build(*a, **kw)
+        for slabs in (caches.kv.k, caches.kv.v):
+            for t in slabs.values():
+                t.fill_(float("nan"))
+        return caches
+
+    offline.build_caches = poisoned
+    try:
+        _, deferred, runner, seq = PromptLogits(model, fill, chunk=32, selector=SELECT)(ids)
+        _, every, _, _ = PromptLogits(model, fill, chunk=32, selector=SELECT)(ids, after_fill=lambda r, s: None)
+    finally:
+        offline.build_caches = real_build
+    assert torch.isfinite(deferred).all()
+    assert (deferred - every).abs().max() < 1e-4 * every.abs().max()
+    late_rows = sorted(set(seq.exact_rows) | set(range(seq.fill_boundary, len(ids))))
+    slots = runner._seq_slots(seq, 0, seq.fill_boundary)
+    written = ~torch.isnan(runner.kv.k[2][runner.kv.physical(2, slots)]).flatten(1).any(1)  # layer 2: late, windowed
+    for p in range(seq.fill_boundary):
+        if p in seq.exact_rows:
+            continue
+        reached = any(0 < q - p < WINDOW for q in late_rows)
+        assert bool(written[p]) == reached, p
+    assert 0 < int(written.sum()) < seq.fill_boundary - len(seq.exact_rows)
 
 
 def test_speculative_rollback_gives_back_the_rejected_blocks_pages(gemma):
