@@ -6,8 +6,10 @@ allocation for the same context beside it (its log, swa_full off and on).
 
 Per context length and arm (exact; RidgeFill at split 9, tail 1024, the shipped maps), one
 request of that many prompt tokens plus --new greedy tokens runs alone in an engine whose pool
-frees sliding-window pages ("bounded", cache.prefix_caching = "off") and in one that keeps them
-("every page", "on"). "rows" counts K/V rows held, one per layer and position (a block of 16
+frees sliding-window pages and whose fill writes a filled row's sliding-window late K/V only when
+a late row reaches it ("bounded", cache.prefix_caching = "off"), and in one that keeps every page
+and writes every filled row ("every page", "on", as the prefix cache needs). "peak" is the most
+the pool held after any step, prefill included. "rows" counts K/V rows held, one per layer and position (a block of 16
 positions in 18 layers is 288 rows), so the figure does not depend on the dtype; MiB are at our
 float32 (2,048 B a row: one KV head of 256, K and V). llama.cpp allocates its cache up front for
 n_ctx = prompt + new, in f16; its rows are cells x layers from its log.
@@ -53,20 +55,22 @@ def main() -> None:
     row_bytes = 2 * model.config.num_kv_heads * model.config.head_dim * 4
     print(f"threads={torch.get_num_threads()} Gemma 3 270M (Q4_K_M GGUF, float32 CPU), block 16, chunk 512, "
           f"+{args.new} greedy tokens; K/V row = one layer at one position = {row_bytes} B at float32\n")
-    print("| prompt | arm | cache | peak rows (prefill) | rows held decoding | MiB decoding | vs every page | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| prompt | arm | cache | peak rows | rows held decoding | MiB decoding | vs every page | "
+          "late window-layer rows written | prefill s | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in args.lengths:
         ids = ids_all[:n]
         for arm, fill in fills.items():
             runs = {}
             for mode, setting in (("every page", "on"), ("bounded", "off")):
                 cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=4.0, prefix_caching=setting), fill=fill)
-                runs[mode] = _run(Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model)), ids, args.new)
+                runs[mode] = _run(Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model)), ids, args.new,
+                                  args.split)
             full = runs["every page"]
             for mode, r in runs.items():
                 same = "yes" if r["tokens"] == full["tokens"] else "NO"
                 print(f"| {n} | {arm} | {mode} | {r['peak']:,} | {r['decode']:,} | {r['decode'] * row_bytes / 2**20:.1f} | "
-                      f"{r['decode'] / full['decode']:.0%} | {same} |")
+                      f"{r['decode'] / full['decode']:.0%} | {r['written']:,} | {r['prefill_s']:.1f} | {same} |")
     print("\nllama.cpp (llama-cpp-python), KV allocated at n_ctx = prompt + new, f16:\n")
     print("| n_ctx | swa_full | rows allocated | vs swa_full on |")
     print("|---|---|---|---|")
@@ -84,20 +88,35 @@ def _rows(engine, used: int) -> int:
     return used * layers * caches.block_size
 
 
-def _run(engine, ids: list[int], new: int) -> dict:
+def _run(engine, ids: list[int], new: int, split: int) -> dict:
+    """One request alone: the pool's rows after every step (peak; most while decoding), the K/V
+    rows the prefill wrote at late sliding-window layers, its time to first token, the tokens."""
     from ridgefill_runtime.sequence import SamplingParams
 
+    late_windowed = {i for i in engine.caches.spec.attention_layers
+                     if i >= split and engine.model.config.window_of(i)}
+    written = [0]
+    write = engine.kv.write
+
+    def counted(layer, slots, k, v):
+        if layer in late_windowed and not seq.output_ids:
+            written[0] += len(slots)
+        write(layer, slots, k, v)
+
+    engine.kv.write = counted
     seq = engine.add_request(ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
     peak = decode = 0
-    t = time.perf_counter()
+    t, prefill_s = time.perf_counter(), None
     while engine.has_unfinished():
         engine.step()
+        if prefill_s is None and seq.output_ids:
+            prefill_s = time.perf_counter() - t
         rows = _rows(engine, engine.stats().kv_blocks_used)
+        peak = max(peak, rows)
         if seq.output_ids and not seq.finished:
             decode = max(decode, rows)
-        elif not seq.output_ids:
-            peak = max(peak, rows)
-    return dict(peak=peak, decode=decode, tokens=list(seq.output_ids), seconds=time.perf_counter() - t)
+    engine.kv.write = write
+    return dict(peak=peak, decode=decode, written=written[0], prefill_s=prefill_s, tokens=list(seq.output_ids))
 
 
 def _llama_cpp_rows(path, n_ctx: int, swa_full: bool, threads: int) -> int:

@@ -215,7 +215,6 @@ class Scheduler:
                 continue
             advance(item, rs, self.select)
             self.caches.settle(seq)
-            self.caches.trim(seq)
             if scored is not None:
                 _record_prompt_scores(seq, *scored)
             if not item.samples:  # a prefill chunk: what it finished may serve others at once
@@ -231,6 +230,8 @@ class Scheduler:
                 self._settle_draft(item, appended)
             if not seq.finished:  # NOTE: after a rollback, so rejected draft rows are never published
                 self.caches.publish(seq)
+        for item in items:  # NOTE: after any rollback: a rejected draft row is run again
+            self.caches.trim(item.seq)
         return touched
 
     def _append_run(self, seq: Sequence, tokens: list[int], eos_ids: tuple[int, ...]) -> int:

@@ -52,7 +52,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-gib", type=float)
     p.add_argument("--num-blocks", type=int)
     p.add_argument("--prefix-caching", choices=("auto", "on", "off"),
-                   help="reuse the K/V of prompt prefixes other requests computed (auto: where the model allows)")
+                   help="reuse the K/V of prompt prefixes other requests computed (auto: where the model allows; "
+                        "off for sliding-window models, which free old pages instead)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, help="most sequences running at once")
     p.add_argument("--chunk-size", type=int, help="most prompt rows one sequence gets per step")

@@ -60,7 +60,7 @@ class WindowPages:
         for g in range(1, self.layout.num_groups):
             window = self.layout.groups[g][0]
             reach_g = late_reach if self.layout.late(g) else reach
-            if reach_g is None:
+            if reach_g is None or window == 0:  # NOTE: a global group (one per split side) keeps all
                 continue
             behind = min(len(table), max(0, reach_g - window + 1) // bs)  # blocks no later row sees
             gone = [b for b in table[done[g - 1]:behind] if self._pages[b][g - 1] >= 0]

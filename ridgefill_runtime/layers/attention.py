@@ -225,9 +225,13 @@ def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window
         # it (its page may be gone, the fill writes only what later rows reach), and the slab is
         # not zeroed: a masked key's garbage would still reach the sum (0 * NaN).
         if batch.scattered(i):
-            seen = _seen_by(batch.query_pos[i], window, len(slots))  # [ctx] bool
-            k_pos = seen.nonzero().flatten() if k_pos is None else k_pos[seen[k_pos]]
-            return *kv.read(layer, slots[k_pos]), k_pos
+            q_pos = batch.query_pos[i]
+            seen = _seen_by(q_pos, window, int(q_pos.max()) + 1)  # [P] bool, by position
+            if k_pos is None:  # NOTE: slots then go by position
+                k_pos = seen.nonzero().flatten()
+                return *kv.read(layer, slots[k_pos]), k_pos
+            keep = (k_pos < seen.shape[0]) & seen[k_pos.clamp(max=seen.shape[0] - 1)]  # [K]
+            return *kv.read(layer, slots[keep]), k_pos[keep]
         first = batch.first_row_position(i) - window + 1
         if k_pos is None:
             keep = max(first, 0)
@@ -238,7 +242,8 @@ def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window
 
 
 def _seen_by(q_pos: torch.Tensor, window: int, ctx: int) -> torch.Tensor:
-    """[ctx] bool: positions inside some row's window (q - window < p <= q), for rows at q_pos [n]."""
+    """[ctx] bool: positions inside some row's window (q - window < p <= q), for rows at q_pos [n],
+    all below ctx."""
     edges = torch.zeros(ctx + 1, dtype=torch.int64, device=q_pos.device)
     edges.index_add_(0, (q_pos - window + 1).clamp(min=0), torch.ones_like(q_pos))
     edges.index_add_(0, q_pos + 1, -torch.ones_like(q_pos))

@@ -29,10 +29,10 @@ WINDOW = 16  # the tiny gemma3_sliding config's
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("gemma3_sliding")
-    return folder, build_tiny("gemma3_sliding", folder)
+@pytest.fixture(scope="module", params=["gemma3_sliding", "gemma3_two_global"])
+def gemma(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, build_tiny(request.param, folder)
 
 
 def _spec(windows: list[int]) -> CacheSpec:
@@ -49,29 +49,37 @@ def test_layout_cuts_layers_into_equal_groups_global_first():
     assert layout.group_size == 2 and layout.windows == (0, 0) + (512,) * 11
     placed = sorted(layer for _, layers in layout.groups for layer in layers)
     assert placed == list(range(26))
+    cut = window_layout(_spec(gemma_270m), 16, split=9)  # lower/late x global/local: 1, 2, 8, 7 layers
+    assert cut.group_size == 1 and cut.num_groups == 18 and cut.windows[:3] == (0, 0, 0)
+    assert all((layers[0] >= 9) == cut.late(g) for g, (_, layers) in enumerate(cut.groups))
     assert window_layout(_spec([0] * 4), 16) is None  # nothing to bound
     assert window_layout(_spec([8] * 4), 16) is None  # no global group to number blocks
 
 
 def test_trim_keeps_exactly_the_blocks_a_later_row_can_read():
-    layout = KVLayout(BLOCK, ((0, (1,)), (6, (0,)), (11, (2,))))
+    # global layers 1 (lower) and 4 (late), local 0 (lower, window 6), 2 and 3 (late, windows 11, 6)
+    layout = KVLayout(BLOCK, ((0, (1,)), (0, (4,)), (6, (0,)), (6, (3,)), (11, (2,))), split=2)
+    windows = {1: 0, 2: 6, 3: 6, 4: 11}
     for reach in range(0, 41):
-        blocks = BlockManager(64, BLOCK)
-        mapped: dict[int, dict[int, int]] = {1: {}, 2: {}}
-        pages = WindowPages(layout, blocks, lambda g, bs, ps: mapped[g].update(zip(bs, ps)))
-        table: list[int] = []
-        blocks.grow(table, 40)
-        pages.attach(table)
-        pages.trim(table, reach)
-        for g, window in ((1, 6), (2, 11)):
-            for i, block in enumerate(table):
-                seen = any(p >= reach - window + 1 for p in range(i * BLOCK, (i + 1) * BLOCK))
-                assert (mapped[g][block] >= 0) == seen, (reach, g, i)
-        held = sum(p >= 0 for g in (1, 2) for p in mapped[g].values())
-        assert blocks.num_free == 64 - len(table) - held
-        pages.release(table)
-        blocks.free(table)
-        assert blocks.num_free == 64
+        for late_reach in (None, max(0, reach - 9), reach):
+            blocks = BlockManager(128, BLOCK)
+            mapped: dict[int, dict[int, int]] = {g: {} for g in windows}
+            pages = WindowPages(layout, blocks, lambda g, bs, ps: mapped[g].update(zip(bs, ps)))
+            table: list[int] = []
+            blocks.grow(table, 40)
+            pages.attach(table)
+            pages.trim(table, reach, late_reach)
+            for g, window in windows.items():
+                lowest = late_reach if layout.late(g) else reach
+                for i, block in enumerate(table):
+                    seen = (window == 0 or lowest is None
+                            or any(p >= lowest - window + 1 for p in range(i * BLOCK, (i + 1) * BLOCK)))
+                    assert (mapped[g][block] >= 0) == seen, (reach, late_reach, g, i)
+            held = sum(p >= 0 for g in windows for p in mapped[g].values())
+            assert blocks.num_free == 128 - len(table) - held
+            pages.release(table)
+            blocks.free(table)
+            assert blocks.num_free == 128
 
 
 def _engine(folder, prefix_caching: str, num_blocks: int = 256, fill: FillConfig | None = None,
@@ -102,7 +110,8 @@ def _expected_pages(engine) -> int:
         total += n  # group 0 keeps every block
         for window, layers in layout.groups[1:]:
             lowest = _lowest_row(seq, layout.split > 0 and layers[0] >= layout.split)
-            first = 0 if lowest is None else max(0, lowest - window + 1)  # lowest key a later row reads
+            # the lowest key a later row reads (a global layer: the first)
+            first = 0 if lowest is None or window == 0 else max(0, lowest - window + 1)
             total += sum((i + 1) * BLOCK - 1 >= first for i in range(n))
     return total
 
@@ -182,12 +191,13 @@ def test_filled_prefill_pages_and_outputs(gemma):
     until the exact prefix rows are chosen, then follow the late sweep's queue; the fill writes a
     filled row's windowed K/V only once a late row reaches it. Outputs equal the engine that keeps
     every page and writes every filled row (the prefix cache needs both)."""
-    folder, _ = gemma
-    fill = FillConfig(arm="identity", split=1, tail=16, rows=ROWS)
+    folder, ref = gemma
+    split = ref.config.num_hidden_layers // 2  # 1 of 3 layers, 2 of 4 (a global layer each side)
+    fill = FillConfig(arm="identity", split=split, tail=16, rows=ROWS)
     prompts = _prompts((90, 60))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
     bounded = _engine(folder, "off", fill=fill)
-    assert bounded.caches.layout.split == 1 and bounded.runner.planner.defer_windows
+    assert bounded.caches.layout.split == split and bounded.runner.planner.defer_windows
     full = _engine(folder, "on", fill=fill)
     bounded.scheduler.select = full.scheduler.select = SELECT
     got, peak = _run(bounded, prompts, params, check_pages=True)
@@ -202,7 +212,7 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
     """Offline, slabs poisoned with NaN: at the windowed late layer a filled row's slot is written
     iff some exact prefix row or tail row lies less than `window` positions after it, and the
     logits equal a run that writes every filled row (a splice hook turns the deferral off)."""
-    folder, _ = gemma
+    folder, ref = gemma
     from ridgefill_runtime.loader.hf import load_hf_folder
     from ridgefill_runtime.models.registry import family
     from ridgefill_runtime.offline import PromptLogits
@@ -210,8 +220,9 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
 
     ckpt = load_hf_folder(folder)
     model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors, torch.float32, "cpu")
-    fill = FillConfig(arm="identity", split=1, tail=16, rows=ROWS.replace(selectors=("special", "attention"),
-                                                                           attention_share=0.06))
+    split = ref.config.num_hidden_layers // 2
+    fill = FillConfig(arm="identity", split=split, tail=16, rows=ROWS.replace(selectors=("special", "attention"),
+                                                                               attention_share=0.06))
     ids = _prompts((120,), seed=11)[0]
     real_build = offline.build_caches
 
@@ -233,6 +244,7 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
     late_rows = sorted(set(seq.exact_rows) | set(range(seq.fill_boundary, len(ids))))
     slots = runner._seq_slots(seq, 0, seq.fill_boundary)
     written = ~torch.isnan(runner.kv.k[2][runner.kv.physical(2, slots)]).flatten(1).any(1)  # layer 2: late, windowed
+    assert model.config.window_of(2) == WINDOW and split <= 2
     for p in range(seq.fill_boundary):
         if p in seq.exact_rows:
             continue

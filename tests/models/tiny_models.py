@@ -30,6 +30,14 @@ TINY_CONFIGS = {
         max_position_embeddings=1024, rms_norm_eps=1e-6, sliding_window=16, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], tie_word_embeddings=True,
     ),
+    # a global layer on each side of a split at 2: window-bounded K/V then has two global groups
+    "gemma3_two_global": dict(
+        model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=320,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, sliding_window=16, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    ),
 }
 
 
