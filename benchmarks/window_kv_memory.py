@@ -18,6 +18,7 @@ n_ctx = prompt + new, in f16; its rows are cells x layers from its log.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -39,7 +40,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig
+    from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, RowsConfig
     from ridgefill_runtime.engine import Engine
     from ridgefill_runtime.fill.settings import shipped_maps
     from ridgefill_runtime.llm import LLM, load_fill_maps
@@ -48,9 +49,12 @@ def main() -> None:
 
     llm = LLM(EngineConfig(model="gemma3-270m", cache=CacheConfig(kv_cache_gib=0.05)))
     model = llm.engine.model
-    fills = {"exact": FillConfig(),
-             "ridgefill": FillConfig(arm="ridgefill", split=args.split, tail=args.tail,
-                                     maps=str(shipped_maps(args.split, "gemma3-270m")))}
+    ridgefill = FillConfig(arm="ridgefill", split=args.split, tail=args.tail,
+                           maps=str(shipped_maps(args.split, "gemma3-270m")))
+    # NOTE: the default selection ("special") makes scattered exact prefix rows, whose windows reach
+    # most filled rows; without exact rows only the tail's window does (the bound the issue names)
+    fills = {"exact": FillConfig(), "ridgefill": ridgefill,
+             "ridgefill, no exact rows": dataclasses.replace(ridgefill, rows=RowsConfig(selectors=()))}
     ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
     row_bytes = 2 * model.config.num_kv_heads * model.config.head_dim * 4
     print(f"threads={torch.get_num_threads()} Gemma 3 270M (Q4_K_M GGUF, float32 CPU), block 16, chunk 512, "
