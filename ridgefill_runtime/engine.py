@@ -103,7 +103,11 @@ class Engine:
                                window_bounded=not self.prefix_caching)
         self.caches = build_caches(cache_spec, budget, model.device)
         self.kv = self.caches.kv
-        manager = self.caches.manager(self.prefix_caching)  # the scheduler owns it; freeing a slot clears the pools
+        # NOTE: a cached filled block must hold every filled row's K/V (another request's rows reach
+        # others), and the rescale rewrites them all at once: otherwise the fill writes a filled row's
+        # sliding-window late K/V only when a late row reaches it, and those pages come with the late sweep
+        defer = not self.prefix_caching and not (config.fill.value_rescale or config.fill.key_rescale)
+        manager = self.caches.manager(self.prefix_caching, lazy_late_pages=defer)  # the scheduler owns it
         self.blocks = manager.blocks
         self.fill = config.fill
         propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
@@ -119,9 +123,7 @@ class Engine:
             _check_terminal_shift(cache_spec, self.fill.split, fill_maps)
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
-        # NOTE: a cached filled block must hold every filled row's K/V: another request's rows reach others
-        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps,
-                             defer_windows=not self.prefix_caching)
+        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps, defer_windows=defer)
         self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
         self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)

@@ -122,7 +122,7 @@ class Scheduler:
         return step.budget > 0 and seq.status is SeqStatus.RUNNING
 
     def _run(self, step: _Step, item: ScheduledSeq) -> None:
-        if not self._make_room(item.seq, item.end, step):
+        if not self._make_room(item, step):
             return
         if item.kind is Stage.RECOVER and item.seq.queue_done == 0 and not self._own_remade_blocks(item, step):
             return
@@ -155,12 +155,13 @@ class Scheduler:
         extra = self.caches.blocks_needed(seq, seq.num_tokens + num_draft) - self.caches.blocks_needed(seq, seq.num_tokens)
         return extra == 0 or extra + self._blocks_owed() <= self.blocks.num_free
 
-    def _make_room(self, seq: Sequence, end: int, step: _Step) -> bool:
-        """Grow seq's table to cover `end` positions, preempting the newest running sequences
-        until it fits; False when seq was the newest left and gave way itself."""
-        if not self._preempt_until(seq, step, lambda: self.caches.can_grow(seq, end)):
+    def _make_room(self, item: ScheduledSeq, step: _Step) -> bool:
+        """Take what the item needs (its table grown to item.end, late window pages), preempting
+        the newest running sequences until it fits; False when its sequence was the newest left
+        and gave way itself."""
+        if not self._preempt_until(item.seq, step, lambda: self.caches.can_run(item)):
             return False
-        self.caches.grow(seq, end)
+        self.caches.prepare(item)
         return True
 
     def _preempt_until(self, seq: Sequence, step: _Step, fits) -> bool:

@@ -69,12 +69,14 @@ class ModelCaches:
         per_block = 1 if self.layout is None else self.layout.num_groups
         return self.num_blocks // per_block * self.block_size
 
-    def manager(self, prefix_caching: bool = False) -> CacheManager:
-        """A manager of these pools' ids; freeing a slot clears what the pools keep in it."""
+    def manager(self, prefix_caching: bool = False, lazy_late_pages: bool = False) -> CacheManager:
+        """A manager of these pools' ids; freeing a slot clears what the pools keep in it.
+        lazy_late_pages: the runner defers the fill's sliding-window late writes (Runner's
+        defer_windows), so those pages are taken when the late sweep comes near them."""
         if prefix_caching and not self.spec.prefix_cacheable:
             raise ValueError("cache.prefix_caching: " + self.spec.why_not_prefix_cacheable())
         blocks = BlockManager(self.num_blocks, self.block_size)
-        pages = None if self.layout is None else WindowPages(self.layout, blocks, self.kv.map_pages)
+        pages = None if self.layout is None else WindowPages(self.layout, blocks, self.kv.map_pages, lazy_late_pages)
         return CacheManager(blocks, self.states.num_slots,
                             self.spec.stash_bytes_per_row(), on_free_slot=self.states.free_slot,
                             on_stash_done=self.states.drop_stash, on_rollback=self.states.restore_row,

@@ -97,6 +97,27 @@ class CacheManager:
     def can_grow(self, seq, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.blocks.num_free
 
+    def can_run(self, item) -> bool:
+        """Whether the pool holds what a scheduled item writes and reads: its blocks, and (a
+        late-sweep item, with lazy late pages) the late window pages around its rows."""
+        return self.blocks_needed(item.seq, item.end) + self._late_pages(item, count=True) <= self.blocks.num_free
+
+    def prepare(self, item) -> None:
+        """Take what can_run() counted."""
+        self.grow(item.seq, item.end)
+        self._late_pages(item, count=False)
+
+    def _late_pages(self, item, count: bool) -> int:
+        """A late-sweep item's rows read (and a filled row first reached writes) the sliding-window
+        late layers at most `window` positions before them: with lazy late pages, those blocks."""
+        if self.pages is None or not self.pages.lazy or not item.kind.queued:
+            return 0
+        lo, hi = min(item.positions) - self.pages.late_window + 1, max(item.positions) + 1
+        if count:
+            return self.pages.missing(item.seq.block_table, lo, hi)
+        self.pages.ensure(item.seq.block_table, lo, hi)
+        return 0
+
     # -- changing ---------------------------------------------------------------------------
 
     def allocate(self, seq, num_tokens: int, hit: PrefixHit = NO_HIT) -> None:
@@ -125,7 +146,8 @@ class CacheManager:
         before = len(seq.block_table)
         self.blocks.grow(seq.block_table, num_tokens)
         if self.pages is not None:
-            self.pages.attach(seq.block_table[before:])
+            # NOTE: in a two-sweep prefill the late window pages come with the late sweep (prepare)
+            self.pages.attach(seq.block_table[before:], eager=seq.stage.done)
 
     def trim(self, seq) -> None:
         """After a step: sliding-window groups give back the pages no later row of seq can see.

@@ -16,10 +16,16 @@ MapHook = Callable[[int, list[int], list[int]], None]  # (group, blocks, pages; 
 
 
 class WindowPages:
-    def __init__(self, layout: KVLayout, blocks: BlockManager, on_map: MapHook):
+    def __init__(self, layout: KVLayout, blocks: BlockManager, on_map: MapHook, lazy_late: bool = False):
+        """lazy_late: the fill writes a filled row's sliding-window late K/V only when a late row
+        reaches it (fill/plan.py), so during a two-sweep prefill those groups take a block's page
+        only when the late sweep comes near it (ensure())."""
         self.layout = layout
         self.blocks = blocks
         self._on_map = on_map
+        self.lazy = tuple(g for g in range(1, layout.num_groups)
+                          if lazy_late and layout.late(g) and layout.groups[g][0] > 0)
+        self.late_window = max((layout.groups[g][0] for g in self.lazy), default=0)
         self._pages: dict[int, list[int]] = {}  # block id -> its page in each window group (-1: gone)
         # id(table) -> per window group, how many of its first blocks trim() has let go (so a
         # step looks at its newly passed blocks only); dropped by forget()
@@ -30,15 +36,37 @@ class WindowPages:
         """Pages a new block takes: its own (group 0's) and one per window group."""
         return self.layout.num_groups
 
-    def attach(self, new_blocks: list[int]) -> None:
-        """Give each new block of a table a page in every window group."""
+    def attach(self, new_blocks: list[int], eager: bool = True) -> None:
+        """Give each new block of a table a page in every window group (not eager: the lazy late
+        groups give none yet)."""
         if not new_blocks:
             return
         for g in range(1, self.layout.num_groups):
+            if not eager and g in self.lazy:
+                for block in new_blocks:
+                    self._pages.setdefault(block, []).append(-1)
+                continue
             pages = self.blocks.take(len(new_blocks))
             for block, page in zip(new_blocks, pages):
                 self._pages.setdefault(block, []).append(page)
             self._on_map(g, new_blocks, pages)
+
+    def missing(self, table: list[int], lo: int, hi: int) -> int:
+        """Pages the lazy groups lack for the blocks holding positions [lo, hi)."""
+        return len(self._lacking(table, lo, hi))
+
+    def ensure(self, table: list[int], lo: int, hi: int) -> None:
+        """The lazy groups take pages for the blocks holding positions [lo, hi) that have none."""
+        lacking = self._lacking(table, lo, hi)
+        pages = self.blocks.take(len(lacking))
+        for (g, block), page in zip(lacking, pages):
+            self._pages[block][g - 1] = page
+            self._on_map(g, [block], [page])
+
+    def _lacking(self, table: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
+        bs = self.layout.block_size
+        blocks = table[max(0, lo) // bs:-(-hi // bs)]
+        return [(g, b) for g in self.lazy for b in blocks if self._pages[b][g - 1] < 0]
 
     def release(self, blocks: list[int]) -> None:
         """Blocks leaving a table: their window pages still held go back."""
