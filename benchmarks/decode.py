@@ -73,7 +73,8 @@ def summary(step_s: list[float], batch: int) -> dict:
 # -- ridgefill ---------------------------------------------------------------------------------
 
 
-def ridgefill_engine(llm, weights: str, dtype: str, batch: int, max_tokens: int, context: int, chunk: int):
+def ridgefill_engine(llm, weights: str, dtype: str, batch: int, max_tokens: int, context: int, chunk: int,
+                     kv_dtype: str = "auto"):
     """A fresh engine over the loaded model, its KV pool sized for `batch` whole sequences."""
     from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from ridgefill_runtime.engine import Engine
@@ -81,20 +82,21 @@ def ridgefill_engine(llm, weights: str, dtype: str, batch: int, max_tokens: int,
     block = 16
     blocks = batch * (-(-(context + max_tokens + 1) // block) + 1)
     config = EngineConfig(dtype=dtype, weights=weights,
-                          cache=CacheConfig(block_size=block, num_blocks=blocks),
+                          cache=CacheConfig(block_size=block, num_blocks=blocks, kv_dtype=kv_dtype),
                           scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=chunk + batch,
                                                     chunk_size=chunk))
     return Engine(llm.engine.model, llm.tokenizer, config)
 
 
-def time_ridgefill(llm, weights: str, dtype: str, prompts: list[list[int]], new: int, chunk: int) -> dict:
+def time_ridgefill(llm, weights: str, dtype: str, prompts: list[list[int]], new: int, chunk: int,
+                   kv_dtype: str = "auto") -> dict:
     from ridgefill_runtime.sequence import SamplingParams
 
     batch, context = len(prompts), len(prompts[0])
     # prefill steps until the last sequence has its first token: at most this many
     slack = batch * -(-context // chunk) + batch + 2
     max_tokens = new + slack
-    engine = ridgefill_engine(llm, weights, dtype, batch, max_tokens, context, chunk)
+    engine = ridgefill_engine(llm, weights, dtype, batch, max_tokens, context, chunk, kv_dtype)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     t = time.perf_counter()
@@ -186,10 +188,12 @@ def time_hf(model, ids: list[int], new: int) -> dict:
 
 
 def alternate(llm, path, ids: list[int], args) -> dict:
-    """ridgefill packed and llama.cpp at B=1, alternating, `args.rounds` times."""
-    ours, theirs = [], []
+    """ridgefill packed (each --kv-dtypes cache) and llama.cpp at B=1, alternating, `args.rounds` times."""
+    ours: dict[str, list[float]] = {kv: [] for kv in args.kv_dtypes}
+    theirs = []
     for _ in range(args.rounds):
-        ours.append(time_ridgefill(llm, "packed", args.dtype, [ids], args.new, args.chunk)["itl_p50_ms"])
+        for kv in args.kv_dtypes:
+            ours[kv].append(time_ridgefill(llm, "packed", args.dtype, [ids], args.new, args.chunk, kv)["itl_p50_ms"])
         theirs.append(time_llama_cpp(path, ids, args.new, args.threads)["itl_p50_ms"])
     return {"ridgefill_itl_ms": ours, "llama_cpp_itl_ms": theirs}
 
@@ -216,6 +220,8 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=["packed", "dequantized"], choices=["packed", "dequantized"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk (untimed)")
+    ap.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16", "float16"],
+                    help="cache.kv_dtype of the packed arm (one arm each; llama.cpp's cache is float16)")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True, help="the llama.cpp arm")
     ap.add_argument("--rounds", type=int, default=5,
@@ -242,11 +248,13 @@ def main() -> None:
         if prompts is None:
             prompts = real_text_prompts(llm.tokenizer, max(args.batches), args.context)
         time_ridgefill(llm, weights, args.dtype, [prompts[0][:64]], 4, args.chunk)  # warm up
-        for b in args.batches:
-            r = time_ridgefill(llm, weights, args.dtype, prompts[:b], args.new, args.chunk)
-            rows.append({"arm": f"ridgefill {weights}", "batch": b, **r})
-            print(f"  ridgefill {weights} B={b}: ITL {r['itl_p50_ms']:.2f} ms, {r['agg_tok_s']:.1f} tok/s "
-                  f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)", flush=True)
+        for kv in args.kv_dtypes if weights == "packed" else ["auto"]:
+            arm = f"ridgefill {weights}" + ("" if kv == "auto" else f", kv {kv}")
+            for b in args.batches:
+                r = time_ridgefill(llm, weights, args.dtype, prompts[:b], args.new, args.chunk, kv)
+                rows.append({"arm": arm, "batch": b, **r})
+                print(f"  {arm} B={b}: ITL {r['itl_p50_ms']:.2f} ms, {r['agg_tok_s']:.1f} tok/s "
+                      f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)", flush=True)
         if weights == "packed":
             packed_llm = llm
         del llm
@@ -285,15 +293,17 @@ def main() -> None:
     print()
     print(table(rows))
     if head_to_head:
-        ours, theirs = head_to_head["ridgefill_itl_ms"], head_to_head["llama_cpp_itl_ms"]
+        ours_by_kv, theirs = head_to_head["ridgefill_itl_ms"], head_to_head["llama_cpp_itl_ms"]
         print(f"\nB=1 head to head, {args.rounds} alternating rounds of {args.new} tokens (ITL p50 per round, ms):")
-        print("| round | " + " | ".join(str(i + 1) for i in range(len(ours))) + " | median |")
-        print("|---" * (len(ours) + 2) + "|")
-        for name, xs in (("ridgefill packed", ours), ("llama.cpp", theirs)):
+        print("| round | " + " | ".join(str(i + 1) for i in range(len(theirs))) + " | median |")
+        print("|---" * (len(theirs) + 2) + "|")
+        named = [(f"ridgefill packed, kv {kv}", xs) for kv, xs in ours_by_kv.items()] + [("llama.cpp", theirs)]
+        for name, xs in named:
             print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in xs) + f" | {statistics.median(xs):.2f} |")
-        ratios = [a / b for a, b in zip(ours, theirs)]
-        print(f"ridgefill / llama.cpp per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
-              f"median {statistics.median(ratios):.2f}")
+        for kv, ours in ours_by_kv.items():
+            ratios = [a / b for a, b in zip(ours, theirs)]
+            print(f"ridgefill (kv {kv}) / llama.cpp per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+                  f"median {statistics.median(ratios):.2f}")
     # sanity: the B=1 arms decode the same prompt greedily; the same first tokens say they ran the same model
     ref = {r["arm"]: r["tokens"] for r in rows if r["batch"] == 1 and r.get("tokens")}
     base_arm = "llama.cpp" if "llama.cpp" in ref else "transformers" if "transformers" in ref else None

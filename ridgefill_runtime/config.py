@@ -195,6 +195,7 @@ class ModelConfig:
 
 
 PREFIX_CACHING = ("auto", "on", "off")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -207,8 +208,13 @@ class CacheConfig:
     # reuse the K/V of full blocks another request computed (cache/prefix_cache.py): "auto" where the
     # model's caches are K/V only (not recurrent or looped models), "on" (refused elsewhere), "off"
     prefix_caching: str = "auto"
+    # what the K/V slabs hold: "auto" the model's dtype; a narrower one halves the cache (and what a
+    # decode step reads of it), each key and value rounded once when written
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"cache.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.prefix_caching not in PREFIX_CACHING:
             raise ValueError(f"cache.prefix_caching must be one of {', '.join(PREFIX_CACHING)}, "
                              f"got {self.prefix_caching!r}")

@@ -308,7 +308,8 @@ def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False
     history = config.speculative.num_tokens + 1 if config.speculative.enabled else 0  # rows per verification
     if looped and config.looped.block > 0:
         history = config.looped.block + 1
-    return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib,
+    kv_dtype = None if c.kv_dtype == "auto" else _DTYPES[c.kv_dtype]
+    return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib, kv_dtype=kv_dtype,
                        state_slots=config.scheduler.max_num_seqs, max_positions=max_positions,
                        history_rows=history, window_bounded=window_bounded,
                        fill_split=config.fill.split if config.fill.enabled else 0)

@@ -13,7 +13,7 @@ import errno
 import logging
 import socket
 
-from ridgefill_runtime.config import SPECULATIVE_METHODS, WEIGHT_MODES
+from ridgefill_runtime.config import KV_DTYPES, SPECULATIVE_METHODS, WEIGHT_MODES
 
 from .config import ConfigError, check_device, effective_config_text, load_config
 
@@ -21,7 +21,7 @@ from .config import ConfigError, check_device, effective_config_text, load_confi
 _FLAG_KEYS = {
     "model": "model.path", "dtype": "model.dtype", "weights": "model.weights", "device": "model.device",
     "block_size": "cache.block_size", "kv_cache_gib": "cache.kv_cache_gib", "num_blocks": "cache.num_blocks",
-    "prefix_caching": "cache.prefix_caching",
+    "prefix_caching": "cache.prefix_caching", "kv_dtype": "cache.kv_dtype",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens", "max_num_seqs": "scheduler.max_num_seqs",
     "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
     "fill_tail": "fill.tail", "fill_maps": "fill.maps", "fill_placement": "fill.placement",
@@ -54,6 +54,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prefix-caching", choices=("auto", "on", "off"),
                    help="reuse the K/V of prompt prefixes other requests computed (auto: where the model allows; "
                         "off for sliding-window models, which free old pages instead)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES,
+                   help="what the K/V cache holds (auto: the model's dtype; bfloat16/float16 halve it)")
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, help="most sequences running at once")
     p.add_argument("--chunk-size", type=int, help="most prompt rows one sequence gets per step")

@@ -125,6 +125,7 @@ _SCHEMA: dict[str, dict[str, Key]] = {
         "kv_cache_gib": Key((int, float), "cache", "kv_cache_gib"),
         "num_blocks": Key((int,), "cache", "num_blocks"),
         "prefix_caching": Key((str,), "cache", "prefix_caching"),
+        "kv_dtype": Key((str,), "cache", "kv_dtype"),
     },
     "scheduler": {
         "max_num_batched_tokens": Key((int,), "scheduler", "max_num_batched_tokens"),

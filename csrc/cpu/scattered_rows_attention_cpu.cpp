@@ -270,6 +270,10 @@ RIDGEFILL_INLINE void for_each_slot(const int32_t* table, int64_t block_size, in
 template <typename T>
 struct Problem {
   const T* q;  // [R, H, D] contiguous
+  // A float32 model over a narrower K/V cache (cache.kv_dtype): the queries and the output stay
+  // float32 (q_f32 / out_f32 set, q unused), so only the stored keys and values were rounded.
+  const float* q_f32;
+  float* out_f32;
   const int32_t* q_seq;
   const int64_t* q_pos;
   const T* k;  // [S, Hkv, D], unit stride in D
@@ -319,11 +323,12 @@ struct Scratch {
 template <typename T>
 RIDGEFILL_INLINE void load_queries(const Problem<T>& P, int64_t row, float* __restrict__ qf) {
   using R = typename RowType<T>::type;
-  const T* src = P.q + row * P.heads * P.head_dim;
   const int64_t D = P.head_dim, d32 = D / (2 * kW) * (2 * kW);
+  const int64_t at = row * P.heads * P.head_dim;
   for (int64_t h = 0; h < P.heads; ++h) {
     for (int64_t d = 0; d < D; ++d) {
-      qf[h * P.dpad + pair_split_index<R>(d, d32)] = static_cast<float>(src[h * D + d]) * P.scale;
+      const float x = P.q_f32 ? P.q_f32[at + h * D + d] : static_cast<float>(P.q[at + h * D + d]);
+      qf[h * P.dpad + pair_split_index<R>(d, d32)] = x * P.scale;
     }
   }
 }
@@ -716,11 +721,16 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
       for (int64_t h = 0; h < H; ++h) std::copy_n(S.acc.data() + h * Dp, D, dst + 2 * H + h * D);
       return;
     }
-    T* o = out + task.row * H * D;
     for (int64_t h = 0; h < H; ++h) {
       const float inv_l = 1.0f / S.l[h];
       const float* a = S.acc.data() + h * Dp;
-      for (int64_t d = 0; d < D; ++d) o[h * D + d] = static_cast<T>(a[d] * inv_l);
+      if (P.out_f32) {
+        float* of = P.out_f32 + (task.row * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) of[d] = a[d] * inv_l;
+      } else {
+        T* o = out + (task.row * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(a[d] * inv_l);
+      }
       if (!stats.empty()) {
         stats[(task.row * H + h) * 2] = S.m[h];
         stats[(task.row * H + h) * 2 + 1] = S.l[h];
@@ -750,8 +760,13 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
             for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
           }
           const float inv_l = 1.0f / l;
-          T* o = out + (row * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv_l);
+          if (P.out_f32) {
+            float* of = P.out_f32 + (row * H + h) * D;
+            for (int64_t d = 0; d < D; ++d) of[d] = acc[d] * inv_l;
+          } else {
+            T* o = out + (row * H + h) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] * inv_l);
+          }
           if (!stats.empty()) {
             stats[(row * H + h) * 2] = m;
             stats[(row * H + h) * 2 + 1] = l;
@@ -798,11 +813,14 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
   for (const at::Tensor* t : {&q_seq, &q_pos, &k_slab, &v_slab, &block_tables, &context_lens}) {
     TORCH_CHECK(t->device().is_cpu(), kName, "all tensors must be on the CPU, got ", t->device());
   }
-  const auto dtype = q.scalar_type();
+  // The slabs' dtype picks the kernel; float32 queries may read a narrower cache (mixed).
+  const auto dtype = k_slab.scalar_type();
+  const bool mixed = q.scalar_type() == at::kFloat && dtype != at::kFloat;
   TORCH_CHECK_TYPE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-                       k_slab.scalar_type() == dtype && v_slab.scalar_type() == dtype,
-                   kName, "q, k_slab, v_slab must share a float dtype (float32, bfloat16 or float16); got ",
-                   dtype, ", ", k_slab.scalar_type(), ", ", v_slab.scalar_type());
+                       (q.scalar_type() == dtype || mixed) && v_slab.scalar_type() == dtype,
+                   kName, "q, k_slab, v_slab must share a float dtype (float32, bfloat16 or float16), or q be "
+                   "float32 over bfloat16/float16 slabs; got ", q.scalar_type(), ", ", dtype, ", ",
+                   v_slab.scalar_type());
   TORCH_CHECK_TYPE(q_seq.scalar_type() == at::kInt && q_pos.scalar_type() == at::kLong, kName,
                    "q_seq must be int32 and q_pos int64; got ", q_seq.scalar_type(), " and ", q_pos.scalar_type());
   TORCH_CHECK_TYPE(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, kName,
@@ -831,7 +849,7 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
   const int64_t batch = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t max_ctx = max_blocks * block_size;
 
-  at::Tensor out = at::empty({rows, heads, head_dim}, q.options());
+  at::Tensor out = at::empty({rows, heads, head_dim}, q.options());  // q's dtype (float32 when mixed)
   at::Tensor key_mass = return_key_mass ? at::zeros({batch, max_ctx}, q.options().dtype(at::kFloat))
                                         : at::empty({0}, q.options().dtype(at::kFloat));
   if (rows == 0 || heads == 0) return {out, key_mass};
@@ -873,7 +891,9 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
   auto run = [&](auto tag) {
     using T = decltype(tag);
     Problem<T> P{};
-    P.q = qc.const_data_ptr<T>();
+    P.q = mixed ? nullptr : qc.const_data_ptr<T>();
+    P.q_f32 = mixed ? qc.const_data_ptr<float>() : nullptr;
+    P.out_f32 = mixed ? out.data_ptr<float>() : nullptr;
     P.q_seq = seq;
     P.q_pos = pos;
     P.k = k_slab.const_data_ptr<T>();
@@ -892,7 +912,7 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
     P.dpad = (head_dim + kW - 1) / kW * kW;
     P.scale = static_cast<float>(scale);
     P.window = window;
-    run_attention<T>(P, rows, batch, max_ctx, out.data_ptr<T>(),
+    run_attention<T>(P, rows, batch, max_ctx, mixed ? nullptr : out.data_ptr<T>(),
                      return_key_mass ? key_mass.data_ptr<float>() : nullptr);
   };
   switch (dtype) {

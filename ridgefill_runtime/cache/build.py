@@ -31,6 +31,7 @@ class CacheBudget:
     # layers ignores it. Off for the prefix cache, which needs every layer of a cached block.
     window_bounded: bool = False
     fill_split: int = 0  # RidgeFill's split when the fill may run: window groups are cut there
+    kv_dtype: torch.dtype | None = None  # what the K/V slabs hold; None: the spec's (the model's) dtype
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -93,7 +94,8 @@ def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | st
     num_blocks = _num_blocks(spec, budget, layout)
     att = spec.attention
     heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)
-    kv = KVPool(spec.paged_keys, num_blocks * budget.block_size, heads, dim, spec.dtype, device, layout)
+    kv = KVPool(spec.paged_keys, num_blocks * budget.block_size, heads, dim, budget.kv_dtype or spec.dtype, device,
+                layout, read_dtype=spec.dtype)
     states = StatePool(spec, budget.state_slots, device, budget.history_rows)
     return ModelCaches(spec, kv, states, budget.block_size, num_blocks, layout)
 
@@ -104,7 +106,8 @@ def _num_blocks(spec: CacheSpec, budget: CacheBudget, layout: KVLayout | None = 
     per_model_block = 1 if layout is None else layout.num_groups
     if budget.num_blocks is not None:
         return budget.num_blocks * per_model_block
-    per_block = spec.kv_bytes_per_token() * budget.block_size
+    kv_dtype = budget.kv_dtype or spec.dtype
+    per_block = spec.kv_bytes_per_token() * kv_dtype.itemsize // spec.dtype.itemsize * budget.block_size
     if per_block == 0:  # NOTE: no attention: blocks only count positions, room for every slot at full length
         return budget.state_slots * -(-budget.max_positions // budget.block_size)
     room = int(budget.kv_cache_gib * 2**30) - spec.state_bytes_per_sequence() * budget.state_slots

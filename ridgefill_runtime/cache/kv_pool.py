@@ -16,14 +16,18 @@ from .kv_layout import KVLayout
 
 class KVPool:
     def __init__(self, layers: int | Iterable[int], num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, layout: KVLayout | None = None):
+                 dtype: torch.dtype, device: torch.device | str, layout: KVLayout | None = None,
+                 read_dtype: torch.dtype | None = None):
         """`layers`: the attention layers' indices (an int n means layers 0..n-1). k[i], v[i] are
         layer i's slabs; a layer without attention (a recurrent one) has none. With `layout`,
-        num_slots counts the pool's pages times block_size, shared by every group."""
+        num_slots counts the pool's pages times block_size, shared by every group. `dtype`: what
+        the slabs hold; written K/V are rounded to it, read() hands them back as `read_dtype` (the
+        model's; None: the same)."""
         ids = range(layers) if isinstance(layers, int) else tuple(layers)
         shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
         self.layout = layout
+        self.read_dtype = read_dtype or dtype
         # NOTE: empty, not zeros: a slot is always written before it is read, and a
         # GiB-sized memset would cost every start-up about a second.
         if layout is None:
@@ -67,13 +71,15 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, Hkv, D] at slots [N]."""
         at = self.physical(layer, slots)
-        self.k[layer].index_copy_(0, at, k)
-        self.v[layer].index_copy_(0, at, v)
+        slab = self.k[layer]
+        self.k[layer].index_copy_(0, at, k.to(slab.dtype))
+        self.v[layer].index_copy_(0, at, v.to(slab.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [L, Hkv, D] gathered from slots [L]."""
         at = self.physical(layer, slots)
-        return self.k[layer].index_select(0, at), self.v[layer].index_select(0, at)
+        k, v = self.k[layer].index_select(0, at), self.v[layer].index_select(0, at)
+        return k.to(self.read_dtype), v.to(self.read_dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Copy-on-write: every slab's slots of block `source` into block `copy`, per pair."""

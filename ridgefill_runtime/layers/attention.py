@@ -164,6 +164,7 @@ def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: 
         q, owner, pos = q[pick], owner[pick], pos[pick]
     # NOTE: a window-bounded pool pages a sliding-window layer apart (cache/kv_layout.py)
     tables = kv.block_tables(layer, batch.block_tables)  # [B, max_blocks] int32
+    # NOTE: a narrower K/V cache (cache.kv_dtype) is read as stored; float32 queries stay float32
     out, _ = scattered_rows_attention(q, owner, pos, kv.k[layer], kv.v[layer], tables,
                                       paged.context_lens, batch.block_size, scale, window=window)
     return out.reshape(q.shape[0], -1), pick

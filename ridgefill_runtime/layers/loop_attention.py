@@ -220,7 +220,7 @@ class LoopAttention:
     def _near(self, layer: int, r: int, i: int, t0: int, near: int):
         """Plane r of the `near` positions before t0 [near, Hkv, D]: paged (full storage) or the ring."""
         if near == 0:
-            return _no_rows(self.kv.k[self.deep_key(layer, i)])
+            return _no_rows(self.kv.k[self.deep_key(layer, i)][:0].to(self.kv.read_dtype))
         if self.storage.kind == "full":
             return self.kv.read((layer, r), self.batch.read_slots[i][t0 - near:t0])
         ring, slot = self.states.rings[layer], self.batch.state_slots[i]

@@ -4,7 +4,8 @@ The rows are whatever the fill chose to run exactly (seed 000 §2.4: exact prefi
 probe's last rows) from several sequences, each attending causally *by its original position* to its
 sequence's keys in the runtime's cache (ridgefill_runtime/cache/kv_pool.py):
 
-  q            [R, H, D]            the rows' queries (any float dtype; k/v share it)
+  q            [R, H, D]            the rows' queries (any float dtype; k/v share it, or q is float32 over
+                                    bfloat16/float16 slabs: a narrower K/V cache; q and out stay float32)
   q_seq        int32 [R]            sequence (batch index b) of each row
   q_pos        int64 [R]            position of each row in its sequence; it sees keys 0..q_pos, or with a
                                     sliding window (window > 0) only max(0, q_pos - window + 1)..q_pos
@@ -44,9 +45,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window) -> None:
     """Shape/dtype contract shared by every path (data-dependent checks live in the reference)."""
-    if q.dtype not in _DTYPES or k_slab.dtype != q.dtype or v_slab.dtype != q.dtype:
-        raise TypeError(f"scattered_rows_attention: q, k_slab, v_slab must share a float dtype; got {q.dtype}, "
-                        f"{k_slab.dtype}, {v_slab.dtype}")
+    mixed = q.dtype == torch.float32 and k_slab.dtype in _DTYPES
+    if q.dtype not in _DTYPES or (k_slab.dtype != q.dtype and not mixed) or v_slab.dtype != k_slab.dtype:
+        raise TypeError(f"scattered_rows_attention: q, k_slab, v_slab must share a float dtype (or q be float32 "
+                        f"over bfloat16/float16 slabs); got {q.dtype}, {k_slab.dtype}, {v_slab.dtype}")
     if q_seq.dtype != torch.int32 or q_pos.dtype != torch.int64:
         raise TypeError("scattered_rows_attention: q_seq must be int32 and q_pos int64")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
@@ -155,6 +157,12 @@ def scattered_rows_attention(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.
                              block_size: int, scale: float,
                              return_key_mass: bool = False, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [R, H, D], key_mass [B, max_blocks*block_size] or empty); see the module docstring."""
+    if q.is_cuda and q.dtype != k_slab.dtype:
+        # NOTE: the CUDA kernel takes one dtype: the queries are rounded to the slabs' (the CPU kernel
+        # reads float32 queries over a narrower cache as they are)
+        out, mass = scattered_rows_attention(q.to(k_slab.dtype), q_seq, q_pos, k_slab, v_slab, block_tables,
+                                             context_lens, block_size, scale, return_key_mass, window)
+        return out.to(q.dtype), mass
     if q.is_cuda or (_CPU_KERNEL and q.device.type == "cpu"):
         # The kernels check window >= 0 too; checking here names the argument the same way on every path.
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:

@@ -125,6 +125,23 @@ def test_mixed_batch_matches_f64(heads, kv_heads, block_size, dtype, monkeypatch
     assert_out_close(out_split, exact_out, dtype)
 
 
+@pytest.mark.parametrize("slab_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_float32_queries_over_a_narrow_cache_match_f64(slab_dtype, monkeypatch):
+    """cache.kv_dtype: float32 queries read bfloat16 / float16 slabs as stored; the queries and the
+    output stay float32, so the result is the float64 answer on the stored (rounded) K/V within the
+    float32 bound."""
+    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(8, 2, 16, slab_dtype)
+    q = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))  # float32, never rounded
+    scale = D**-0.5
+    exact_out, exact_mass = naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, 16, scale)
+    out, mass = scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, scale, True)
+    assert_out_close(out, exact_out, torch.float32)
+    assert_mass_close(mass, exact_mass)
+    monkeypatch.setenv(SPLIT_ENV, "1")
+    out_split, _ = scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, scale)
+    assert_out_close(out_split, exact_out, torch.float32)
+
+
 @pytest.mark.parametrize("context", [1, 2, 15, 16, 17, 255, 257, 1000, 4096])
 def test_context_lengths(context):
     """One sequence: its decode row and a few rows before it, fp32, GQA 3, block size 16."""
@@ -258,6 +275,8 @@ def test_bad_inputs_raise_clear_errors():
         call(q_pos=torch.tensor([1], dtype=torch.int32))
     with pytest.raises(TypeError, match="share a float dtype"):
         call(q=q.bfloat16())
+    with pytest.raises(TypeError, match="share a float dtype"):  # narrow queries over a float32 cache
+        call(q=q.half())
     with pytest.raises(ValueError, match="multiple of Hkv"):
         call(q=torch.randn(1, 3, 8))
     bad_tables = tables.clone()
