@@ -69,10 +69,18 @@ def test_ridgefill_rows_write_the_layers_own_kv_of_x_hat(tiny, placement):
     first, logits, runner, seq = PromptLogits(tiny["model"], fill("ridgefill", maps="m"), maps, chunk=50)(tiny["ids"])
     ref, filled = reference_tail_logits(tiny["hf"], tiny["ids"], SPLIT, TAIL, predict=maps.predict)
     assert rel_err(logits, ref) < 1e-4
-    slots = runner._seq_slots(seq, 0, first)
     for layer, (k_ref, v_ref) in filled.items():
-        assert rel_err(runner.kv.k[layer][slots], k_ref) < 1e-5
-        assert rel_err(runner.kv.v[layer][slots], v_ref) < 1e-5
+        rows = reached(tiny["model"], layer, first)
+        slots = runner.kv.physical(layer, runner._seq_slots_at(seq, rows))
+        assert rel_err(runner.kv.k[layer][slots], k_ref[rows]) < 1e-5
+        assert rel_err(runner.kv.v[layer][slots], v_ref[rows]) < 1e-5
+
+
+def reached(model, layer: int, first: int) -> torch.Tensor:
+    """The filled rows (no exact prefix rows) whose K/V the fill writes at `layer`: all of them, or at
+    a sliding-window layer those the tail reaches (fewer than `window` positions before it)."""
+    window = model.config.window_of(layer)
+    return torch.arange(max(0, first - window + 1) if window else 0, first)
 
 
 def test_resident_and_streamed_maps_are_bitwise_equal(tiny):
@@ -128,7 +136,8 @@ def test_value_rescale_multiplies_filled_values_by_measured_ratio(tiny):
     _, _, r1, seq1 = PromptLogits(tiny["model"], fill("identity", value_rescale=True, rescale_rows=c))(tiny["ids"])
     model, p = tiny["model"], N - TAIL
     layer = tiny["model"].config.num_layers - 1
-    s0, s1 = r0._seq_slots(seq0, 0, p), r1._seq_slots(seq1, 0, p)
+    rows = reached(model, layer, p)  # NOTE: with the rescale every filled row is written; without, these
+    s0, s1 = r0._seq_slots_at(seq0, rows), r1._seq_slots_at(seq1, rows)
     # by hand: exact V of the first c tail rows vs V predicted from their x_S (identity: x̂ = x_S)
     t0 = r0._seq_slots(seq0, p, p + c)
     v_exact = r0.kv.v[layer][t0]
