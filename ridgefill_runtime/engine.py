@@ -15,6 +15,7 @@ from .cache.spec import spec_of
 from .config import REUSE_POLICIES, EngineConfig, RowsConfig, SpeculativeConfig
 from .detokenize import TextTracker
 from .errors import InputError
+from .fill.plan import rewrites_filled_rows
 from .fill.select import RowSelector
 from .fill.tokens import TokenTable, load_counts
 from .runner import Runner
@@ -106,7 +107,7 @@ class Engine:
         # NOTE: a cached filled block must hold every filled row's K/V (another request's rows reach
         # others), and the rescale rewrites them all at once: otherwise the fill writes a filled row's
         # sliding-window late K/V only when a late row reaches it, and those pages come with the late sweep
-        defer = not self.prefix_caching and not (config.fill.value_rescale or config.fill.key_rescale)
+        defer = not self.prefix_caching and not rewrites_filled_rows(config.fill)
         manager = self.caches.manager(self.prefix_caching, lazy_late_pages=defer)  # the scheduler owns it
         self.blocks = manager.blocks
         self.fill = config.fill

@@ -43,9 +43,6 @@ class BlockManager:
         want = -(-num_tokens // self.block_size)
         return max(0, want - len(table))
 
-    def can_grow(self, table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(table, num_tokens) <= self.num_free
-
     def grow(self, table: list[int], num_tokens: int) -> None:
         """Append blocks to `table` (in place) so it covers `num_tokens` positions."""
         need = self.blocks_needed(table, num_tokens)

@@ -44,6 +44,8 @@ class KVPool:
         # group 0's pages are the block ids themselves.
         self.page_of = torch.full((layout.num_groups, num_pages), -1, dtype=torch.int64, device=device)
         self.page_of[0] = torch.arange(num_pages, device=device)
+        self._paged_for: torch.Tensor | None = None  # the step's block tables block_tables() last saw
+        self._paged: dict[int, torch.Tensor] = {}  # group -> those tables, paged as the group is
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -51,6 +53,7 @@ class KVPool:
 
     def map_pages(self, group: int, blocks: list[int], pages: list[int]) -> None:
         """Group `group` keeps blocks[i]'s positions in pages[i] (-1: in none any more)."""
+        self._paged_for = None  # NOTE: tables paged before this are stale
         at = torch.tensor(blocks, dtype=torch.int64)
         self.page_of[group].index_copy_(0, at.to(self.page_of.device),
                                         torch.tensor(pages, dtype=torch.int64, device=self.page_of.device))
@@ -63,17 +66,22 @@ class KVPool:
         return self.page_of[self._group[layer]][slots // bs] * bs + slots % bs
 
     def block_tables(self, layer: int, tables: torch.Tensor) -> torch.Tensor:
-        """int32 [B, max_blocks] tables as `layer`'s slab is paged (-1: a page let go)."""
+        """int32 [B, max_blocks] tables as `layer`'s slab is paged (-1: a page let go).
+        NOTE: every layer of a step passes the same tables: each group's are made once."""
         if self.layout is None or self._group[layer] == 0:
             return tables
-        return self.page_of[self._group[layer]][tables.long()].to(torch.int32)
+        if self._paged_for is not tables:
+            self._paged_for, self._paged = tables, {}
+        g = self._group[layer]
+        if g not in self._paged:
+            self._paged[g] = self.page_of[g][tables.long()].to(torch.int32)
+        return self._paged[g]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, Hkv, D] at slots [N]."""
         at = self.physical(layer, slots)
-        slab = self.k[layer]
-        self.k[layer].index_copy_(0, at, k.to(slab.dtype))
-        self.v[layer].index_copy_(0, at, v.to(slab.dtype))
+        self.k[layer].index_copy_(0, at, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(0, at, v.to(self.v[layer].dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [L, Hkv, D] gathered from slots [L]."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..stages import Stage
 from .block_manager import BlockManager
 from .prefix_cache import NO_HIT, PrefixCache, PrefixHit
 from .window_pages import WindowPages
@@ -94,29 +95,26 @@ class CacheManager:
         need = self.blocks_needed(seq, num_tokens) - len(hit.blocks) + sum(map(self.blocks.is_free, hit.blocks))
         return slot_ok and need <= self.blocks.num_free - reserved_blocks
 
-    def can_grow(self, seq, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.blocks.num_free
-
     def can_run(self, item) -> bool:
         """Whether the pool holds what a scheduled item writes and reads: its blocks, and (a
         late-sweep item, with lazy late pages) the late window pages around its rows."""
-        return self.blocks_needed(item.seq, item.end) + self._late_pages(item, count=True) <= self.blocks.num_free
+        span = self._late_span(item)
+        late = 0 if span is None else self.pages.missing(item.seq.block_table, *span)
+        return self.blocks_needed(item.seq, item.end) + late <= self.blocks.num_free
 
     def prepare(self, item) -> None:
         """Take what can_run() counted."""
         self.grow(item.seq, item.end)
-        self._late_pages(item, count=False)
+        span = self._late_span(item)
+        if span is not None:
+            self.pages.ensure(item.seq.block_table, *span)
 
-    def _late_pages(self, item, count: bool) -> int:
-        """A late-sweep item's rows read (and a filled row first reached writes) the sliding-window
-        late layers at most `window` positions before them: with lazy late pages, those blocks."""
+    def _late_span(self, item) -> tuple[int, int] | None:
+        """Positions [lo, hi) whose lazy late window pages a late-sweep item needs: its rows read
+        (and a filled row they first reach writes) at most `window` positions before them."""
         if self.pages is None or not self.pages.lazy or not item.kind.queued:
-            return 0
-        lo, hi = min(item.positions) - self.pages.late_window + 1, max(item.positions) + 1
-        if count:
-            return self.pages.missing(item.seq.block_table, lo, hi)
-        self.pages.ensure(item.seq.block_table, lo, hi)
-        return 0
+            return None
+        return min(item.positions) - self.pages.late_window + 1, max(item.positions) + 1
 
     # -- changing ---------------------------------------------------------------------------
 
@@ -240,6 +238,6 @@ def _late_reach(seq) -> int | None:
     the lower sweep or the probe runs (the exact rows are not chosen yet)."""
     if seq.stage.done:
         return seq.num_computed
-    if seq.stage == "late" and seq.queue_done < len(seq.queue):
+    if seq.stage is Stage.LATE and seq.queue_done < len(seq.queue):
         return seq.queue[seq.queue_done]
     return None

@@ -58,10 +58,13 @@ class WindowPages:
     def ensure(self, table: list[int], lo: int, hi: int) -> None:
         """The lazy groups take pages for the blocks holding positions [lo, hi) that have none."""
         lacking = self._lacking(table, lo, hi)
-        pages = self.blocks.take(len(lacking))
-        for (g, block), page in zip(lacking, pages):
-            self._pages[block][g - 1] = page
-            self._on_map(g, [block], [page])
+        for g in self.lazy:
+            blocks = [b for gl, b in lacking if gl == g]
+            pages = self.blocks.take(len(blocks))
+            for block, page in zip(blocks, pages):
+                self._pages[block][g - 1] = page
+            if blocks:
+                self._on_map(g, blocks, pages)
 
     def _lacking(self, table: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
         bs = self.layout.block_size
@@ -105,7 +108,3 @@ class WindowPages:
     def forget(self, table: list[int]) -> None:
         """The table is emptied (its sequence freed or preempted): no trim cursor left for it."""
         self._trimmed.pop(id(table), None)
-
-    def held(self) -> int:
-        """Window pages held now, all groups together."""
-        return sum(p >= 0 for pages in self._pages.values() for p in pages)

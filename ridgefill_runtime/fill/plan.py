@@ -33,6 +33,12 @@ class PlannedFill:
     late_mass_into: list[torch.Tensor]
 
 
+def rewrites_filled_rows(config: FillConfig) -> bool:
+    """The rescale multiplies every filled row's late K/V at once, so each must be written first:
+    the fill then cannot write a sliding-window row only when a late row reaches it."""
+    return config.value_rescale or config.key_rescale
+
+
 def needs_fill_step(items) -> bool:
     return any(not it.kind.done or (it.seq.fill_boundary and it.seq.fill_arm == "nofill") for it in items)
 
@@ -54,8 +60,8 @@ class FillPlanner:
         window_of = getattr(model_config, "window_of", lambda layer: 0)
         late = [window_of(i) for i in range(config.split, self.num_layers) if i in self.attention_layers]
         self.late_window = max(late, default=0)  # NOTE: the widest: a narrower layer reads a subset
-        rescales = config.value_rescale or config.key_rescale
-        self.defer_windows = defer_windows and self.late_window > 0 and predict is not None and not rescales
+        self.defer_windows = (defer_windows and self.late_window > 0 and predict is not None
+                              and not rewrites_filled_rows(config))
 
     def build(self, items, batch: AttentionBatch) -> PlannedFill:
         """batch: the lower part's layout (one entry per full / lower item, in item order)."""

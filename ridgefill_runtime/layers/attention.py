@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -46,6 +46,16 @@ class AttentionBatch:
     # padded with 0) and the block size; None where the caller built read_slots by hand.
     block_tables: torch.Tensor | None = None
     block_size: int = 0
+    # (sequence, window) -> what _seen_by found for it: every windowed layer of the step asks the same
+    _seen: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def seen_by_window(self, i: int, window: int) -> torch.Tensor:
+        """[P] bool by position: inside some scattered row of sequence i's window (built once a step)."""
+        key = (i, window)
+        if key not in self._seen:
+            q_pos = self.query_pos[i]
+            self._seen[key] = _seen_by(q_pos, window, int(q_pos.max()) + 1)
+        return self._seen[key]
 
     @cached_property
     def paged(self) -> "PagedRows | None":
@@ -226,8 +236,7 @@ def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window
         # it (its page may be gone, the fill writes only what later rows reach), and the slab is
         # not zeroed: a masked key's garbage would still reach the sum (0 * NaN).
         if batch.scattered(i):
-            q_pos = batch.query_pos[i]
-            seen = _seen_by(q_pos, window, int(q_pos.max()) + 1)  # [P] bool, by position
+            seen = batch.seen_by_window(i, window)  # [P] bool, by position
             if k_pos is None:  # NOTE: slots then go by position
                 k_pos = seen.nonzero().flatten()
                 return *kv.read(layer, slots[k_pos]), k_pos

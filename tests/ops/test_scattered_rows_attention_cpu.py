@@ -52,22 +52,25 @@ def make_cache(context_lens, kv_heads, head_dim, block_size, dtype, seed=0, spar
     return k_slab, v_slab, tables, torch.tensor(context_lens, dtype=torch.int32)
 
 
-def naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale):
-    """Per row and head in float64: gather the row's visible keys by the block table, softmax, weighted sum."""
+def naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, window=0):
+    """Per row and head in float64: gather the row's visible keys by the block table (with a window,
+    only those in it), an explicit softmax over them, the weighted sum."""
     rows, heads, head_dim = q.shape
     group = heads // k_slab.shape[1]
     out = torch.zeros(rows, heads, head_dim, dtype=torch.float64)
     mass = torch.zeros(tables.shape[0], tables.shape[1] * block_size, dtype=torch.float64)
     for r in range(rows):
         b, p = int(q_seq[r]), int(q_pos[r])
-        pos = torch.arange(p + 1)
+        lo = window_first(p, window)
+        pos = torch.arange(lo, p + 1)
         slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
         k, v = k_slab[slots].double(), v_slab[slots].double()  # [n, Hkv, D]
         for h in range(heads):
             s = (k[:, h // group] @ q[r, h].double()) * scale  # [n]
-            w = torch.softmax(s, dim=0)
+            e = torch.exp(s - s.max())
+            w = e / e.sum()
             out[r, h] = w @ v[:, h // group]
-            mass[b, : p + 1] += w
+            mass[b, lo : p + 1] += w
     return out, mass
 
 
@@ -341,27 +344,6 @@ def make_window_cache(context_lens, rows, window, kv_heads, head_dim, block_size
     return k_slab.to(dtype), v_slab.to(dtype), tables, torch.tensor(context_lens, dtype=torch.int32)
 
 
-def naive_window_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, window):
-    """Per row and head in float64, with an explicit softmax over the keys of the row's window only."""
-    rows, heads, head_dim = q.shape
-    group = heads // k_slab.shape[1]
-    out = torch.zeros(rows, heads, head_dim, dtype=torch.float64)
-    mass = torch.zeros(tables.shape[0], tables.shape[1] * block_size, dtype=torch.float64)
-    for r in range(rows):
-        b, p = int(q_seq[r]), int(q_pos[r])
-        lo = window_first(p, window)
-        pos = torch.arange(lo, p + 1)
-        slots = tables[b].long()[pos // block_size] * block_size + pos % block_size
-        k, v = k_slab[slots].double(), v_slab[slots].double()  # [n, Hkv, D]
-        for h in range(heads):
-            s = (k[:, h // group] @ q[r, h].double()) * scale  # [n]
-            e = torch.exp(s - s.max())
-            w = e / e.sum()
-            out[r, h] = w @ v[:, h // group]
-            mass[b, lo : p + 1] += w
-    return out, mass
-
-
 def window_batch(window, heads, kv_heads, block_size, dtype, seed=0):
     """Decode rows, a prefill chunk over a cached prefix and scattered rows (some far apart in one sequence, so
     NaN lies between their windows), shuffled; caches hold only what the windows need."""
@@ -401,7 +383,7 @@ def test_window_mixed_batch_matches_f64(window, heads, kv_heads, dtype, split, m
     q, q_seq, q_pos, k_slab, v_slab, tables, ctx = window_batch(window, heads, kv_heads, 16, dtype, seed=window)
     assert k_slab.isnan().any()  # keys no window covers are poison
     args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, D**-0.5)
-    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, window)
+    exact_out, exact_mass = naive_f64(*args[:6], 16, D**-0.5, window)
     out, none = scattered_rows_attention(*args, False, window)
     assert none.shape == (0,)
     assert_out_close(out, exact_out, dtype)
@@ -418,7 +400,7 @@ def test_window_longer_than_context_is_full_attention():
     for window in (4096, 4097, 1 << 40):
         windowed = scattered_rows_attention(*args, window)
         assert torch.equal(windowed[0], full[0]) and torch.equal(windowed[1], full[1])
-    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, 4097)
+    exact_out, exact_mass = naive_f64(*args[:6], 16, D**-0.5, 4097)
     assert_out_close(full[0], exact_out, torch.float32)
     assert_mass_close(full[1], exact_mass)
 
@@ -438,7 +420,7 @@ def test_window_long_contexts_split_kv(window, split, monkeypatch):
     q_pos = torch.tensor([p for _, p in rows])
     q = torch.randn(len(rows), 9, D, generator=torch.Generator().manual_seed(32))
     args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, D**-0.5)
-    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, window)
+    exact_out, exact_mass = naive_f64(*args[:6], 16, D**-0.5, window)
     out, mass = scattered_rows_attention(*args, True, window)
     assert_out_close(out, exact_out, torch.float32)
     assert_window_mass(mass, exact_mass, q_seq, q_pos, 9, window)
@@ -455,7 +437,7 @@ def test_window_nan_outside_does_not_leak(dtype, monkeypatch):
     tables[0, : 4093 // 16] = -1
     q = torch.randn(1, 8, D, generator=torch.Generator().manual_seed(42)).to(dtype)
     args = (q, torch.zeros(1, dtype=torch.int32), torch.tensor([4095]), k_slab, v_slab, tables, ctx, 16, D**-0.5)
-    exact_out, exact_mass = naive_window_f64(*args[:6], 16, D**-0.5, 3)
+    exact_out, exact_mass = naive_f64(*args[:6], 16, D**-0.5, 3)
     for split in ("0", "1"):
         monkeypatch.setenv(SPLIT_ENV, split)
         out, mass = scattered_rows_attention(*args, True, 3)
