@@ -41,7 +41,8 @@ def engine_with_chunk(llm, chunk: int):
     from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from ridgefill_runtime.engine import Engine
 
-    config = EngineConfig(cache=CacheConfig(kv_cache_gib=0.25),
+    # NOTE: prefix caching off: every rep sends the same prompt, and a cached prefix is not prefill
+    config = EngineConfig(cache=CacheConfig(kv_cache_gib=0.25, prefix_caching="off"),
                           scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=1, chunk_size=chunk))
     return Engine(llm.engine.model, llm.tokenizer, config)
 

@@ -27,6 +27,10 @@ TORCH_LIBRARY(ridgefill, m) {
   // empty. Layout and reference:
   // ridgefill_runtime/ops/packed_linear.py; CPU kernel csrc/cpu/packed_linear.cpp.
   m.def("packed_linear(Tensor x, Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
+  // The same weight dequantized, transposed: W.T float32 [K, P * 16] (rows past n
+  // zero), each value computed as packed_linear computes it. For many-row calls
+  // (prefill chunks), where a float32 BLAS GEMM beats dequantizing in registers.
+  m.def("packed_dequantize_t(Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
 
   // Attention of an arbitrary subset of prompt rows over the paged KV cache.
   // q [R, H, D]; row i is sequence q_seq[i] (int32) at position q_pos[i]

@@ -11,10 +11,10 @@
 //
 // so one 16-byte load gives 16 output rows' weights at two k (4 bits) or one k (8 bits), one
 // widening of the bytes serves both nibbles, and a tile of up to 8 input
-// rows reuses each dequantized weight vector (8 rows on AVX-512: at 512 rows this beats a
-// float32 GEMM on the dequantized weight, so prefill runs on it too). The dequantized weight is computed exactly as the
-// dequantized path computes it (q * scale, then + min: a product, then a sum, no fused multiply-
-// add), so the two paths use the same weight values and differ only in summation order.
+// rows reuses each dequantized weight vector. The dequantized weight is computed exactly as the
+// dequantized path computes it (q * scale rounded, then + min rounded; see kMinExact), so the two
+// paths use the same weight values and differ only in summation order. Many-row calls (prefill
+// chunks) take packed_dequantize_t and a float32 BLAS GEMM instead (ops/packed_linear.py).
 // Instruction set chosen at run time: AVX-512F, AVX2+FMA+F16C, or portable C++.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,6 +32,12 @@
 namespace {
 
 constexpr int kPanel = 16;
+
+// The kernels' MIN parameter: how a weight's offset is added. The weight must come out as the
+// dequantized path computes it, q * scale rounded, then + min rounded. With float16 scales the product
+// is exact (at most 8 + 11 significant bits), so one FMA gives that same value in one instruction
+// (~25 % of batch-1 decode); with float32 scales the product is rounded first.
+constexpr int kNoMin = 0, kMinExact = 1, kMinRounded = 2;
 
 struct Packed {
   const uint8_t* data;  // panel p starts at data + p * panel_bytes()
@@ -114,13 +120,17 @@ __attribute__((target("avx2,fma,f16c"))) inline void fma_k(__m256 (&acc)[MR][2],
   }
 }
 
-template <bool MIN>
+template <int MIN>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 dequant8(__m256i q, __m256 s, __m256 z) {
-  const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q), s);
-  return MIN ? _mm256_add_ps(w, z) : w;
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  if (MIN == kMinExact) return _mm256_fmadd_ps(qf, s, z);
+  __m256 w = _mm256_mul_ps(qf, s);
+  if (MIN == kNoMin) return w;
+  __asm__("" : "+x"(w));  // an empty asm the product passes through: GCC cannot contract it into an FMA
+  return _mm256_add_ps(w, z);
 }
 
-template <int BITS, bool MIN, int MR>
+template <int BITS, int MIN, int MR>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const float* x, int64_t panel, float* y) {
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -157,7 +167,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const f
   }
 }
 
-template <int BITS, bool MIN>
+template <int BITS, int MIN>
 void panel_avx2(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) tile_avx2<BITS, MIN, 4>(w, x + m * w.K, panel, y + m * kPanel);
@@ -176,10 +186,14 @@ __attribute__((target("avx512f"))) inline __m512 load16(const void* p, bool half
   return _mm512_loadu_ps(static_cast<const float*>(p) + i);
 }
 
-template <bool MIN>
+template <int MIN>
 __attribute__((target("avx512f"))) inline __m512 dequant16(__m512i q, __m512 s, __m512 z) {
-  const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), s);
-  return MIN ? _mm512_add_ps(w, z) : w;
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  if (MIN == kMinExact) return _mm512_fmadd_ps(qf, s, z);
+  __m512 w = _mm512_mul_ps(qf, s);
+  if (MIN == kNoMin) return w;
+  __asm__("" : "+v"(w));  // as in dequant8
+  return _mm512_add_ps(w, z);
 }
 
 // Weights at k (into the even-k accumulators) and k + 1 (odd) times MR rows of x.
@@ -192,12 +206,12 @@ __attribute__((target("avx512f"))) inline void fma2(__m512 (&acc)[MR][2], __m512
   }
 }
 
-template <bool MIN>
+template <int MIN>
 __attribute__((target("avx512f"))) inline __m512 q8_at(const uint8_t* panel, int64_t k, __m512 s, __m512 z) {
   return dequant16<MIN>(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + k * 16))), s, z);
 }
 
-template <int BITS, bool MIN, int MR>
+template <int BITS, int MIN, int MR>
 __attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float* x, int64_t panel, float* y) {
   // Two accumulators a row, for even and odd k: with one or two rows a single chain of dependent
   // FMAs would wait on the FMA latency instead of the loads (-30 % at batch 1).
@@ -228,7 +242,7 @@ __attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * kPanel, _mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-template <int BITS, bool MIN, int MR>
+template <int BITS, int MIN, int MR>
 void rest_avx512(const Packed& w, const float* x, int64_t rows, int64_t panel, float* y) {
   if constexpr (MR > 0) {
     if (rows == MR) return tile_avx512<BITS, MIN, MR>(w, x, panel, y);
@@ -236,7 +250,7 @@ void rest_avx512(const Packed& w, const float* x, int64_t rows, int64_t panel, f
   }
 }
 
-template <int BITS, bool MIN>
+template <int BITS, int MIN>
 void panel_avx512(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) tile_avx512<BITS, MIN, 8>(w, x + m * w.K, panel, y + m * kPanel);
@@ -247,19 +261,21 @@ void panel_avx512(const Packed& w, const float* x, int64_t M, int64_t panel, flo
 
 using PanelFn = void (*)(const Packed&, const float*, int64_t, int64_t, float*);
 
-template <template <int, bool> class Pick>
-PanelFn by_format(int bits, bool has_min) {
-  if (bits == 4) return has_min ? Pick<4, true>::fn : Pick<4, false>::fn;
-  return has_min ? Pick<8, true>::fn : Pick<8, false>::fn;
+template <template <int, int> class Pick>
+PanelFn by_format(int bits, int min) {
+  if (bits == 4) return min == kNoMin ? Pick<4, kNoMin>::fn : min == kMinExact ? Pick<4, kMinExact>::fn : Pick<4, kMinRounded>::fn;
+  return min == kNoMin ? Pick<8, kNoMin>::fn : min == kMinExact ? Pick<8, kMinExact>::fn : Pick<8, kMinRounded>::fn;
 }
-template <int B, bool Z> struct Avx512 { static constexpr PanelFn fn = panel_avx512<B, Z>; };
-template <int B, bool Z> struct Avx2 { static constexpr PanelFn fn = panel_avx2<B, Z>; };
+template <int B, int Z> struct Avx512 { static constexpr PanelFn fn = panel_avx512<B, Z>; };
+template <int B, int Z> struct Avx2 { static constexpr PanelFn fn = panel_avx2<B, Z>; };
+
+int min_kind(const Packed& w) { return !w.min ? kNoMin : w.half_scale ? kMinExact : kMinRounded; }
 
 PanelFn panel_kernel(const Packed& w) {
   static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx512) return by_format<Avx512>(w.bits, w.min != nullptr);
-  if (avx2) return by_format<Avx2>(w.bits, w.min != nullptr);
+  if (avx512) return by_format<Avx512>(w.bits, min_kind(w));
+  if (avx2) return by_format<Avx2>(w.bits, min_kind(w));
   return panel_portable;
 }
 #else
@@ -314,8 +330,74 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& data, const 
   return y;
 }
 
+// -- dequantize (W.T) -----------------------------------------------------------------------------
+
+// Panel p's 16 rows at every k -> wt[k, 16p .. 16p + 16): in W.T a panel's k-major bytes land as 16
+// contiguous floats, so the transposed layout is the cheap one to write (and x @ W.T needs no transpose).
+void dequantize_panel_portable(const Packed& w, int64_t panel, float* wt, int64_t ld) {
+  const int64_t groups = w.K / w.group;
+  for (int64_t k = 0; k < w.K; ++k) {
+    const int64_t at = (panel * groups + k / w.group) * kPanel;
+    for (int j = 0; j < kPanel; ++j) {
+      float v = q_at(w, panel, k, j) * scale_at(w.scale, w.half_scale, at + j);
+      if (w.min) v += scale_at(w.min, w.half_scale, at + j);
+      wt[k * ld + panel * kPanel + j] = v;
+    }
+  }
+}
+
+#if defined(__x86_64__)
+template <int BITS, int MIN>
+__attribute__((target("avx512f"))) void dequantize_panel_avx512(const Packed& w, int64_t panel, float* wt, int64_t ld) {
+  const int64_t groups = w.K / w.group;
+  const uint8_t* base = w.data + panel * w.panel_bytes();
+  float* out = wt + panel * kPanel;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (panel * groups + g) * kPanel;
+    const __m512 s = load16(w.scale, w.half_scale, at);
+    const __m512 z = MIN ? load16(w.min, w.half_scale, at) : _mm512_setzero_ps();
+    for (int64_t k = g * w.group; k < (g + 1) * w.group; k += (BITS == 4 ? 2 : 1)) {
+      if (BITS == 4) {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k / 2) * 16)));
+        _mm512_storeu_ps(out + k * ld, dequant16<MIN>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z));
+        _mm512_storeu_ps(out + (k + 1) * ld, dequant16<MIN>(_mm512_srli_epi32(b, 4), s, z));
+      } else {
+        _mm512_storeu_ps(out + k * ld, q8_at<MIN>(base, k, s, z));
+      }
+    }
+  }
+}
+#endif
+
+using DequantFn = void (*)(const Packed&, int64_t, float*, int64_t);
+
+DequantFn dequantize_kernel(const Packed& w) {
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) {
+    if (w.bits == 4) return w.min ? dequantize_panel_avx512<4, kMinRounded> : dequantize_panel_avx512<4, kNoMin>;
+    return w.min ? dequantize_panel_avx512<8, kMinRounded> : dequantize_panel_avx512<8, kNoMin>;
+  }
+#endif
+  return dequantize_panel_portable;
+}
+
+at::Tensor packed_dequantize_t_cpu(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
+                                   int64_t bits, int64_t group, int64_t n) {
+  const Packed w = check_packed(data, scale, min, bits, group, n);
+  const int64_t ld = w.panels * kPanel;
+  at::Tensor wt = at::empty({w.K, ld}, data.options().dtype(at::kFloat));
+  const DequantFn kernel = dequantize_kernel(w);
+  float* out = wt.data_ptr<float>();
+  at::parallel_for(0, w.panels, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) kernel(w, p, out, ld);
+  });
+  return wt;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ridgefill, CPU, m) {
   m.impl("packed_linear", &packed_linear_cpu);
+  m.impl("packed_dequantize_t", &packed_dequantize_t_cpu);
 }

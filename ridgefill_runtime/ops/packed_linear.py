@@ -26,6 +26,12 @@ from . import op_available
 
 PANEL = 16
 _KERNEL = torch.ops.ridgefill.packed_linear.default if op_available("packed_linear") else None
+_DEQUANTIZE_T = torch.ops.ridgefill.packed_dequantize_t.default if op_available("packed_dequantize_t") else None
+# NOTE: from this many rows (prefill chunks) a float32 BLAS GEMM on the weight dequantized for the
+# call beats dequantizing in registers: on an AMX/AVX-512 Xeon, 512 rows ran 1.5-1.7x faster, and
+# the same values go in (benchmarks/decode.md). Decode batches stay on the kernel, which reads 4-8x
+# fewer bytes.
+BLAS_MIN_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,12 @@ def dequantize_reference(w: PackedWeight) -> torch.Tensor:
     return out
 
 
+def dequantize_t_reference(w: PackedWeight) -> torch.Tensor:
+    """W.T float32 [K, P * 16] (what packed_dequantize_t returns): the padding rows past n are 0."""
+    wt = dequantize_reference(w).T  # [K, n]
+    return F.pad(wt, (0, w.data.shape[0] * PANEL - w.n)).contiguous()
+
+
 def packed_linear_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [M, K] -> [M, n] in float64 (the tests' reference)."""
     return x.double() @ dequantize_reference(w).double().T
@@ -123,9 +135,10 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if x2.dtype != torch.float32:
         x2 = x2.float()
     if _KERNEL and x.device.type == "cpu":
-        # NOTE: every row count: with 8 rows per register tile the kernel beats a float32 GEMM
-        # on the dequantized weight even for 512-row prefill chunks
-        y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
+        if x2.shape[0] >= BLAS_MIN_ROWS and _DEQUANTIZE_T is not None:
+            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, :w.n]  # [M, K] @ [K, n]
+        else:
+            y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     else:  # NOTE: no GPU kernel yet (the engine refuses packed there): dequantize per call
         y = x2 @ dequantize_reference(w).T
     if bias is not None:

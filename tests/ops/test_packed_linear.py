@@ -6,7 +6,9 @@ import torch
 
 from ridgefill_runtime.ops import op_available
 from ridgefill_runtime.ops.packed_linear import (
+    BLAS_MIN_ROWS,
     PackedWeight,
+    dequantize_t_reference,
     dequantize_reference,
     linear,
     pack,
@@ -51,8 +53,9 @@ def test_layout_round_trips(bits, group, dtype, with_min):
 
 @needs_kernel
 @pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 100, BLAS_MIN_ROWS, 300])
 def test_kernel_matches_float64(bits, group, dtype, with_min, rows):
+    """Below BLAS_MIN_ROWS the in-register kernel, from there the BLAS route: both against float64."""
     n, k = 45, 128
     q, scale, mins = _random(n, k, bits, group, dtype, with_min, seed=rows)
     w = pack(q, scale, mins, bits, group)
@@ -63,6 +66,19 @@ def test_kernel_matches_float64(bits, group, dtype, with_min, rows):
     # float32 sums of k products: error ~ sqrt(k) ulps of the terms' magnitude
     bound = 1e-6 * (x.abs().double() @ _by_hand(q, scale, mins, group).abs().T) + 1e-7
     assert bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.skipif(not op_available("packed_dequantize_t"), reason="compiled extension not built")
+@pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
+def test_dequantize_t_gives_the_same_values(bits, group, dtype, with_min):
+    """The BLAS route's weight: bit for bit the stored values (q * scale, then + min), transposed,
+    the last panel's padding rows zero."""
+    q, scale, mins = _random(37, 64, bits, group, dtype, with_min)
+    w = pack(q, scale, mins, bits, group)
+    got = torch.ops.ridgefill.packed_dequantize_t(w.data, w.scale, w.min, bits, group, w.n)
+    assert got.shape == (64, 48) and got.dtype == torch.float32
+    assert torch.equal(got, dequantize_t_reference(w))
+    assert torch.equal(got[:, :37].double(), _by_hand(q, scale, mins, group).T)
 
 
 @needs_kernel
