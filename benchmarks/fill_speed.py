@@ -48,7 +48,8 @@ def main() -> None:
     fill = FillConfig(arm=args.arm, split=args.split, tail=args.tail, maps=maps_path)
 
     def engine(n: int, fill_config: FillConfig) -> Engine:
-        cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5), fill=fill_config,
+        # NOTE: prefix caching off: the reps repeat the prompt, and a cached prefix is not prefill
+        cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5, prefix_caching="off"), fill=fill_config,
                            scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n))
         return Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model))
 
