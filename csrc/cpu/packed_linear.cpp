@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -271,9 +272,21 @@ template <int B, int Z> struct Avx2 { static constexpr PanelFn fn = panel_avx2<B
 
 int min_kind(const Packed& w) { return !w.min ? kNoMin : w.half_scale ? kMinExact : kMinRounded; }
 
+// Test knob: RIDGEFILL_PACKED_ISA=avx2 or =portable caps the instruction set (read once), so that the
+// tests run every variant on an AVX-512 machine. 2: AVX-512, 1: AVX2, 0: portable.
+int isa_cap() {
+  const char* env = std::getenv("RIDGEFILL_PACKED_ISA");
+  if (env == nullptr) return 2;
+  if (std::strcmp(env, "avx2") == 0) return 1;
+  if (std::strcmp(env, "portable") == 0) return 0;
+  return 2;
+}
+
 PanelFn panel_kernel(const Packed& w) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  static const int cap = isa_cap();
+  static const bool avx512 = cap >= 2 && __builtin_cpu_supports("avx512f");
+  static const bool avx2 = cap >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
   if (avx512) return by_format<Avx512>(w.bits, min_kind(w));
   if (avx2) return by_format<Avx2>(w.bits, min_kind(w));
   return panel_portable;
@@ -373,7 +386,7 @@ using DequantFn = void (*)(const Packed&, int64_t, float*, int64_t);
 
 DequantFn dequantize_kernel(const Packed& w) {
 #if defined(__x86_64__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx512 = isa_cap() >= 2 && __builtin_cpu_supports("avx512f");
   if (avx512) {
     if (w.bits == 4) return w.min ? dequantize_panel_avx512<4, kMinRounded> : dequantize_panel_avx512<4, kNoMin>;
     return w.min ? dequantize_panel_avx512<8, kMinRounded> : dequantize_panel_avx512<8, kNoMin>;

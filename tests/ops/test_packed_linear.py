@@ -1,6 +1,11 @@
 """packed_linear against a float64 product with the weights dequantized by hand, and the panel
 layout against the integers it was packed from."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -137,3 +142,53 @@ def test_kernel_refuses_a_wrong_input_width():
     w = pack(q, scale, None, 4, 32)
     with pytest.raises(RuntimeError, match=r"x must be float32 \[M, 64\]"):
         torch.ops.ridgefill.packed_linear(torch.randn(2, 32), w.data, w.scale, w.min, 4, 32, 16)
+
+
+_ISA_CHECK = textwrap.dedent("""
+    import torch
+    from ridgefill_runtime.ops.packed_linear import (BLAS_MIN_ROWS, dequantize_reference, dequantize_t_reference,
+                                                     pack, packed_linear)
+    g = torch.Generator().manual_seed(0)
+    total = 0.0  # float64 sum of every output: tells the variants apart (each sums in its own order)
+    formats = [(4, 32, torch.float16, True), (8, 32, torch.float16, False), (8, 16, torch.float32, False),
+               (4, 32, torch.float32, True), (8, 32, torch.float16, True)]
+    for bits, group, dtype, with_min in formats:
+        lo, hi = (0, 16) if bits == 4 else (-128, 128)
+        q = torch.randint(lo, hi, (45, 128), generator=g)
+        scale = (torch.rand(45, 128 // group, generator=g) * 0.02).to(dtype)
+        mins = (torch.randn(45, 128 // group, generator=g) * 0.05).to(dtype) if with_min else None
+        w = pack(q, scale, mins, bits, group)
+        wd = dequantize_reference(w).double()
+        for rows in (1, 2, 3, 4, 5, 8, 9, 17, BLAS_MIN_ROWS - 1):
+            x = torch.randn(rows, 128, generator=g)
+            y = packed_linear(x, w).double()
+            total += float(y.sum())
+            err = (y - x.double() @ wd.T).abs()
+            bound = 1e-6 * (x.abs().double() @ wd.abs().T) + 1e-7
+            assert bool((err <= bound).all()), (bits, group, dtype, with_min, rows, float(err.max()))
+        got = torch.ops.ridgefill.packed_dequantize_t(w.data, w.scale, w.min, bits, group, w.n)
+        assert torch.equal(got, dequantize_t_reference(w)), (bits, group, dtype, with_min)
+    print(repr(total))
+""")
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_every_instruction_set_matches_float64(isa):
+    """The AVX2 and portable variants, which an AVX-512 machine never picks by itself: RIDGEFILL_PACKED_ISA
+    caps the pick (read once, hence a fresh process), against float64 for every format and tile size."""
+    if isa == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("this CPU has no AVX2")
+    sums = {}
+    for cap in ("", isa):  # "": no cap, the variant this machine picks
+        env = {k: v for k, v in os.environ.items() if k != "RIDGEFILL_PACKED_ISA"}
+        if cap:
+            env["RIDGEFILL_PACKED_ISA"] = cap
+        run = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        sums[cap] = float(run.stdout.strip())
+    # the cap took effect: another summation order, so (almost surely) not the same float64 total
+    picked = torch.backends.cpu.get_cpu_capability()
+    if (isa, picked) in {("avx2", "AVX512"), ("portable", "AVX512"), ("portable", "AVX2")}:
+        assert sums[isa] != sums[""]
