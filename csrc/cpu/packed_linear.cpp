@@ -37,7 +37,8 @@ constexpr int kPanel = 16;
 // The kernels' MIN parameter: how a weight's offset is added. The weight must come out as the
 // dequantized path computes it, q * scale rounded, then + min rounded. With float16 scales the product
 // is exact (at most 8 + 11 significant bits), so one FMA gives that same value in one instruction
-// (~25 % of batch-1 decode); with float32 scales the product is rounded first.
+// (the separate multiply and add cost ~20 % of the batch-1 weight sweep, benchmarks/packed_sweep.py);
+// with float32 scales the product is rounded first.
 constexpr int kNoMin = 0, kMinExact = 1, kMinRounded = 2;
 
 struct Packed {
