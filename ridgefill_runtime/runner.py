@@ -232,23 +232,22 @@ class Runner:
         argmax, None for a sampling item): one sampled token, or, verifying a draft (greedy
         only), the accepted run."""
         if not draft:
-            if item.seq.params.greedy and item.seq.params.max_tokens:
-                return [greedy[-1]]
-            token = self._sample(item, logits[-1])
+            token = self._sample(item, logits[-1], greedy[-1])
             return None if token is None else [token]
         return accept_greedy(draft, greedy)
 
-    def _sample(self, item: ScheduledSeq, logits: torch.Tensor) -> int | None:
+    def _sample(self, item: ScheduledSeq, logits: torch.Tensor, argmax: int | None) -> int | None:
+        """One token from a row's logits [V]; a greedy item takes the step's `argmax` of it."""
         params = item.seq.params
         if params.max_tokens == 0:
             return None
-        gen = None
-        if not params.greedy:
-            gen = self._generators.get(item.seq.seq_id)
-            if gen is None:
-                gen = torch.Generator(device=logits.device)
-                gen.manual_seed(params.seed if params.seed is not None else torch.seed())
-                self._generators[item.seq.seq_id] = gen
+        if params.greedy:
+            return argmax
+        gen = self._generators.get(item.seq.seq_id)
+        if gen is None:
+            gen = torch.Generator(device=logits.device)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed())
+            self._generators[item.seq.seq_id] = gen
         return sample_token(logits, params, gen)
 
 

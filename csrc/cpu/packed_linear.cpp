@@ -83,21 +83,21 @@ inline float q_at(const Packed& w, int64_t panel, int64_t k, int j) {
   return float((p[(k / 2) * 16 + j] >> (4 * (k & 1))) & 15);
 }
 
+// Row 16 * panel + j's weight at k: q * scale, then + min (no FMA in the baseline ISA).
+inline float weight_at(const Packed& w, int64_t panel, int64_t k, int j) {
+  const int64_t at = (panel * (w.K / w.group) + k / w.group) * kPanel + j;
+  float v = q_at(w, panel, k, j) * scale_at(w.scale, w.half_scale, at);
+  if (w.min) v += scale_at(w.min, w.half_scale, at);
+  return v;
+}
+
 void panel_portable(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
   float acc[kPanel];
-  const int64_t groups = w.K / w.group;
   for (int64_t m = 0; m < M; ++m) {
     std::fill(acc, acc + kPanel, 0.f);
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = (panel * groups + g) * kPanel;
-      for (int64_t k = g * w.group; k < (g + 1) * w.group; ++k) {
-        const float xk = x[m * w.K + k];
-        for (int j = 0; j < kPanel; ++j) {
-          float wj = q_at(w, panel, k, j) * scale_at(w.scale, w.half_scale, at + j);
-          if (w.min) wj += scale_at(w.min, w.half_scale, at + j);
-          acc[j] += wj * xk;
-        }
-      }
+    for (int64_t k = 0; k < w.K; ++k) {
+      const float xk = x[m * w.K + k];
+      for (int j = 0; j < kPanel; ++j) acc[j] += weight_at(w, panel, k, j) * xk;
     }
     std::memcpy(y + m * kPanel, acc, sizeof acc);
   }
@@ -349,14 +349,8 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& data, const 
 // Panel p's 16 rows at every k -> wt[k, 16p .. 16p + 16): in W.T a panel's k-major bytes land as 16
 // contiguous floats, so the transposed layout is the cheap one to write (and x @ W.T needs no transpose).
 void dequantize_panel_portable(const Packed& w, int64_t panel, float* wt, int64_t ld) {
-  const int64_t groups = w.K / w.group;
   for (int64_t k = 0; k < w.K; ++k) {
-    const int64_t at = (panel * groups + k / w.group) * kPanel;
-    for (int j = 0; j < kPanel; ++j) {
-      float v = q_at(w, panel, k, j) * scale_at(w.scale, w.half_scale, at + j);
-      if (w.min) v += scale_at(w.min, w.half_scale, at + j);
-      wt[k * ld + panel * kPanel + j] = v;
-    }
+    for (int j = 0; j < kPanel; ++j) wt[k * ld + panel * kPanel + j] = weight_at(w, panel, k, j);
   }
 }
 

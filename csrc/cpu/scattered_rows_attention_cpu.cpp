@@ -186,19 +186,12 @@ RIDGEFILL_INLINE float sexp(float x) {
   return v[0];
 }
 
-// dst[0..D) = float(src[0..D)); entries past D are left as they are (zero padding).
-template <typename T>
-RIDGEFILL_INLINE void to_float_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst) {
-  int64_t d = 0;
-  for (; d + kW <= D; d += kW) storef(dst + d, load16(src + d));
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
 // float16 rows with F16C where the CPU has it: one vcvtph2ps per 16 (AVX-512) or 8 values instead of the
-// bit-level conversion above, which made a float16 cache slower to attend over than a float32 one of twice
+// bit-level conversion in load16, which made a float16 cache slower to attend over than a float32 one of twice
 // the bytes (benchmarks/decode.md). The clones cannot use the instruction in their own bodies (the baseline
 // clone has no F16C), so the row goes through one call, picked once at load time. Same values: the
 // conversion is exact either way.
+using HalfRowFn = void (*)(const c10::Half*, int64_t, float*);
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx512f"))) void half_row_avx512(const c10::Half* src, int64_t D, float* dst) {
   int64_t d = 0;
@@ -212,21 +205,26 @@ __attribute__((target("avx,f16c"))) void half_row_f16c(const c10::Half* src, int
     _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
-using HalfRowFn = void (*)(const c10::Half*, int64_t, float*);
 HalfRowFn pick_half_row() {
   __builtin_cpu_init();  // a static initializer may run before libgcc's own CPU detection
   if (__builtin_cpu_supports("avx512f")) return half_row_avx512;
   return __builtin_cpu_supports("f16c") ? half_row_f16c : nullptr;
 }
 const HalfRowFn kHalfRow = pick_half_row();
-template <>
-RIDGEFILL_INLINE void to_float_row<c10::Half>(const c10::Half* __restrict__ src, int64_t D, float* __restrict__ dst) {
-  if (kHalfRow) return kHalfRow(src, D, dst);
+#else
+constexpr HalfRowFn kHalfRow = nullptr;
+#endif
+
+// dst[0..D) = float(src[0..D)); entries past D are left as they are (zero padding).
+template <typename T>
+RIDGEFILL_INLINE void to_float_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    if (kHalfRow) return kHalfRow(src, D, dst);
+  }
   int64_t d = 0;
   for (; d + kW <= D; d += kW) storef(dst + d, load16(src + d));
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 }
-#endif
 
 // How the hot loops read K/V rows of T: float and bfloat16 straight from the cache (bfloat16 widens with a
 // shift), float16 through an fp32 copy (its bit-level conversion is too long to repeat for every head).
