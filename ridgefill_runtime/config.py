@@ -351,6 +351,9 @@ class EngineConfig:
     # with the weight-only kernel (ops/packed_linear.py; CPU), "dequantized" expands them to
     # `dtype`, "auto" packs where the kernel exists (a dense family on the CPU with the extension).
     weights: str = "auto"
+    # On a CUDA device, decode steps replay CUDA graphs captured at start-up, one per batch size
+    # (decode_graphs.py); False runs every step eagerly (vLLM's enforce_eager). The CPU ignores it.
+    cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fill: "FillConfig" = field(default_factory=lambda: FillConfig())

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache.build import CacheBudget, build_caches
+from .decode_graphs import engine_decode_graphs
 from .cache.prefix_cache import EXACT, fill_identity
 from .cache.spec import spec_of
 from .config import REUSE_POLICIES, EngineConfig, RowsConfig, SpeculativeConfig
@@ -124,10 +125,12 @@ class Engine:
             _check_terminal_shift(cache_spec, self.fill.split, fill_maps)
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
-        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps, defer_windows=defer)
+        self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
+        graphs = engine_decode_graphs(model, self.caches, config, self.max_model_len)
+        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps, defer_windows=defer,
+                             graphs=graphs)
         self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
-        self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.counts = _Counts()
 

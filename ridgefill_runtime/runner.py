@@ -11,6 +11,7 @@ import torch
 
 from .cache.build import ModelCaches
 from .config import FillConfig
+from .decode_graphs import DecodeGraphs
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.stash import SplitStash
 from .layers.attention import AttentionBatch, ContextSlots
@@ -35,11 +36,13 @@ class StepLogits:
 
 class Runner:
     def __init__(self, model, caches: ModelCaches, block_size: int, fill: FillConfig | None = None,
-                 maps=None, defer_windows: bool = False):
+                 maps=None, defer_windows: bool = False, graphs: DecodeGraphs | None = None):
         """`caches`: what build_caches made for this model. defer_windows: the fill writes a filled
         row's K/V at sliding-window late layers only once a later row reaches it (fill/plan.py);
-        only where nothing else reads the filled cache (no prefix cache, no splice, no replay)."""
+        only where nothing else reads the filled cache (no prefix cache, no splice, no replay).
+        `graphs`: captured decode steps (decode_graphs.py) that plain decode steps replay."""
         self.model = model
+        self.graphs = graphs
         self.caches = caches
         self.kv = self.caches.kv
         self.states = self.caches.states  # recurrent states and split-state stashes, by state slot
@@ -63,6 +66,10 @@ class Runner:
         copies = [pair for it in items for pair in it.copies]
         if copies:  # NOTE: before anything this step writes: the copies are of shared blocks
             self.kv.copy_blocks(copies, self.block_size)
+        if self._graphed(items):
+            ids, positions, batch = self._prepare(items)
+            return StepLogits(self.graphs.run(ids, positions, batch), [(k, k + 1) for k in range(len(items))],
+                              [None] * len(items))
         drafts = self.drafter(items) if self.drafter is not None and any(it.draft for it in items) else None
         ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
@@ -70,6 +77,15 @@ class Runner:
         out = run_model(self.model, ForwardBatch(ids, positions, batch, self.caches, rows,
                                                  None if plan is None else plan.step, self._loop_reads(items)))
         return StepLogits(out.logits, owners, self._keep_fill_outputs(items, plan, out), drafts)
+
+    def _graphed(self, items: list[ScheduledSeq]) -> bool:
+        """A plain decode step the captured graphs replay: each item one sampled row at its next
+        position (nothing scored, no draft to verify, no fill stage), tables no wider than theirs."""
+        if self.graphs is None or not items:
+            return False
+        plain = all(it.kind is Stage.FULL and it.num_tokens == 1 and it.start > 0 and it.positions is None
+                    and not it.draft and it.samples and not _scored(it) for it in items)
+        return plain and self.graphs.fits(len(items), max(len(it.seq.block_table) for it in items))
 
     def run(self, items: list[ScheduledSeq]) -> StepResult:
         step = self.forward(items)

@@ -20,6 +20,7 @@ from .config import ConfigError, check_device, effective_config_text, load_confi
 # flag dest -> dotted config key; a flag left at None does not override the file.
 _FLAG_KEYS = {
     "model": "model.path", "dtype": "model.dtype", "weights": "model.weights", "device": "model.device",
+    "cuda_graphs": "model.cuda_graphs",
     "block_size": "cache.block_size", "kv_cache_gib": "cache.kv_cache_gib", "num_blocks": "cache.num_blocks",
     "prefix_caching": "cache.prefix_caching", "kv_dtype": "cache.kv_dtype",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens", "max_num_seqs": "scheduler.max_num_seqs",
@@ -47,6 +48,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=list(WEIGHT_MODES),
                    help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False,
+                   help="on a CUDA device, run decode steps eagerly instead of replaying captured CUDA graphs")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--block-size", type=int)
     p.add_argument("--kv-cache-gib", type=float)

@@ -119,6 +119,7 @@ _SCHEMA: dict[str, dict[str, Key]] = {
         "dtype": Key((str,), "engine", "dtype"),
         "weights": Key((str,), "engine", "weights"),
         "device": Key((str,), "engine", "device"),
+        "cuda_graphs": Key((bool,), "engine", "cuda_graphs"),
     },
     "cache": {
         "block_size": Key((int,), "cache", "block_size"),

@@ -31,9 +31,14 @@ class KVPool:
         # NOTE: empty, not zeros: a slot is always written before it is read, and a
         # GiB-sized memset would cost every start-up about a second.
         if layout is None:
+            # One slot past the last block, which no block table names: the padding rows of a
+            # replayed decode graph (decode_graphs.py) write and read there and nowhere else.
+            self.scratch_slot: int | None = num_slots
+            shape = (num_slots + 1, num_kv_heads, head_dim)
             self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
             self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
             return
+        self.scratch_slot = None  # NOTE: a paged-apart layout has none: no decode graphs over it
         k_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         v_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         self.k = {i: k_slabs[layout.place(i)[1]] for i in ids}

@@ -46,6 +46,9 @@ class AttentionBatch:
     # padded with 0) and the block size; None where the caller built read_slots by hand.
     block_tables: torch.Tensor | None = None
     block_size: int = 0
+    # The batched kernel's rows, given rather than built from the lists above: a replayed decode
+    # graph (decode_graphs.py) keeps them in its static buffers, as no host list may feed a graph.
+    paged_given: "PagedRows | None" = None
     # (sequence, window) -> what _seen_by found for it: every windowed layer of the step asks the same
     _seen: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -60,7 +63,7 @@ class AttentionBatch:
     @cached_property
     def paged(self) -> "PagedRows | None":
         """Which rows the batched paged kernel serves this step, built once and read by every layer."""
-        return paged_rows(self)
+        return self.paged_given if self.paged_given is not None else paged_rows(self)
 
     @property
     def num_seqs(self) -> int:

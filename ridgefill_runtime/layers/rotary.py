@@ -58,7 +58,10 @@ class RotaryTable:
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, 1, D/2] for positions [N], ready to broadcast over heads."""
-        self._ensure(int(positions.max()) + 1 if positions.numel() else 0)
+        # NOTE: not while a decode graph is captured (decode_graphs.py): reading the max would sync,
+        # and the table already covers max_position_embeddings, past which no engine row goes
+        if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self._ensure(int(positions.max()) + 1 if positions.numel() else 0)
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
 
