@@ -38,8 +38,26 @@ struct AttnSmem {
   float final_l[MAXG];
 };
 
+// Where attend_rows_into puts each head's merged result. OutRows (what
+// attend_rows uses) writes the normalised output in scalar_t; a split-KV
+// caller (scattered_rows_attention.cu) passes a sink that keeps the
+// unnormalised sum and the softmax statistics of its key chunk instead.
+//   value(g, d, o, inv_l): o = sum over keys of exp(s - m) * v[d] for head g,
+//                          inv_l = 1 / sum of exp(s - m) (0 when no key)
+//   stats(g, m, l):        the max score and the sum of exp(s - m); called by
+//                          thread 0 only
+template <typename scalar_t>
+struct OutRows {
+  scalar_t* row;
+  int64_t head_stride;
+  __device__ __forceinline__ void value(int g, int d, float o, float inv_l) const {
+    row[g * head_stride + d] = static_cast<scalar_t>(o * inv_l);
+  }
+  __device__ __forceinline__ void stats(int, float, float) const {}
+};
+
 // q_row: this row's queries of head q_head0 .. q_head0+g_count-1, each D
-// contiguous, heads q_head_stride apart. out_row: same layout for the output.
+// contiguous, heads q_head_stride apart; sink receives head g's result.
 // Keys 0 .. n_keys-1 are visible (causality is the caller's n_keys).
 // key_mass: when KEY_MASS, key j's probability summed over these heads is
 // atomically added to key_mass[j].
@@ -47,12 +65,11 @@ struct AttnSmem {
 // DPL: head-dim elements per lane (D <= 32 * DPL); lane l owns the contiguous
 // elements [l*DPL, l*DPL + DPL) so that a warp reads one K row as a single
 // contiguous run.
-template <typename scalar_t, int DPL, int MAXG, bool KEY_MASS, typename Locator>
-__device__ void attend_rows(const scalar_t* __restrict__ q_row, int64_t q_head_stride,
-                            scalar_t* __restrict__ out_row, int64_t out_head_stride,
-                            int g_count, int n_keys, int head_dim, float scale,
-                            const Locator& loc, float* __restrict__ key_mass,
-                            AttnSmem<MAXG>& smem) {
+template <typename scalar_t, int DPL, int MAXG, bool KEY_MASS, typename Locator, typename Sink>
+__device__ void attend_rows_into(const scalar_t* __restrict__ q_row, int64_t q_head_stride,
+                                 const Sink& sink, int g_count, int n_keys, int head_dim, float scale,
+                                 const Locator& loc, float* __restrict__ key_mass,
+                                 AttnSmem<MAXG>& smem) {
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
@@ -158,8 +175,9 @@ __device__ void attend_rows(const scalar_t* __restrict__ q_row, int64_t q_head_s
       for (int w = 0; w < num_warps; ++w) {
         if (smem.m[w] != -INFINITY) o += smem.acc[w][d] * expf(smem.m[w] - big_m);
       }
-      out_row[g * out_head_stride + d] = static_cast<scalar_t>(o * inv_l);
+      sink.value(g, d, o, inv_l);
     }
+    if (threadIdx.x == 0) sink.stats(g, big_m, big_l);
     if (KEY_MASS && threadIdx.x == 0) {
       smem.final_m[g] = big_m;
       smem.final_l[g] = inv_l;  // stored inverted: the mass pass multiplies
@@ -193,6 +211,17 @@ __device__ void attend_rows(const scalar_t* __restrict__ q_row, int64_t q_head_s
       if (lane == 0) atomicAdd(key_mass + j, mass);
     }
   }
+}
+
+// The normalised output in scalar_t, out_row laid out like q_row.
+template <typename scalar_t, int DPL, int MAXG, bool KEY_MASS, typename Locator>
+__device__ __forceinline__ void attend_rows(const scalar_t* __restrict__ q_row, int64_t q_head_stride,
+                                            scalar_t* __restrict__ out_row, int64_t out_head_stride,
+                                            int g_count, int n_keys, int head_dim, float scale,
+                                            const Locator& loc, float* __restrict__ key_mass,
+                                            AttnSmem<MAXG>& smem) {
+  attend_rows_into<scalar_t, DPL, MAXG, KEY_MASS>(q_row, q_head_stride, OutRows<scalar_t>{out_row, out_head_stride},
+                                                  g_count, n_keys, head_dim, scale, loc, key_mass, smem);
 }
 
 // Host-side choice of the templates: DPL from the head dim, MAXG so that the

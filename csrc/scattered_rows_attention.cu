@@ -12,8 +12,33 @@
 // them by `first`, so keys before the window are never read (a sliding-window
 // cache may hold NaN there) and the shared block routine stays unchanged.
 // Grid: (rows, kv heads, head chunks); see gqa_attention.cuh for the block.
+//
+// Split-KV (flash-decoding). A decode step of a few long sequences gives the
+// grid above only rows * Hkv * head-chunks blocks (B=1, Hkv=3: 3 blocks for
+// 132 SMs), each walking the whole context: the GPU idles. When the grid has
+// fewer than kSplitBlocksPerSm blocks per SM, each row's keys first..q_pos are
+// cut into chunks of `chunk` keys, one block per (row, chunk, KV head, head
+// chunk). The host never syncs (the per-row key counts live on the device):
+// the number of chunks comes from the most keys any row can see, max_ctx =
+// max_blocks * block_size (or the window), and each block works out on the
+// device whether its chunk holds keys of its row; chunks past a row's last key
+// exit at once. A row whose keys fit in one chunk is finished by its chunk 0,
+// which writes the output directly. A longer row's chunks leave, per head,
+// the running max m_c, the sum of exp l_c and the unnormalised output acc_c
+// (fp32) in a workspace from the caching allocator (so the op stays
+// capturable in a CUDA graph); a second kernel combines them:
+//   m = max m_c,  out = sum_c exp(m_c - m) acc_c / sum_c exp(m_c - m) l_c.
+// key_mass (return_key_mass) never splits: its second pass needs each row's
+// final softmax statistics inside the block, and the probe that asks for it
+// runs over many rows anyway. The policy counts blocks, not keys (those are
+// on the device): a launch with enough rows is never split, even if one of
+// its rows is much longer than the others.
+// Test knob RIDGEFILL_CUDA_ATTN_SPLIT (read once per process): 0 never splits,
+// 1 splits every row longer than kMinSplitKeys (chunks of kMinSplitKeys keys),
+// unset or anything else = the heuristic above.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
@@ -23,6 +48,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <tuple>
 
@@ -51,7 +78,68 @@ struct PagedLocator {
   __device__ __forceinline__ const scalar_t* v(int j) const { return v_base + slot(j) * v_slot_stride; }
 };
 
-template <typename scalar_t, int DPL, int MAXG, bool KEY_MASS>
+constexpr int kMinSplitKeys = 256;      // never cut a row into chunks shorter than this
+constexpr int kSplitKeysAlign = 64;     // chunk lengths are a multiple of this
+constexpr int kMaxSplits = 1024;        // chunks per row (the combine's shared weights)
+constexpr int kSplitBlocksPerSm = 4;    // split while the grid has fewer blocks than this per SM
+constexpr int kCombineThreads = 128;    // a multiple of 64: whole warps on every target
+
+// Keys row `row` sees: first .. first + n_keys - 1. Shared by both kernels of
+// the split so that they agree on each row's chunks.
+struct RowKeys {
+  int64_t first;
+  int n_keys;
+};
+
+__device__ __forceinline__ RowKeys row_keys(int row, const int32_t* __restrict__ q_seq,
+                                            const int64_t* __restrict__ q_pos,
+                                            const int32_t* __restrict__ context_lens, int64_t window) {
+  // Causal by original position; min() keeps a malformed q_pos (>= the
+  // context length, rejected by the Python wrapper's reference path) from
+  // reading past the sequence's blocks.
+  const int64_t ctx = context_lens[q_seq[row]];
+  const int64_t causal = q_pos[row] + 1;
+  const int64_t visible = causal < ctx ? causal : ctx;
+  // Sliding window: keys first..visible-1 (first <= q_pos, so n_keys >= 1 for a valid row; the clamp to
+  // visible only keeps a malformed row's key_mass pointer inside the sequence).
+  const int64_t start = window > 0 ? q_pos[row] - window + 1 : 0;
+  const int64_t first = start <= 0 ? 0 : (start < visible ? start : (visible > 0 ? visible : 0));
+  return {first, visible > first ? static_cast<int>(visible - first) : 0};
+}
+
+// attend_rows sink of a split row. direct (the row fits in one chunk): the
+// normalised output, as OutRows. Otherwise this chunk's partials, workspace
+// layout acc [R, H, n_splits, D], m and l [R, H, n_splits]; the pointers are at
+// (row, head0, split) and heads are n_splits * D (n_splits) apart.
+template <typename scalar_t>
+struct SplitSink {
+  scalar_t* out;
+  int64_t out_head_stride;
+  float* acc;
+  float* m;
+  float* l;
+  int n_splits;
+  int head_dim;
+  bool direct;  // block-uniform
+
+  __device__ __forceinline__ void value(int g, int d, float o, float inv_l) const {
+    if (direct) {
+      out[g * out_head_stride + d] = static_cast<scalar_t>(o * inv_l);
+    } else {
+      acc[(static_cast<int64_t>(g) * n_splits) * head_dim + d] = o;
+    }
+  }
+  __device__ __forceinline__ void stats(int g, float m_g, float l_g) const {
+    if (!direct) {
+      m[g * n_splits] = m_g;
+      l[g * n_splits] = l_g;
+    }
+  }
+};
+
+// SPLIT: blockIdx.x = row * n_splits + chunk, keys first + chunk * chunk_keys ..
+// (the row's part of them); partials go to ws_acc/ws_m/ws_l. Never with KEY_MASS.
+template <typename scalar_t, int DPL, int MAXG, bool KEY_MASS, bool SPLIT>
 __global__ void __launch_bounds__(kAttnThreads)
     scattered_rows_attention_kernel(scalar_t* __restrict__ out,          // [R, H, D]
                                     const scalar_t* __restrict__ q,      // [R, H, D]
@@ -66,32 +154,132 @@ __global__ void __launch_bounds__(kAttnThreads)
                                     int64_t k_slot_stride, int64_t k_head_stride,
                                     int64_t v_slot_stride, int64_t v_head_stride,
                                     int max_blocks, int block_size, int64_t max_ctx,
-                                    float scale, int64_t window) {
+                                    float scale, int64_t window,
+                                    float* __restrict__ ws_acc,  // SPLIT: [R, H, n_splits, D]
+                                    float* __restrict__ ws_m,    // SPLIT: [R, H, n_splits]
+                                    float* __restrict__ ws_l,    // SPLIT: [R, H, n_splits]
+                                    int n_splits, int chunk_keys) {
+  static_assert(!(SPLIT && KEY_MASS), "key_mass never splits");
   __shared__ AttnSmem<MAXG> smem;
-  const int row = blockIdx.x;
+  const int row = SPLIT ? static_cast<int>(blockIdx.x) / n_splits : static_cast<int>(blockIdx.x);
   const int kv_head = blockIdx.y;
   const int head0 = kv_head * group + blockIdx.z * MAXG;
   const int g_count = min(MAXG, group - static_cast<int>(blockIdx.z) * MAXG);
   const int b = q_seq[row];
-  // Causal by original position; min() keeps a malformed q_pos (>= the
-  // context length, rejected by the Python wrapper's reference path) from
-  // reading past the sequence's blocks.
-  const int64_t ctx = context_lens[b];
-  const int64_t causal = q_pos[row] + 1;
-  const int64_t visible = causal < ctx ? causal : ctx;
-  // Sliding window: keys first..visible-1 (first <= q_pos, so n_keys >= 1 for a valid row; the clamp to
-  // visible only keeps a malformed row's key_mass pointer inside the sequence).
-  const int64_t start = window > 0 ? q_pos[row] - window + 1 : 0;
-  const int64_t first = start <= 0 ? 0 : (start < visible ? start : (visible > 0 ? visible : 0));
-  const int n_keys = visible > first ? static_cast<int>(visible - first) : 0;
+  const RowKeys keys = row_keys(row, q_seq, q_pos, context_lens, window);
 
   PagedLocator<scalar_t> loc{k_slab + kv_head * k_head_stride, v_slab + kv_head * v_head_stride,
                              block_tables + static_cast<int64_t>(b) * max_blocks,
-                             k_slot_stride, v_slot_stride, block_size, static_cast<int>(first)};
+                             k_slot_stride, v_slot_stride, block_size, static_cast<int>(keys.first)};
   const int64_t row_off = (static_cast<int64_t>(row) * num_heads + head0) * head_dim;
-  attend_rows<scalar_t, DPL, MAXG, KEY_MASS>(q + row_off, head_dim, out + row_off, head_dim, g_count,
-                                             n_keys, head_dim, scale, loc,
-                                             KEY_MASS ? key_mass + b * max_ctx + first : nullptr, smem);
+  if constexpr (SPLIT) {
+    const int split = static_cast<int>(blockIdx.x) % n_splits;
+    const int n_chunks = ceil_div(keys.n_keys, chunk_keys);
+    // Past the row's last key (block-uniform, before any barrier). Chunk 0 of
+    // a row without keys (malformed) still runs and writes zeros, as unsplit.
+    if (split > 0 && split >= n_chunks) return;
+    const int j0 = split * chunk_keys;
+    loc.first += j0;
+    const int64_t ws_off = (static_cast<int64_t>(row) * num_heads + head0) * n_splits + split;
+    const SplitSink<scalar_t> sink{out + row_off, head_dim,  ws_acc + ws_off * head_dim, ws_m + ws_off,
+                                   ws_l + ws_off,  n_splits, head_dim,                   n_chunks <= 1};
+    attend_rows_into<scalar_t, DPL, MAXG, false>(q + row_off, head_dim, sink, g_count,
+                                                 min(chunk_keys, keys.n_keys - j0), head_dim, scale, loc,
+                                                 nullptr, smem);
+  } else {
+    attend_rows<scalar_t, DPL, MAXG, KEY_MASS>(q + row_off, head_dim, out + row_off, head_dim, g_count,
+                                               keys.n_keys, head_dim, scale, loc,
+                                               KEY_MASS ? key_mass + b * max_ctx + keys.first : nullptr, smem);
+  }
+}
+
+// Max of `value` over the block; every thread gets it (as block_reduce_sum in common.cuh).
+__device__ __forceinline__ float block_reduce_max(float value, float* scratch) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  value = warp_reduce_max(value);
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = (static_cast<int>(threadIdx.x) < num_warps) ? scratch[threadIdx.x] : -INFINITY;
+  if (warp == 0) {
+    value = warp_reduce_max(value);
+    if (lane == 0) scratch[0] = value;
+  }
+  __syncthreads();
+  const float total = scratch[0];
+  __syncthreads();
+  return total;
+}
+
+// One block per (row, head): merges the row's chunks with log-sum-exp weights.
+// Rows with at most one chunk were written by the first kernel.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kCombineThreads)
+    scattered_rows_combine_kernel(scalar_t* __restrict__ out,             // [R, H, D]
+                                  const float* __restrict__ ws_acc,       // [R, H, n_splits, D]
+                                  const float* __restrict__ ws_m,         // [R, H, n_splits]
+                                  const float* __restrict__ ws_l,         // [R, H, n_splits]
+                                  const int32_t* __restrict__ q_seq, const int64_t* __restrict__ q_pos,
+                                  const int32_t* __restrict__ context_lens, int num_heads, int head_dim,
+                                  int n_splits, int chunk_keys, int64_t window) {
+  __shared__ float weight[kMaxSplits];
+  __shared__ float scratch[kMaxBlockThreads / kWarpSize];
+  const int row = blockIdx.x;
+  const int head = blockIdx.y;
+  const int n_chunks = ceil_div(row_keys(row, q_seq, q_pos, context_lens, window).n_keys, chunk_keys);
+  if (n_chunks <= 1) return;  // block-uniform
+  const int64_t rh = static_cast<int64_t>(row) * num_heads + head;
+  const float* m = ws_m + rh * n_splits;
+  const float* l = ws_l + rh * n_splits;
+  const float* acc = ws_acc + rh * n_splits * head_dim;
+  // Every chunk below n_chunks holds at least one key, so its m is finite.
+  float big_m = -INFINITY;
+  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) big_m = fmaxf(big_m, m[c]);
+  big_m = block_reduce_max(big_m, scratch);
+  float big_l = 0.0f;
+  for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) {
+    const float w = expf(m[c] - big_m);
+    weight[c] = w;
+    big_l += l[c] * w;
+  }
+  big_l = block_reduce_sum(big_l, scratch);  // its barriers also publish weight[]
+  const float inv_l = big_l > 0.0f ? 1.0f / big_l : 0.0f;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float o = 0.0f;
+    for (int c = 0; c < n_chunks; ++c) o += weight[c] * acc[static_cast<int64_t>(c) * head_dim + d];
+    out[rh * head_dim + d] = static_cast<scalar_t>(o * inv_l);
+  }
+}
+
+// RIDGEFILL_CUDA_ATTN_SPLIT, read once: 0 never, 1 always (rows longer than kMinSplitKeys), -1 heuristic.
+int split_mode() {
+  static const int mode = [] {
+    const char* env = std::getenv("RIDGEFILL_CUDA_ATTN_SPLIT");
+    if (env != nullptr && env[0] == '0' && env[1] == '\0') return 0;
+    if (env != nullptr && env[0] == '1' && env[1] == '\0') return 1;
+    return -1;
+  }();
+  return mode;
+}
+
+// Keys per chunk for this launch, or 0 for no split. span: the most keys any
+// row can see (max_ctx, or the window when shorter); base_blocks: the unsplit grid.
+int64_t split_chunk_keys(int64_t span, int64_t rows, int64_t base_blocks, bool return_key_mass) {
+  const int mode = split_mode();
+  if (mode == 0 || return_key_mass || span <= kMinSplitKeys) return 0;
+  int64_t chunk = kMinSplitKeys;
+  if (mode != 1) {
+    const int64_t target = static_cast<int64_t>(kSplitBlocksPerSm) *
+                           at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    if (base_blocks >= target) return 0;  // enough blocks already (prefill, large decode batches)
+    const int64_t n = ceil_div(target, base_blocks);  // chunks per full-length row to reach the target
+    chunk = std::max<int64_t>(kMinSplitKeys, ceil_div(ceil_div(span, n), int64_t{kSplitKeysAlign}) * kSplitKeysAlign);
+  }
+  chunk = std::max(chunk, ceil_div(span, int64_t{kMaxSplits}));
+  const int64_t n_splits = ceil_div(span, chunk);
+  if (n_splits <= 1 || rows * n_splits > std::numeric_limits<int32_t>::max()) return 0;
+  return chunk;
 }
 
 std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cuda(
@@ -155,8 +343,18 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cuda(
 
   RIDGEFILL_DISPATCH_FLOAT_TYPES(dtype, "scattered_rows_attention", [&] {
     RIDGEFILL_DISPATCH_HEAD_DIM(head_dim, [&] {
-      const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(kv_heads),
-                      static_cast<unsigned>(ceil_div(group, kMaxG)));
+      const int64_t head_chunks = ceil_div(static_cast<int64_t>(group), static_cast<int64_t>(kMaxG));
+      const int64_t span = window > 0 && window < max_ctx ? window : max_ctx;
+      const int64_t chunk = split_chunk_keys(span, rows, rows * kv_heads * head_chunks, return_key_mass);
+      const int64_t n_splits = chunk > 0 ? ceil_div(span, chunk) : 1;
+      // Split partials (acc, then m, then l); from the caching allocator, so graph capture keeps working.
+      at::Tensor ws = chunk > 0 ? at::empty({rows * heads * n_splits * (head_dim + 2)}, q.options().dtype(at::kFloat))
+                                : at::empty({0}, q.options().dtype(at::kFloat));
+      float* ws_acc = chunk > 0 ? ws.data_ptr<float>() : nullptr;
+      float* ws_m = chunk > 0 ? ws_acc + rows * heads * n_splits * head_dim : nullptr;
+      float* ws_l = chunk > 0 ? ws_m + rows * heads * n_splits : nullptr;
+      const dim3 grid(static_cast<unsigned>(rows * n_splits), static_cast<unsigned>(kv_heads),
+                      static_cast<unsigned>(head_chunks));
       auto launch = [&](auto kernel) {
         kernel<<<grid, kAttnThreads, 0, stream>>>(
             out.data_ptr<scalar_t>(), qc.const_data_ptr<scalar_t>(), seq_c.const_data_ptr<int32_t>(),
@@ -165,13 +363,22 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cuda(
             lens_c.const_data_ptr<int32_t>(), return_key_mass ? key_mass.data_ptr<float>() : nullptr,
             static_cast<int>(heads), static_cast<int>(head_dim), group, k_slab.stride(0), k_slab.stride(1),
             v_slab.stride(0), v_slab.stride(1), static_cast<int>(max_blocks), static_cast<int>(block_size),
-            max_ctx, static_cast<float>(scale), window);
+            max_ctx, static_cast<float>(scale), window, ws_acc, ws_m, ws_l, static_cast<int>(n_splits),
+            static_cast<int>(chunk));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       if (return_key_mass) {
-        launch(scattered_rows_attention_kernel<scalar_t, kDpl, kMaxG, true>);
+        launch(scattered_rows_attention_kernel<scalar_t, kDpl, kMaxG, true, false>);
+      } else if (chunk == 0) {
+        launch(scattered_rows_attention_kernel<scalar_t, kDpl, kMaxG, false, false>);
       } else {
-        launch(scattered_rows_attention_kernel<scalar_t, kDpl, kMaxG, false>);
+        launch(scattered_rows_attention_kernel<scalar_t, kDpl, kMaxG, false, true>);
+        const dim3 combine_grid(static_cast<unsigned>(rows), static_cast<unsigned>(heads));
+        scattered_rows_combine_kernel<scalar_t><<<combine_grid, kCombineThreads, 0, stream>>>(
+            out.data_ptr<scalar_t>(), ws_acc, ws_m, ws_l, seq_c.const_data_ptr<int32_t>(),
+            pos_c.const_data_ptr<int64_t>(), lens_c.const_data_ptr<int32_t>(), static_cast<int>(heads),
+            static_cast<int>(head_dim), static_cast<int>(n_splits), static_cast<int>(chunk), window);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });
   });

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,6 +163,26 @@ def test_reference_rejects_bad_arguments():
 # CUDA kernel.
 
 
+# The CUDA kernel splits long rows' keys into chunks (split-KV) when the launch has too few blocks, unless
+# return_key_mass is set: a key-mass call is the unsplit kernel, the same call without it may be split.
+# RIDGEFILL_CUDA_ATTN_SPLIT (0 never, 1 every row longer than 256 keys, unset = heuristic) is read once per
+# process, so test_kernel_split_knob_modes reruns this file's kernel tests in subprocesses with it set.
+SPLIT_MODE = os.environ.get("RIDGEFILL_CUDA_ATTN_SPLIT")
+MIN_SPLIT_KEYS = 256  # kMinSplitKeys in csrc/scattered_rows_attention.cu: the forced split's chunk
+
+
+def assert_split_matches_unsplit(split, unsplit):
+    """Same answer up to fp32 summation order (then at most one ulp of a bfloat16/float16 output); bitwise when
+    the knob forbids splitting."""
+    if SPLIT_MODE == "0":
+        assert torch.equal(split, unsplit)
+        return
+    if split.dtype == torch.float32:
+        torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=2e-6)
+    else:
+        torch.testing.assert_close(split.float(), unsplit.float(), rtol=2 * TOL[split.dtype], atol=1e-5)
+
+
 def _kernel(*args):
     assert ops.extension_loaded(), f"CUDA available but extension not loaded: {ops.extension_error()}"
     q = args[0]
@@ -211,7 +235,8 @@ def test_kernel_matches_reference(case, dtype):
         # Key mass is fp32 math on the same (rounded) inputs for every dtype: only summation order differs.
         torch.testing.assert_close(mass, exact_mass, rtol=1e-4, atol=1e-4)
         out2, none = _kernel(*args, False)
-        assert none.shape == (0,) and torch.equal(out2, out)
+        assert none.shape == (0,)
+        assert_split_matches_unsplit(out2, out)
 
 
 @pytest.mark.gpu
@@ -354,7 +379,8 @@ def test_kernel_window_matches_reference(case, dtype, window):
     torch.testing.assert_close(mass.cpu(), exact_mass, rtol=1e-4, atol=1e-4)
     check_window_mass(mass, q_seq.cpu(), q_pos.cpu(), heads, window)
     out2, none = _kernel(*args[:9], False, window)
-    assert none.shape == (0,) and torch.equal(out2, out)
+    assert none.shape == (0,)
+    assert_split_matches_unsplit(out2, out)
 
 
 @pytest.mark.gpu
@@ -366,3 +392,131 @@ def test_kernel_rejects_bad_window_and_opchecks_window():
         _kernel(*args, -1)
     for window in (1, 3):
         torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default, args + (window,))
+
+
+# ---------------------------------------------------------------------------
+# Split-KV (flash-decoding) on CUDA: long rows in launches with few blocks. The heuristic splits all of these
+# (a handful of rows) on any large GPU; test_kernel_split_knob_modes reruns them forced on and off.
+
+
+def mixed_rows(lens, spec, seed=0):
+    """(q_all row indices, q_seq, q_pos) for a per-sequence spec: "decode" (the last position), ("prefill", n)
+    (the last n positions), ("scatter", fraction) (a random subset, at least one row), or a list of positions."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    seqs, poss = [], []
+    for b, (n, what) in enumerate(zip(lens, spec)):
+        if what == "decode":
+            pos = [n - 1]
+        elif isinstance(what, list):
+            pos = what
+        elif what[0] == "prefill":
+            pos = list(range(n - what[1], n))
+        else:
+            pos = (torch.rand(n, generator=gen) < what[1]).nonzero().flatten().tolist() or [n // 2]
+        seqs += [b] * len(pos)
+        poss += pos
+    rows = torch.tensor([offsets[b] + p for b, p in zip(seqs, poss)], dtype=torch.long)
+    return (rows.cuda(), torch.tensor(seqs, dtype=torch.int32, device="cuda"),
+            torch.tensor(poss, dtype=torch.int64, device="cuda"))
+
+
+SPLIT_CASES = [
+    # (context lens, per-sequence rows, H, Hkv, D, block size)
+    ([4097], ["decode"], 9, 3, 64, 16),                                          # SmolLM2-like, one long decode
+    ([1, 255, 257, 4100], ["decode"] * 4, 32, 8, 128, 16),                       # around one chunk; Llama-like
+    ([4133, 1, 300, 2500, 513], ["decode", "decode", ("prefill", 48), ("scatter", 0.01), [0, 256, 512]],
+     9, 3, 64, 7),                                                               # mixed batch, odd block size
+    ([3001, 1000], ["decode", ("prefill", 5)], 20, 1, 80, 32),                   # group 20: several head chunks
+    ([1500, 777], ["decode", "decode"], 8, 2, 256, 16),                          # D 256
+    ([2049], [[2048, 1024, 1023, 255, 256, 257, 0]], 4, 4, 32, 16),              # MHA, rows of one sequence
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 1, 300, 1000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"lens{c[0]}-H{c[2]}-Hkv{c[3]}-D{c[4]}-bs{c[5]}")
+def test_kernel_split_matches_reference(case, dtype, window):
+    lens, spec, heads, kv_heads, head_dim, block_size = case
+    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype,
+                                                    device="cuda", seed=11)
+    rows, q_seq, q_pos = mixed_rows(lens, spec, seed=12)
+    if window:
+        k_slab, v_slab = poison_outside_windows(k_slab, v_slab, tables, q_seq, q_pos, block_size, window)
+    q = q_all[rows]
+    scale = head_dim**-0.5
+    args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale)
+    out, none = _kernel(*args, False, window)
+    assert none.shape == (0,) and out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
+    exact_out, _ = scattered_rows_attention_reference(
+        q.cpu().float(), q_seq.cpu(), q_pos.cpu(), k_slab.cpu().float(), v_slab.cpu().float(), tables.cpu(),
+        ctx.cpu(), block_size, scale, False, window)
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (TOL[dtype], 1e-4)
+    torch.testing.assert_close(out.float().cpu(), exact_out, rtol=rtol, atol=atol)
+    # key_mass never splits: the same call with it is the unsplit kernel.
+    unsplit, mass = _kernel(*args, True, window)
+    assert_split_matches_unsplit(out, unsplit)
+    check_window_mass(mass, q_seq.cpu(), q_pos.cpu(), heads, window or 10**9)
+    longest = min(int(q_pos.max()) + 1, window or 10**9)
+    if SPLIT_MODE == "1" and dtype == torch.float32 and longest > MIN_SPLIT_KEYS:
+        assert not torch.equal(out, unsplit), "RIDGEFILL_CUDA_ATTN_SPLIT=1 but no row was split"
+    # Deterministic: no atomics on the split path.
+    assert torch.equal(_kernel(*args, False, window)[0], out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 700])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_split_graph_capture(dtype, window):
+    """Captured once, replayed after q, q_pos and context_lens change in place (the split is sized from the
+    block tables, never from the device's context lengths, so the graph stays valid)."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    capacity = [4100] * 4
+    q_all, k_slab, v_slab, tables, ctx = make_cache(capacity, heads, kv_heads, head_dim, block_size, dtype,
+                                                    device="cuda", seed=13)
+    scale = head_dim**-0.5
+    q = q_all[:4].clone()
+    q_seq = torch.arange(4, dtype=torch.int32, device="cuda")
+    q_pos = (ctx - 1).long()
+    args = (q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale, False, window)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch.cuda.graph's docs ask
+        torch.ops.ridgefill.scattered_rows_attention(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = torch.ops.ridgefill.scattered_rows_attention(*args)
+    gen = torch.Generator().manual_seed(14)
+    for new_lens in ([4100, 2000, 600, 1], [3001, 17, 4100, 257], [1, 1, 1, 4099]):
+        ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        q_pos.copy_(ctx - 1)
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        graph.replay()
+        exact_out, _ = scattered_rows_attention_reference(
+            q.cpu().float(), q_seq.cpu(), q_pos.cpu(), k_slab.cpu().float(), v_slab.cpu().float(), tables.cpu(),
+            ctx.cpu(), block_size, scale, False, window)
+        rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (TOL[dtype], 1e-4)
+        torch.testing.assert_close(out.float().cpu(), exact_out, rtol=rtol, atol=atol)
+        eager, _ = torch.ops.ridgefill.scattered_rows_attention(*args)
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_kernel_split_knob_modes(mode):
+    """Reruns this file's CUDA kernel tests with RIDGEFILL_CUDA_ATTN_SPLIT=mode (the kernel reads the knob once
+    per process): split forced off (then split == unsplit bitwise) and forced on for every row longer than 256
+    keys. In such a child run (the knob already set) this test has nothing to drive and passes."""
+    if SPLIT_MODE is not None:
+        return
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
+           "-k", "kernel and not knob_modes", str(Path(__file__).resolve())]
+    env = dict(os.environ, RIDGEFILL_CUDA_ATTN_SPLIT=mode)
+    res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+    assert res.returncode == 0, f"RIDGEFILL_CUDA_ATTN_SPLIT={mode}:\n{res.stdout[-8000:]}\n{res.stderr[-4000:]}"
+    assert " passed" in res.stdout and " skipped" not in res.stdout, res.stdout[-2000:]
