@@ -5,10 +5,15 @@ memory as in a decode step (the L2 holds none of it between steps). Random weigh
 formats; the op is ridgefill::packed_linear as installed.
 
     python benchmarks/packed_sweep.py --threads 2
+    python benchmarks/packed_sweep.py --device cuda --rows 1 4 8 16 32 64
 
 Prints, per row count M, the median step time of --reps steps, the weight bytes it read per second,
 and the layers' and the head's share. Timings never assert; the outputs are checked against the
-float64 reference once, on one layer.
+float64 reference once, on one layer. --device cuda times the CUDA kernel (csrc/packed_linear.cu;
+from CUDA_BLAS_MIN_ROWS rows the packed_dequantize_t + cuBLAS route) with CUDA events around each
+step. The 96 MB of weights exceed an H100/H200's 50 MB L2, so steps still read them from DRAM; the
+step is launched eagerly (121 launches), so where the host launches slower than the GPU runs,
+the time includes that gap (a decode step in a CUDA graph would not).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import time
 
 import torch
 
-from ridgefill_runtime.ops.packed_linear import pack, packed_linear, packed_linear_reference
+from ridgefill_runtime.ops.packed_linear import compiled_for, pack, packed_linear, packed_linear_reference
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (n, K) of qkv, o, gate_up, down
 HEAD = (49152, 576)
@@ -38,8 +43,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not compiled_for(device):
+        raise SystemExit("no CUDA kernel for packed_linear in this build (or no GPU): nothing to measure")
     gen = torch.Generator().manual_seed(0)
     layers = [[random_packed(n, k, 4, True, gen) for n, k in LAYER_SHAPES] for _ in range(args.layers)]
     head = random_packed(*HEAD, 8, False, gen)
@@ -47,12 +56,19 @@ def main() -> None:
 
     w = layers[0][2]
     x = torch.randn(3, w.shape[1], generator=gen)
-    err = (packed_linear(x, w).double() - packed_linear_reference(x, w)).abs().max().item()
-    print(f"threads={torch.get_num_threads()} weights={total / 1e6:.1f} MB; check on one layer: max |err| {err:.2e}")
+    y = packed_linear(x.to(device), w.to(device)).cpu()
+    err = (y.double() - packed_linear_reference(x, w)).abs().max().item()
+    if device.type == "cuda":
+        layers = [[wt.to(device) for wt in layer] for layer in layers]
+        head = head.to(device)
+        where = torch.cuda.get_device_name(device)
+    else:
+        where = f"threads={torch.get_num_threads()}"
+    print(f"{where} weights={total / 1e6:.1f} MB; check on one layer: max |err| {err:.2e}")
     print("| M | step ms | GB/s of weights | layers ms | head ms |")
     print("|---|---|---|---|---|")
     for m in args.rows:
-        xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+        xs = {k: torch.randn(m, k, generator=gen).to(device) for k in (576, 1536)}
 
         def run_layers() -> None:
             for layer in layers:
@@ -64,9 +80,17 @@ def main() -> None:
                 fn()
             times = []
             for _ in range(args.reps):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
+                if device.type == "cuda":  # device time of the step's kernels (launches queue ahead)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    fn()
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end) / 1e3)
+                else:
+                    t = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t)
             return statistics.median(times)
 
         step = timed(lambda: (run_layers(), packed_linear(xs[576], head)))

@@ -22,10 +22,10 @@ TORCH_LIBRARY(ridgefill, m) {
   // Weight-only linear over group-quantized weights kept packed (GGUF's Q8_0,
   // Q4_0, Q4_1, Q4_K, Q6_K re-expressed without changing a value): y [M, n]
   // float32 = x [M, K] float32 @ W.T, W[r, k] = q * scale + min per group of
-  // `group` k. data uint8 [P, K, 8] (bits 4) or int8 [P, K, 16] (bits 8) in
+  // `group` k. data uint8 [P, K / 2, 16] (bits 4) or int8 [P, K, 16] (bits 8) in
   // panels of 16 rows; scale float16/float32 [P, K / group, 16]; min the same or
-  // empty. Layout and reference:
-  // ridgefill_runtime/ops/packed_linear.py; CPU kernel csrc/cpu/packed_linear.cpp.
+  // empty. Layout and reference: ridgefill_runtime/ops/packed_linear.py; CPU
+  // kernel csrc/cpu/packed_linear.cpp, CUDA kernel csrc/packed_linear.cu.
   m.def("packed_linear(Tensor x, Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
   // The same weight dequantized, transposed: W.T float32 [K, P * 16] (rows past n
   // zero), each value computed as packed_linear computes it. For many-row calls

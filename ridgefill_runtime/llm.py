@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .config import EngineConfig
 from .engine import _DTYPES, Engine
 from .errors import InputError, UnsupportedError
-from .ops import op_available
 from .ops.grouped_ints import GroupedInts
+from .ops.packed_linear import compiled_for as packed_compiled_for
 from .fill.maps import FillMaps, check_maps_fit
 from .loader.load import load_checkpoint
 from .models.registry import family
@@ -37,17 +39,24 @@ def build_engine(config: EngineConfig) -> Engine:
 
 
 def _wants_packed(config: EngineConfig) -> bool:
-    """weights = auto packs where the packed kernel runs: the CPU with the compiled extension.
-    NOTE: explicit "packed" on a GPU is refused: it has no packed kernel yet, and the per-call
+    """weights = auto packs where the packed kernel has been measured to pay: the CPU with the
+    compiled extension. Explicit "packed" also runs on CUDA when the extension has the CUDA kernel
+    (csrc/packed_linear.cu). NOTE: "auto" keeps GPUs dense: the CUDA kernel's speed against dense
+    cuBLAS is unmeasured until a GPU is lent (benchmarks/packed_sweep.py --device cuda). Without a
+    kernel for the device (a ROCm or CPU-only build, no extension) "packed" is refused: the per-call
     dequantizing fallback would be slower than dense weights."""
     if config.weights == "dequantized":
         return False
-    on_kernel = config.device == "cpu" and op_available("packed_linear")
-    if config.weights == "packed" and not on_kernel:
-        where = "this device" if config.device != "cpu" else "this install (the compiled extension is not loaded)"
-        raise UnsupportedError(f"weights = \"packed\" needs the packed kernel, which {where} lacks; "
-                               f"use weights = \"dequantized\" or \"auto\"")
-    return on_kernel
+    device = torch.device(config.device)
+    on_kernel = packed_compiled_for(device)
+    if config.weights == "packed":
+        if not on_kernel:
+            where = ("this install (the compiled extension is not loaded)" if device.type == "cpu"
+                     else f"this build for {config.device}")
+            raise UnsupportedError(f"weights = \"packed\" needs the packed kernel, which {where} lacks; "
+                                   f"use weights = \"dequantized\" or \"auto\"")
+        return True
+    return on_kernel and device.type == "cpu"
 
 
 def load_fill_maps(config: EngineConfig, model) -> FillMaps | None:

@@ -400,6 +400,8 @@ at::Tensor packed_dequantize_t_cpu(const at::Tensor& data, const at::Tensor& sca
   at::parallel_for(0, w.panels, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) kernel(w, p, out, ld);
   });
+  // A slice's last panel (PackedWeight.rows) may hold real rows past n: the schema says zeros there.
+  if (ld > n) wt.narrow(1, n, ld - n).zero_();
   return wt;
 }
 

@@ -13,6 +13,9 @@ so one 16-byte load gives 16 rows' weights at two k (4 bits) or one k (8 bits):
   scale  float16 (where every scale is an exact fp16) or float32 [P, K / group, 16]
   min    like scale, or empty: no offset
 Rows past n in the last panel are zero.
+
+Kernels: csrc/cpu/packed_linear.cpp (CPU) and csrc/packed_linear.cu (CUDA); `compiled_for` says
+whether one serves a device.
 """
 
 from __future__ import annotations
@@ -32,6 +35,23 @@ _DEQUANTIZE_T = torch.ops.ridgefill.packed_dequantize_t.default if op_available(
 # the same values go in (benchmarks/decode.md). Decode batches stay on the kernel, which reads 4-8x
 # fewer bytes.
 BLAS_MIN_ROWS = 128
+# csrc/packed_linear.cu; a _C built without CUDA (or before that file existed) has only the CPU kernel.
+_CUDA_KERNEL = (_KERNEL is not None and _DEQUANTIZE_T is not None
+                and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::packed_linear", "CUDA")
+                and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::packed_dequantize_t", "CUDA"))
+# NOTE: unmeasured until a GPU is lent. From this many rows on CUDA, packed_dequantize_t and a cuBLAS
+# float32 GEMM instead of the in-register kernel, which runs its float32 FMAs on CUDA cores in tiles
+# of 4 rows and so stops being memory bound after a few rows, while the GEMM pays one float32 write
+# and read of W.T. Estimated from H200 peak rates, to be replaced by a measured crossover
+# (benchmarks/packed_sweep.py --device cuda --rows ...).
+CUDA_BLAS_MIN_ROWS = 32
+
+
+def compiled_for(device: torch.device) -> bool:
+    """A compiled packed kernel serves this device (else packed_linear dequantizes the weight per call)."""
+    if device.type == "cuda":
+        return _CUDA_KERNEL
+    return device.type == "cpu" and _KERNEL is not None
 
 
 @dataclass(frozen=True)
@@ -139,7 +159,12 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
             y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, :w.n]  # [M, K] @ [K, n]
         else:
             y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
-    else:  # NOTE: no GPU kernel yet (the engine refuses packed there): dequantize per call
+    elif _CUDA_KERNEL and x.device.type == "cuda":
+        if x2.shape[0] >= CUDA_BLAS_MIN_ROWS:
+            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, :w.n]  # cuBLAS
+        else:
+            y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
+    else:  # NOTE: no kernel for this device (the engine refuses packed there): dequantize per call
         y = x2 @ dequantize_reference(w).T
     if bias is not None:
         y = y + bias.float()

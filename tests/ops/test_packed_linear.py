@@ -84,6 +84,9 @@ def test_dequantize_t_gives_the_same_values(bits, group, dtype, with_min):
     assert got.shape == (64, 48) and got.dtype == torch.float32
     assert torch.equal(got, dequantize_t_reference(w))
     assert torch.equal(got[:, :37].double(), _by_hand(q, scale, mins, group).T)
+    part = w.rows(16, 30)  # a fused projection's part: its last panel holds real rows past n
+    got = torch.ops.ridgefill.packed_dequantize_t(part.data, part.scale, part.min, bits, group, part.n)
+    assert torch.equal(got, dequantize_t_reference(part)) and not got[:, 14:].any()
 
 
 @needs_kernel
