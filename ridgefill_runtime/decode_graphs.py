@@ -137,11 +137,16 @@ class DecodeGraphs:
         return forward
 
 
+def wants_decode_graphs(config) -> bool:
+    """The engine's settings ask for decode graphs (its K/V pool then keeps a scratch slot)."""
+    return config.cuda_graphs and torch.device(config.device).type == "cuda"
+
+
 def engine_decode_graphs(model, caches, config, max_model_len: int) -> DecodeGraphs | None:
     """The engine's graphs: on a CUDA device with `cuda_graphs` on, for a model whose decode is
     K/V attention alone. NOTE: recurrent (hybrid) and looped models decode eagerly for now: their
     state updates have not been run under capture."""
-    if not config.cuda_graphs or model.device.type != "cuda":
+    if not wants_decode_graphs(config) or model.device.type != "cuda":
         return None
     looped = getattr(model.config, "looped", None) is not None
     if caches.spec.recurrent_layers or looped or caches.kv.scratch_slot is None:

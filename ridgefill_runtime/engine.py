@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache.build import CacheBudget, build_caches
-from .decode_graphs import engine_decode_graphs
+from .decode_graphs import engine_decode_graphs, wants_decode_graphs
 from .cache.prefix_cache import EXACT, fill_identity
 from .cache.spec import spec_of
 from .config import REUSE_POLICIES, EngineConfig, RowsConfig, SpeculativeConfig
@@ -316,7 +316,8 @@ def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False
     return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib, kv_dtype=kv_dtype,
                        state_slots=config.scheduler.max_num_seqs, max_positions=max_positions,
                        history_rows=history, window_bounded=window_bounded,
-                       fill_split=config.fill.split if config.fill.enabled else 0)
+                       fill_split=config.fill.split if config.fill.enabled else 0,
+                       scratch_slot=wants_decode_graphs(config))
 
 
 def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,

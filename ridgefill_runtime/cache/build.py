@@ -32,6 +32,7 @@ class CacheBudget:
     window_bounded: bool = False
     fill_split: int = 0  # RidgeFill's split when the fill may run: window groups are cut there
     kv_dtype: torch.dtype | None = None  # what the K/V slabs hold; None: the spec's (the model's) dtype
+    scratch_slot: bool = False  # one K/V slot past the blocks for decode graphs' padding rows (KVPool)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -95,7 +96,7 @@ def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | st
     att = spec.attention
     heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)
     kv = KVPool(spec.paged_keys, num_blocks * budget.block_size, heads, dim, budget.kv_dtype or spec.dtype, device,
-                layout, read_dtype=spec.dtype)
+                layout, read_dtype=spec.dtype, scratch_slot=budget.scratch_slot)
     states = StatePool(spec, budget.state_slots, device, budget.history_rows)
     return ModelCaches(spec, kv, states, budget.block_size, num_blocks, layout)
 

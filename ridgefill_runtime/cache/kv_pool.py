@@ -17,12 +17,14 @@ from .kv_layout import KVLayout
 class KVPool:
     def __init__(self, layers: int | Iterable[int], num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, layout: KVLayout | None = None,
-                 read_dtype: torch.dtype | None = None):
+                 read_dtype: torch.dtype | None = None, scratch_slot: bool = False):
         """`layers`: the attention layers' indices (an int n means layers 0..n-1). k[i], v[i] are
         layer i's slabs; a layer without attention (a recurrent one) has none. With `layout`,
         num_slots counts the pool's pages times block_size, shared by every group. `dtype`: what
         the slabs hold; written K/V are rounded to it, read() hands them back as `read_dtype` (the
-        model's; None: the same)."""
+        model's; None: the same). scratch_slot: one slot past the last block, which no block table
+        names: the padding rows of a replayed decode graph (decode_graphs.py) write and read there
+        and nowhere else (not with a layout)."""
         ids = range(layers) if isinstance(layers, int) else tuple(layers)
         shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
@@ -30,15 +32,12 @@ class KVPool:
         self.read_dtype = read_dtype or dtype
         # NOTE: empty, not zeros: a slot is always written before it is read, and a
         # GiB-sized memset would cost every start-up about a second.
+        self.scratch_slot: int | None = num_slots if scratch_slot and layout is None else None
         if layout is None:
-            # One slot past the last block, which no block table names: the padding rows of a
-            # replayed decode graph (decode_graphs.py) write and read there and nowhere else.
-            self.scratch_slot: int | None = num_slots
-            shape = (num_slots + 1, num_kv_heads, head_dim)
+            shape = (num_slots + (self.scratch_slot is not None), num_kv_heads, head_dim)
             self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
             self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
             return
-        self.scratch_slot = None  # NOTE: a paged-apart layout has none: no decode graphs over it
         k_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         v_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         self.k = {i: k_slabs[layout.place(i)[1]] for i in ids}
