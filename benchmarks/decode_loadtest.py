@@ -7,6 +7,9 @@ it was; "after" is this tree with its defaults (packed weights, the batched page
 
     git worktree add /tmp/rf_before b761f9d
     .venv/bin/python benchmarks/decode_loadtest.py --threads 2 --before-tree /tmp/rf_before
+
+Two settings of one tree: `--before-tree .` with `--before-args` / `--after-args` (extra `serve`
+flags for each arm), e.g. `--after-args "--prefill-budget-with-decodes 256"`.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -39,13 +43,16 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "decode_loadtest")
+    ap.add_argument("--before-args", default="", help="extra serve flags for the before arm")
+    ap.add_argument("--after-args", default="", help="extra serve flags for the after arm")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     config = args.out / "serve.toml"
     config.write_text(f"[scheduler]\nmax_num_seqs = {max(args.users)}\n[cache]\nkv_cache_gib = 1.0\n")
     results: dict[str, dict[int, dict]] = {}
-    for label, root, port in (("before", args.before_tree.resolve(), 8751), ("after", ROOT, 8752)):
-        proc = start_server(["--config", str(config), "--threads", str(args.threads)], port, root)
+    arms = (("before", args.before_tree.resolve(), 8751, args.before_args), ("after", ROOT, 8752, args.after_args))
+    for label, root, port, extra in arms:
+        proc = start_server(["--config", str(config), "--threads", str(args.threads), *shlex.split(extra)], port, root)
         try:
             results[label] = {c: run_clients(port, c, args, args.out / f"{label}_c{c}.json") for c in args.users}
         finally:
@@ -53,7 +60,8 @@ def main() -> None:
             proc.wait(timeout=60)
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))
     print(f"threads={args.threads}; {args.requests_per_user} requests per user of {args.prompt_tokens} prompt / "
-          f"{args.output_tokens} output tokens, greedy, streamed; before = {args.before_tree}")
+          f"{args.output_tokens} output tokens, greedy, streamed; before = {args.before_tree} {args.before_args}; "
+          f"after = this tree {args.after_args}")
     print("| users C | code | output tok/s | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | failed |")
     print("|---|---|---|---|---|---|---|")
     for c in args.users:

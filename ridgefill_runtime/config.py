@@ -233,11 +233,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
     chunk_size: int = 512
+    # The most prompt rows a step takes when it also carries decodes (0: only max_num_batched_tokens
+    # bounds them). Such a step lasts as long as its prompt rows make it, so this bounds every running
+    # user's inter-token latency, at the cost of longer prefills while others decode.
+    prefill_budget_with_decodes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
+        if self.prefill_budget_with_decodes < 0:
+            raise ValueError(f"scheduler.prefill_budget_with_decodes must be >= 0 (0: no cap), "
+                             f"got {self.prefill_budget_with_decodes}")
 
 
 LOOP_CACHES = ("full", "deepest", "ripe")

@@ -107,6 +107,9 @@ class Scheduler:
         for seq in [s for s in self.running if _decoding(s)]:
             if self._may_run(step, seq):
                 self._run(step, self._decode_item(seq, step))
+        cap = self.config.prefill_budget_with_decodes
+        if cap and step.items:  # NOTE: prompt rows past the cap would stall every decode of the step
+            step.budget = min(step.budget, cap)
         for seq in [s for s in self.running if not _decoding(s)]:
             if self._may_run(step, seq):
                 self._run(step, next_item(seq, step.budget, self.config.chunk_size))

@@ -24,7 +24,8 @@ _FLAG_KEYS = {
     "block_size": "cache.block_size", "kv_cache_gib": "cache.kv_cache_gib", "num_blocks": "cache.num_blocks",
     "prefix_caching": "cache.prefix_caching", "kv_dtype": "cache.kv_dtype",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens", "max_num_seqs": "scheduler.max_num_seqs",
-    "chunk_size": "scheduler.chunk_size", "fill": "fill.mode", "fill_split": "fill.split",
+    "chunk_size": "scheduler.chunk_size",
+    "prefill_budget_with_decodes": "scheduler.prefill_budget_with_decodes", "fill": "fill.mode", "fill_split": "fill.split",
     "fill_tail": "fill.tail", "fill_maps": "fill.maps", "fill_placement": "fill.placement",
     "fill_selectors": "fill.rows.selectors",
     "speculative": "speculative.method", "speculative_tokens": "speculative.num_tokens",
@@ -62,6 +63,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, help="most sequences running at once")
     p.add_argument("--chunk-size", type=int, help="most prompt rows one sequence gets per step")
+    p.add_argument("--prefill-budget-with-decodes", type=int,
+                   help="most prompt rows a step takes while it also carries decodes (0: no cap); bounds inter-token latency")
     p.add_argument("--fill", choices=["off", "plain"],
                    help="prefill mode: off = exact, plain = RidgeFill with the configured maps")
     p.add_argument("--fill-split", type=int, help="first late layer S (layers below it run exactly for every row)")

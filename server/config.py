@@ -132,6 +132,7 @@ _SCHEMA: dict[str, dict[str, Key]] = {
         "max_num_batched_tokens": Key((int,), "scheduler", "max_num_batched_tokens"),
         "max_num_seqs": Key((int,), "scheduler", "max_num_seqs"),
         "chunk_size": Key((int,), "scheduler", "chunk_size"),
+        "prefill_budget_with_decodes": Key((int,), "scheduler", "prefill_budget_with_decodes"),
     },
     "speculative": {name: Key(types, "speculative", name) for name, types in
                     (("method", (str,)), ("num_tokens", (int,)), ("max_ngram", (int,)), ("min_ngram", (int,)))},

@@ -50,6 +50,25 @@ def test_decodes_go_first_and_prefill_takes_the_rest():
     assert items[3].seq is newcomer and items[3].num_tokens == 7  # what the budget leaves
 
 
+def test_prefill_budget_with_decodes_caps_prompt_rows_only_beside_decodes():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, chunk_size=32, prefill_budget_with_decodes=10),
+                  BlockManager(64, 4))
+    first = seq(40, max_tokens=50)
+    s.add(first)
+    assert [i.num_tokens for i in fake_step(s)] == [32]  # no decodes yet: the chunk as usual
+    assert [i.num_tokens for i in fake_step(s)] == [8]
+    late, newcomer = seq(30), seq(30)
+    s.add(late)
+    s.add(newcomer)
+    items = fake_step(s)  # first decodes: 10 prompt rows at most beside it, split as the budget leaves them
+    assert items[0].seq is first and items[0].num_tokens == 1
+    assert [(i.seq, i.num_tokens) for i in items[1:]] == [(late, 10)]
+    while not first.finished:
+        items = fake_step(s)
+        assert sum(i.num_tokens for i in items if i.start < len(i.seq.prompt_ids)) <= 10
+    assert late.output_ids and newcomer.output_ids
+
+
 def test_max_tokens_and_eos_finish_and_free_blocks():
     s = make()
     a, b = seq(5, max_tokens=3), seq(5, max_tokens=10)
