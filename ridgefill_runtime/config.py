@@ -236,7 +236,7 @@ class SchedulerConfig:
     # The most prompt rows a step takes when it also carries decodes (0: only max_num_batched_tokens
     # bounds them). Such a step lasts as long as its prompt rows make it, so this bounds every running
     # user's inter-token latency, at the cost of longer prefills while others decode.
-    prefill_budget_with_decodes: int = 0
+    prefill_budget_with_decodes: int = 512
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size"):
