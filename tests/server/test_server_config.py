@@ -51,7 +51,26 @@ def test_flags_override_the_file(tmp_path):
     assert server.port == 9002 and engine.scheduler.max_num_seqs == 4
 
 
+def test_graph_and_prefill_budget_flags_reach_the_engine_config(tmp_path):
+    from server.cli_serve import _FLAG_KEYS
+    from server.main import build_parser
+
+    def flags(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return {key: getattr(args, dest, None) for dest, key in _FLAG_KEYS.items()}
+
+    engine = load_config(None, flags())[0]
+    assert engine.cuda_graphs and engine.scheduler.prefill_budget_with_decodes == 512
+    engine = load_config(None, flags("--enforce-eager", "--prefill-budget-with-decodes", "0"))[0]
+    assert not engine.cuda_graphs and engine.scheduler.prefill_budget_with_decodes == 0
+    f = _write(tmp_path, "[model]\ncuda_graphs = false\n[scheduler]\nprefill_budget_with_decodes = 128\n")
+    engine = load_config(f, flags())[0]
+    assert not engine.cuda_graphs and engine.scheduler.prefill_budget_with_decodes == 128
+
+
 @pytest.mark.parametrize("text, words", [
+    ("[scheduler]\nprefill_budget_with_decodes = -1\n", ["prefill_budget_with_decodes must be >= 0"]),
+    ("[model]\ncuda_graphs = \"yes\"\n", ["'model.cuda_graphs' must be bool"]),
     ("[server]\nprot = 1\n", ["unknown key 'server.prot'"]),
     ("[nope]\nx = 1\n", ["unknown key 'nope.x'"]),
     ("top = 1\n", ["unknown key 'top'"]),
