@@ -20,12 +20,15 @@ tests pass `eager` to run the same static-buffer path on the CPU.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from .layers.attention import AttentionBatch, PagedRows
 from .models.forward import ForwardBatch, run_model
+
+log = logging.getLogger("ridgefill.engine")
 
 Forward = Callable[[], torch.Tensor]  # a step over the static buffers -> logits [size, V]
 Capture = Callable[[Forward], Forward]
@@ -152,4 +155,10 @@ def engine_decode_graphs(model, caches, config, max_model_len: int) -> DecodeGra
     if caches.spec.recurrent_layers or looped or caches.kv.scratch_slot is None:
         return None
     max_blocks = -(-max_model_len // caches.block_size)
-    return DecodeGraphs(model, caches, max_blocks, capture_sizes(config.scheduler.max_num_seqs), cuda_capture())
+    try:
+        return DecodeGraphs(model, caches, max_blocks, capture_sizes(config.scheduler.max_num_seqs), cuda_capture())
+    except RuntimeError as e:
+        # NOTE: a forward that cannot be captured (an op that syncs, a kernel without graph support) costs
+        # speed, not the server: decode runs eagerly, and the warning says why
+        log.warning("decode CUDA graphs could not be captured, decoding eagerly (--enforce-eager hides this): %s", e)
+        return None

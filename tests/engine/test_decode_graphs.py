@@ -8,11 +8,15 @@ the batch shrinks. The `gpu` test captures real CUDA graphs and compares them wi
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from ridgefill_runtime import decode_graphs
+
 from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
-from ridgefill_runtime.decode_graphs import DecodeGraphs, capture_sizes
+from ridgefill_runtime.decode_graphs import DecodeGraphs, capture_sizes, engine_decode_graphs
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import build_tiny
@@ -105,6 +109,21 @@ def test_capture_sizes():
     assert capture_sizes(1) == (1,)
     assert capture_sizes(16) == (1, 2, 4, 8, 16)
     assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
+
+
+def test_a_forward_that_cannot_be_captured_decodes_eagerly(monkeypatch, caplog):
+    """A capture error costs speed, not the server: no graphs, and a warning naming the error."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(decode_graphs, "DecodeGraphs", refuse)
+    monkeypatch.setattr(decode_graphs, "cuda_capture", lambda: None)
+    model = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace())
+    caches = SimpleNamespace(spec=SimpleNamespace(recurrent_layers=()), kv=SimpleNamespace(scratch_slot=64),
+                             block_size=16)
+    with caplog.at_level("WARNING", logger="ridgefill.engine"):
+        assert engine_decode_graphs(model, caches, EngineConfig(device="cuda"), 1024) is None
+    assert "decoding eagerly" in caplog.text and "not permitted when stream is capturing" in caplog.text
 
 
 def test_cpu_engine_builds_no_graphs(folder):
