@@ -47,6 +47,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("packed_sweep.py --device cuda: no CUDA device (torch.cuda.is_available() is False)")
     if device.type == "cuda" and not compiled_for(device):
         raise SystemExit("no CUDA kernel for packed_linear in this build (or no GPU): nothing to measure")
     gen = torch.Generator().manual_seed(0)
