@@ -22,8 +22,13 @@ import argparse
 import statistics
 import time
 
+import sys
+from pathlib import Path
+
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # NOTE: kernels.py's CUDA-event timer
+from kernels import timed as cuda_timed  # noqa: E402
 from ridgefill_runtime.ops.packed_linear import compiled_for, pack, packed_linear, packed_linear_reference
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (n, K) of qkv, o, gate_up, down
@@ -78,21 +83,15 @@ def main() -> None:
                     packed_linear(xs[wt.shape[1]], wt)
 
         def timed(fn) -> float:
+            if device.type == "cuda":  # device time of the step's kernels (launches queue ahead)
+                return cuda_timed(fn, args.reps)
             for _ in range(3):
                 fn()
             times = []
             for _ in range(args.reps):
-                if device.type == "cuda":  # device time of the step's kernels (launches queue ahead)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) / 1e3)
-                else:
-                    t = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
             return statistics.median(times)
 
         step = timed(lambda: (run_layers(), packed_linear(xs[576], head)))

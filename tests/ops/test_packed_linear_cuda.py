@@ -20,6 +20,8 @@ from ridgefill_runtime.ops.packed_linear import (
     weight_slice,
 )
 
+from test_packed_linear import _random  # noqa: E402  (pytest puts tests/ops on sys.path)
+
 REQUIRED = os.environ.get("RIDGEFILL_REQUIRE_EXTENSION") == "1"
 CUDA = torch.device("cuda")
 K = 768  # a multiple of every group below
@@ -35,11 +37,7 @@ ROWS = [1, 2, 5, 8, 16, 33, 300]
 
 
 def _weight(n: int, k: int, bits: int, group: int, dtype, with_min: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = (0, 16) if bits == 4 else (-128, 128)
-    q = torch.randint(lo, hi, (n, k), generator=g)
-    scale = (torch.rand(n, k // group, generator=g) * 0.02).to(dtype)
-    mins = (torch.randn(n, k // group, generator=g) * 0.05).to(dtype) if with_min else None
+    q, scale, mins = _random(n, k, bits, group, dtype, with_min, seed)  # the CPU tests' draw
     return pack(q, scale, mins, bits, group)
 
 
