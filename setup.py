@@ -86,8 +86,12 @@ def _cpu_extension(reason: str) -> dict:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 1))
-    extension = CppExtension(name=EXT_NAME, sources=_cpu_sources(), include_dirs=[os.path.join(ROOT, "csrc")],
-                             extra_compile_args={"cxx": CXX_FLAGS})
+    extension = CppExtension(
+        name=EXT_NAME,
+        sources=_cpu_sources(),
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        extra_compile_args={"cxx": CXX_FLAGS},
+    )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 
 

@@ -44,7 +44,7 @@ from prefill import real_text_ids  # noqa: E402
 def real_text_prompts(tokenizer, count: int, n: int) -> list[list[int]]:
     """`count` distinct n-token prompts: consecutive windows of the local text."""
     ids = real_text_ids(tokenizer, count * n)
-    return [ids[i * n:(i + 1) * n] for i in range(count)]
+    return [ids[i * n : (i + 1) * n] for i in range(count)]
 
 
 def cpu_model() -> str:
@@ -66,30 +66,38 @@ def percentile(xs: list[float], q: float) -> float:
 
 def summary(step_s: list[float], batch: int) -> dict:
     p50 = statistics.median(step_s)
-    return {"steps": len(step_s), "itl_p50_ms": p50 * 1e3, "itl_p90_ms": percentile(step_s, 0.9) * 1e3,
-            "agg_tok_s": batch / p50}
+    return {
+        "steps": len(step_s),
+        "itl_p50_ms": p50 * 1e3,
+        "itl_p90_ms": percentile(step_s, 0.9) * 1e3,
+        "agg_tok_s": batch / p50,
+    }
 
 
 # -- ridgefill ---------------------------------------------------------------------------------
 
 
-def ridgefill_engine(llm, weights: str, dtype: str, batch: int, max_tokens: int, context: int, chunk: int,
-                     kv_dtype: str = "auto"):
+def ridgefill_engine(
+    llm, weights: str, dtype: str, batch: int, max_tokens: int, context: int, chunk: int, kv_dtype: str = "auto"
+):
     """A fresh engine over the loaded model, its KV pool sized for `batch` whole sequences."""
     from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from ridgefill_runtime.engine import Engine
 
     block = 16
     blocks = batch * (-(-(context + max_tokens + 1) // block) + 1)
-    config = EngineConfig(dtype=dtype, weights=weights,
-                          cache=CacheConfig(block_size=block, num_blocks=blocks, kv_dtype=kv_dtype),
-                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=chunk + batch,
-                                                    chunk_size=chunk))
+    config = EngineConfig(
+        dtype=dtype,
+        weights=weights,
+        cache=CacheConfig(block_size=block, num_blocks=blocks, kv_dtype=kv_dtype),
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=chunk + batch, chunk_size=chunk),
+    )
     return Engine(llm.engine.model, llm.tokenizer, config)
 
 
-def time_ridgefill(llm, weights: str, dtype: str, prompts: list[list[int]], new: int, chunk: int,
-                   kv_dtype: str = "auto") -> dict:
+def time_ridgefill(
+    llm, weights: str, dtype: str, prompts: list[list[int]], new: int, chunk: int, kv_dtype: str = "auto"
+) -> dict:
     from ridgefill_runtime.sequence import SamplingParams
 
     batch, context = len(prompts), len(prompts[0])
@@ -114,13 +122,18 @@ def time_ridgefill(llm, weights: str, dtype: str, prompts: list[list[int]], new:
         outs = engine.step()
         steps.append(time.perf_counter() - t)
         short += len(outs) != batch or any(s.finished for s in seqs)
-    tokens = list(seqs[0].output_ids[:new + 1]) if batch == 1 else None  # greedy, for the cross-check
+    tokens = list(seqs[0].output_ids[: new + 1]) if batch == 1 else None  # greedy, for the cross-check
     for s in seqs:
         engine.abort(s)
     stats = engine.stats()
     row = summary(steps, batch)
-    row.update(prefill_s=prefill_s, prefill_steps=prefill_steps, max_lead_tokens=lead,
-               steps_not_full_batch=short, preemptions=stats.preemptions_total)
+    row.update(
+        prefill_s=prefill_s,
+        prefill_steps=prefill_steps,
+        max_lead_tokens=lead,
+        steps_not_full_batch=short,
+        preemptions=stats.preemptions_total,
+    )
     if tokens is not None:
         row["tokens"] = tokens
     return row
@@ -133,8 +146,14 @@ def time_llama_cpp(path, ids: list[int], new: int, threads: int) -> dict:
     import llama_cpp
     import numpy as np
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(ids) + new + 16, n_threads=threads,
-                          n_threads_batch=threads, n_batch=512, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=len(ids) + new + 16,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        verbose=False,
+    )
     n_vocab = llm.n_vocab()
 
     def last_argmax() -> int:
@@ -155,7 +174,6 @@ def time_llama_cpp(path, ids: list[int], new: int, threads: int) -> dict:
         tokens.append(token)
     row = summary(steps, 1)
     row.update(prefill_s=prefill_s, version=llama_cpp.__version__, tokens=tokens)
-    del llm
     return row
 
 
@@ -206,8 +224,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         vs_b1 = f"{r['agg_tok_s'] / base[r['arm']]:.2f}x" if r["arm"] in base else "-"
         vs_llama = f"{r['itl_p50_ms'] / llama['itl_p50_ms']:.2f}x" if llama and r["batch"] == 1 else "-"
-        lines.append(f"| {r['arm']} | {r['batch']} | {r['itl_p50_ms']:.2f} | {r['itl_p90_ms']:.2f} | "
-                     f"{r['agg_tok_s']:.1f} | {vs_b1} | {vs_llama} |")
+        lines.append(
+            f"| {r['arm']} | {r['batch']} | {r['itl_p50_ms']:.2f} | {r['itl_p90_ms']:.2f} | "
+            f"{r['agg_tok_s']:.1f} | {vs_b1} | {vs_llama} |"
+        )
     return "\n".join(lines)
 
 
@@ -220,13 +240,22 @@ def main() -> None:
     ap.add_argument("--weights", nargs="+", default=["packed", "dequantized"], choices=["packed", "dequantized"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk (untimed)")
-    ap.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=["auto", "float32", "bfloat16", "float16"],
-                    help="cache.kv_dtype of the packed arm (one arm each; llama.cpp's cache is float16)")
+    ap.add_argument(
+        "--kv-dtypes",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="cache.kv_dtype of the packed arm (one arm each; llama.cpp's cache is float16)",
+    )
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True, help="the llama.cpp arm")
-    ap.add_argument("--rounds", type=int, default=5,
-                    help="B=1 head to head: rounds alternating ridgefill packed and llama.cpp (this VM's speed "
-                         "drifts by up to 1.5x between minutes, so one pass each is not a comparison)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="B=1 head to head: rounds alternating ridgefill packed and llama.cpp (this VM's speed "
+        "drifts by up to 1.5x between minutes, so one pass each is not a comparison)",
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -236,8 +265,15 @@ def main() -> None:
     from ridgefill_runtime.loader.gguf import default_model_path
 
     path = default_model_path()
-    header = {"threads": torch.get_num_threads(), "context": args.context, "new": args.new,
-              "dtype": args.dtype, "torch": torch.__version__, "cpu": cpu_model(), "model": str(path)}
+    header = {
+        "threads": torch.get_num_threads(),
+        "context": args.context,
+        "new": args.new,
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "cpu": cpu_model(),
+        "model": str(path),
+    }
     print(" ".join(f"{k}={v}" for k, v in header.items()))
     rows: list[dict] = []
     skipped: dict[str, str] = {}
@@ -253,8 +289,11 @@ def main() -> None:
             for b in args.batches:
                 r = time_ridgefill(llm, weights, args.dtype, prompts[:b], args.new, args.chunk, kv)
                 rows.append({"arm": arm, "batch": b, **r})
-                print(f"  {arm} B={b}: ITL {r['itl_p50_ms']:.2f} ms, {r['agg_tok_s']:.1f} tok/s "
-                      f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)", flush=True)
+                print(
+                    f"  {arm} B={b}: ITL {r['itl_p50_ms']:.2f} ms, {r['agg_tok_s']:.1f} tok/s "
+                    f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)",
+                    flush=True,
+                )
         if weights == "packed":
             packed_llm = llm
         del llm
@@ -274,8 +313,9 @@ def main() -> None:
     if args.hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=getattr(torch, args.dtype)).eval()
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, args.dtype)
+        ).eval()
         time_hf(hf, prompts[0][:64], 4)  # warm up
         r = time_hf(hf, prompts[0], args.new)
         rows.append({"arm": "transformers", "batch": 1, **r})
@@ -302,8 +342,10 @@ def main() -> None:
             print(f"| {name} | " + " | ".join(f"{x:.2f}" for x in xs) + f" | {statistics.median(xs):.2f} |")
         for kv, ours in ours_by_kv.items():
             ratios = [a / b for a, b in zip(ours, theirs)]
-            print(f"ridgefill (kv {kv}) / llama.cpp per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
-                  f"median {statistics.median(ratios):.2f}")
+            print(
+                f"ridgefill (kv {kv}) / llama.cpp per round: {', '.join(f'{r:.2f}' for r in ratios)}; "
+                f"median {statistics.median(ratios):.2f}"
+            )
     # sanity: the B=1 arms decode the same prompt greedily; the same first tokens say they ran the same model
     ref = {r["arm"]: r["tokens"] for r in rows if r["batch"] == 1 and r.get("tokens")}
     base_arm = "llama.cpp" if "llama.cpp" in ref else "transformers" if "transformers" in ref else None

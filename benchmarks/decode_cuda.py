@@ -38,15 +38,20 @@ def ridgefill_arm(llm, graphs: bool, dtype: str, weights: str, prompts: list[lis
     max_tokens = new + slack
     block = 16
     blocks = batch * (-(-(context + max_tokens + 1) // block) + 1)
-    config = EngineConfig(dtype=dtype, weights=weights, device="cuda", cuda_graphs=graphs,
-                          cache=CacheConfig(block_size=block, num_blocks=blocks),
-                          scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=chunk + batch,
-                                                    chunk_size=chunk))
+    config = EngineConfig(
+        dtype=dtype,
+        weights=weights,
+        device="cuda",
+        cuda_graphs=graphs,
+        cache=CacheConfig(block_size=block, num_blocks=blocks),
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=chunk + batch, chunk_size=chunk),
+    )
     t = time.perf_counter()
     engine = Engine(llm.engine.model, llm.tokenizer, config)
     start_s = time.perf_counter() - t  # graph capture included
-    seqs = [engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-            for p in prompts]
+    seqs = [
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)) for p in prompts
+    ]
     while not all(s.output_ids for s in seqs):
         engine.step()
     steps = []
@@ -54,7 +59,7 @@ def ridgefill_arm(llm, graphs: bool, dtype: str, weights: str, prompts: list[lis
         t = time.perf_counter()
         engine.step()
         steps.append(time.perf_counter() - t)
-    tokens = list(seqs[0].output_ids[:new + 1]) if batch == 1 else None
+    tokens = list(seqs[0].output_ids[: new + 1]) if batch == 1 else None
     for s in seqs:
         engine.abort(s)
     row = summary(steps, batch)
@@ -103,14 +108,27 @@ def main() -> None:
     from ridgefill_runtime.loader.gguf import default_model_path
 
     path = default_model_path()
-    header = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
-              "context": args.context, "new": args.new, "model": str(path)}
+    header = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "context": args.context,
+        "new": args.new,
+        "model": str(path),
+    }
     print(" ".join(f"{k}={v}" for k, v in header.items()), flush=True)
     rows, skipped, prompts = [], {}, None
     for weights in args.weights:
         try:
-            llm = LLM(EngineConfig(dtype=args.dtype, weights=weights, device="cuda", cuda_graphs=False,
-                                   cache=CacheConfig(kv_cache_gib=0.05)))
+            llm = LLM(
+                EngineConfig(
+                    dtype=args.dtype,
+                    weights=weights,
+                    device="cuda",
+                    cuda_graphs=False,
+                    cache=CacheConfig(kv_cache_gib=0.05),
+                )
+            )
         except UnsupportedError as e:
             skipped[f"ridgefill {weights}"] = str(e)
             continue
@@ -122,15 +140,23 @@ def main() -> None:
             for b in args.batches:
                 r = ridgefill_arm(llm, graphs, args.dtype, weights, prompts[:b], args.new, args.chunk)
                 rows.append({"arm": arm, "batch": b, **r})
-                print(f"  {arm} B={b}: ITL {r['itl_p50_ms']:.3f} ms, {r['agg_tok_s']:.0f} tok/s "
-                      f"(engine start {r['engine_start_s']:.2f} s)", flush=True)
+                print(
+                    f"  {arm} B={b}: ITL {r['itl_p50_ms']:.3f} ms, {r['agg_tok_s']:.0f} tok/s "
+                    f"(engine start {r['engine_start_s']:.2f} s)",
+                    flush=True,
+                )
         del llm
         torch.cuda.empty_cache()
     if args.hf and prompts is not None:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                  dtype=getattr(torch, args.dtype)).to("cuda").eval()
+        hf = (
+            AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=getattr(torch, args.dtype)
+            )
+            .to("cuda")
+            .eval()
+        )
         hf_arm(hf, prompts[0][:64], 4)  # warm up
         r = hf_arm(hf, prompts[0], args.new)
         rows.append({"arm": "transformers", "batch": 1, **r})
@@ -142,8 +168,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         vs_hf = f"{r['itl_p50_ms'] / hf_row['itl_p50_ms']:.2f}x" if hf_row and r["batch"] == 1 else "-"
-        print(f"| {r['arm']} | {r['batch']} | {r['itl_p50_ms']:.3f} | {r['itl_p90_ms']:.3f} | {r['agg_tok_s']:.0f} | "
-              f"{r['agg_tok_s'] / base[r['arm']]:.2f}x | {vs_hf} |")
+        print(
+            f"| {r['arm']} | {r['batch']} | {r['itl_p50_ms']:.3f} | {r['itl_p90_ms']:.3f} | {r['agg_tok_s']:.0f} | "
+            f"{r['agg_tok_s'] / base[r['arm']]:.2f}x | {vs_hf} |"
+        )
     b1 = [r for r in rows if r["batch"] == 1 and "tokens" in r]
     agree = len({tuple(r["tokens"]) for r in b1}) == 1
     print(f"\nB=1 greedy tokens agree across arms: {agree}")
@@ -160,9 +188,18 @@ def main() -> None:
         print("eager / graphs ITL: " + ", ".join(f"{k} {v:.2f}x" for k, v in graphs_vs_eager.items()))
         print(f"median {statistics.median(graphs_vs_eager.values()):.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"header": header, "rows": rows, "skipped": skipped,
-                                              "tokens_agree": agree, "eager_over_graphs": graphs_vs_eager},
-                                             indent=1))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "header": header,
+                    "rows": rows,
+                    "skipped": skipped,
+                    "tokens_agree": agree,
+                    "eager_over_graphs": graphs_vs_eager,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -26,11 +26,32 @@ from serving import ROOT, start_server
 
 
 def run_clients(port: int, users: int, args, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "clients.loadtest", "plain", "--url", f"http://127.0.0.1:{port}",
-                    "--num-prompts", str(args.requests_per_user * users), "--max-concurrency", str(users),
-                    "--rate", "inf", "--prompt-tokens", str(args.prompt_tokens),
-                    "--output-tokens", str(args.output_tokens), "--out", str(out)],
-                   cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clients.loadtest",
+            "plain",
+            "--url",
+            f"http://127.0.0.1:{port}",
+            "--num-prompts",
+            str(args.requests_per_user * users),
+            "--max-concurrency",
+            str(users),
+            "--rate",
+            "inf",
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--output-tokens",
+            str(args.output_tokens),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads(out.read_text())["summary"]
 
 
@@ -59,16 +80,20 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))
-    print(f"threads={args.threads}; {args.requests_per_user} requests per user of {args.prompt_tokens} prompt / "
-          f"{args.output_tokens} output tokens, greedy, streamed; before = {args.before_tree} {args.before_args}; "
-          f"after = this tree {args.after_args}")
+    print(
+        f"threads={args.threads}; {args.requests_per_user} requests per user of {args.prompt_tokens} prompt / "
+        f"{args.output_tokens} output tokens, greedy, streamed; before = {args.before_tree} {args.before_args}; "
+        f"after = this tree {args.after_args}"
+    )
     print("| users C | code | output tok/s | TTFT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | failed |")
     print("|---|---|---|---|---|---|---|")
     for c in args.users:
         for label in results:
             s = results[label][c]
-            print(f"| {c} | {label} | {s['output_throughput_tok_s']:.1f} | {s['ttft_p50_s'] * 1e3:.0f} | "
-                  f"{s['itl_p50_s'] * 1e3:.1f} | {s['itl_p99_s'] * 1e3:.1f} | {s['failed']} |")
+            print(
+                f"| {c} | {label} | {s['output_throughput_tok_s']:.1f} | {s['ttft_p50_s'] * 1e3:.0f} | "
+                f"{s['itl_p50_s'] * 1e3:.1f} | {s['itl_p99_s'] * 1e3:.1f} | {s['failed']} |"
+            )
     for c in args.users:
         ratio = results["after"][c]["output_throughput_tok_s"] / results["before"][c]["output_throughput_tok_s"]
         print(f"C = {c}: output throughput after / before = {ratio:.2f}x")

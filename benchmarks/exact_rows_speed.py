@@ -67,12 +67,16 @@ def main() -> None:
 
     def fill(tail=None, split=None, **rows) -> FillConfig:
         split, tail = split or args.split, tail or args.tail
-        return FillConfig(arm="ridgefill", split=split, tail=tail, maps=str(shipped_maps(split)),
-                          rows=base.replace(**rows))
+        return FillConfig(
+            arm="ridgefill", split=split, tail=tail, maps=str(shipped_maps(split)), rows=base.replace(**rows)
+        )
 
     def engine(n: int, fill_config: FillConfig, select=None) -> Engine:
-        cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5), fill=fill_config,
-                           scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n))
+        cfg = EngineConfig(
+            cache=CacheConfig(kv_cache_gib=0.5),
+            fill=fill_config,
+            scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n),
+        )
         eng = Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model))
         if select is not None:
             eng.scheduler.select = select
@@ -90,18 +94,28 @@ def main() -> None:
 
     ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
     L, S, T = model.config.num_layers, args.split, args.tail
-    print(f"threads={torch.get_num_threads()} model=SmolLM2-135M-Instruct float32 CPU, ridgefill split={S}/{L}, "
-          f"tail={T}; time to first token, median of {args.reps}, configurations interleaved")
-    warm = ids_all[:T + 512]
+    print(
+        f"threads={torch.get_num_threads()} model=SmolLM2-135M-Instruct float32 CPU, ridgefill split={S}/{L}, "
+        f"tail={T}; time to first token, median of {args.reps}, configurations interleaved"
+    )
+    warm = ids_all[: T + 512]
     ttft(engine(len(warm), FillConfig()), warm), ttft(engine(len(warm), fill(selectors=("special",))), warm)
     record = {"threads": args.threads, "split": S, "tail": T, "reps": args.reps, "lengths": {}}
     for n in args.lengths:
         ids = ids_all[:n]
-        configs = {"exact": (engine(n, FillConfig()), None), "E=0": (engine(n, fill(selectors=("special",)), lambda s: []), 0)}
+        configs = {
+            "exact": (engine(n, FillConfig()), None),
+            "E=0": (engine(n, fill(selectors=("special",)), lambda s: []), 0),
+        }
         configs.update({f"E={e}": (engine(n, fill(selectors=("special",)), random_rows(e)), e) for e in args.rows})
         configs["tail+512"] = (engine(n, fill(tail=T + 512, selectors=("special",)), lambda s: []), None)
-        configs.update({name: (engine(n, fill(tail, split, **rows)), None)
-                        for name, (split, tail, rows) in CANDIDATES.items() if not (args.no_grid and split)})
+        configs.update(
+            {
+                name: (engine(n, fill(tail, split, **rows)), None)
+                for name, (split, tail, rows) in CANDIDATES.items()
+                if not (args.no_grid and split)
+            }
+        )
         times = {name: [] for name in configs}
         counts = {}
         for _ in range(args.reps):
@@ -121,15 +135,24 @@ def main() -> None:
         for name in configs:
             rows = "—" if name in ("exact", "tail+512") else str(counts[name])
             print(f"{name:>20} | {rows:>10} | {med[name]:>7.2f} | {med['exact'] / med[name]:>16.2f}")
-        print(f"cost line: tau0 = {tau0:.3f} s, sigma = {1e3 * sigma:.3f} ms per exact row, "
-              f"tail row = {1e3 * tail_row:.3f} ms, kappa = {sigma / tail_row:.2f}, "
-              f"break-even E* = (tau_exact - tau0)/sigma = {(med['exact'] - tau0) / sigma:.0f} rows "
-              f"({100 * (med['exact'] - tau0) / sigma / (n - T):.0f}% of the prefix)")
-        record["lengths"][n] = {"ttft": med, "exact_rows": counts, "tau0": tau0, "sigma": sigma,
-                                "tail_row": tail_row, "kappa": sigma / tail_row,
-                                "break_even_rows": (med["exact"] - tau0) / sigma}
+        print(
+            f"cost line: tau0 = {tau0:.3f} s, sigma = {1e3 * sigma:.3f} ms per exact row, "
+            f"tail row = {1e3 * tail_row:.3f} ms, kappa = {sigma / tail_row:.2f}, "
+            f"break-even E* = (tau_exact - tau0)/sigma = {(med['exact'] - tau0) / sigma:.0f} rows "
+            f"({100 * (med['exact'] - tau0) / sigma / (n - T):.0f}% of the prefix)"
+        )
+        record["lengths"][n] = {
+            "ttft": med,
+            "exact_rows": counts,
+            "tau0": tau0,
+            "sigma": sigma,
+            "tail_row": tail_row,
+            "kappa": sigma / tail_row,
+            "break_even_rows": (med["exact"] - tau0) / sigma,
+        }
     if args.json:
         import json
+
         args.json.write_text(json.dumps(record, indent=1))
 
 

@@ -49,8 +49,11 @@ def main() -> None:
 
     def engine(n: int, fill_config: FillConfig) -> Engine:
         # NOTE: prefix caching off: the reps repeat the prompt, and a cached prefix is not prefill
-        cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5, prefix_caching="off"), fill=fill_config,
-                           scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n))
+        cfg = EngineConfig(
+            cache=CacheConfig(kv_cache_gib=0.5, prefix_caching="off"),
+            fill=fill_config,
+            scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n),
+        )
         return Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model))
 
     def ttft(eng: Engine, ids: list[int]) -> float:
@@ -62,11 +65,15 @@ def main() -> None:
 
     L, S, T = model.config.num_layers, args.split, args.tail
     ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
-    print(f"threads={torch.get_num_threads()} model={args.model or 'SmolLM2-135M-Instruct'} float32 CPU, arm={args.arm}, "
-          f"split={S}/{L}, tail={T}")
-    print(f"{'tokens':>6} | {'exact s':>7} | {'fill s':>7} | {'speedup':>7} | {'ceiling 1/r':>11} | {'measured/ceiling':>16}")
+    print(
+        f"threads={torch.get_num_threads()} model={args.model or 'SmolLM2-135M-Instruct'} float32 CPU, arm={args.arm}, "
+        f"split={S}/{L}, tail={T}"
+    )
+    print(
+        f"{'tokens':>6} | {'exact s':>7} | {'fill s':>7} | {'speedup':>7} | {'ceiling 1/r':>11} | {'measured/ceiling':>16}"
+    )
     print("-" * 72)
-    warm = ids_all[:T + 256]
+    warm = ids_all[: T + 256]
     ttft(engine(len(warm), FillConfig()), warm), ttft(engine(len(warm), fill), warm)
     for n in args.lengths:
         ids = ids_all[:n]

@@ -30,9 +30,14 @@ def main() -> None:
 
     path = packaged_model_path("gemma3-270m")
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    ours = LLM(EngineConfig(model="gemma3-270m", cache=CacheConfig(kv_cache_gib=0.2),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=512, chunk_size=512)))
-    ids = ours.tokenizer.encode(TEXT.read_text())[:args.tokens]
+    ours = LLM(
+        EngineConfig(
+            model="gemma3-270m",
+            cache=CacheConfig(kv_cache_gib=0.2),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512, chunk_size=512),
+        )
+    )
+    ids = ours.tokenizer.encode(TEXT.read_text())[: args.tokens]
     got = torch.tensor(ours.score(ids)["target_logprobs"])
     with torch.no_grad():
         logp = ref(torch.tensor([ids])).logits[0].float().log_softmax(-1)
@@ -41,13 +46,15 @@ def main() -> None:
     prompt = ids[:700]
     with torch.no_grad():
         out = ref.generate(torch.tensor([prompt]), max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False)
-    expected = out[0, len(prompt):].tolist()
+    expected = out[0, len(prompt) :].tolist()
     (gen,) = ours.generate([prompt], SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True))
     agree = next((i for i, (a, b) in enumerate(zip(gen.token_ids, expected)) if a != b), len(expected))
     weights = type(ours.engine.model.weights.layers[0].qkv).__name__
-    print(f"threads={args.threads} weights={weights} float32 | {len(ids) - 1} scored tokens: "
-          f"max |Δ logprob| {diff.max():.2e}, mean {diff.mean():.2e} | greedy: first {agree} of {len(expected)} "
-          f"tokens identical after a 700-token prompt")
+    print(
+        f"threads={args.threads} weights={weights} float32 | {len(ids) - 1} scored tokens: "
+        f"max |Δ logprob| {diff.max():.2e}, mean {diff.mean():.2e} | greedy: first {agree} of {len(expected)} "
+        f"tokens identical after a 700-token prompt"
+    )
 
 
 if __name__ == "__main__":

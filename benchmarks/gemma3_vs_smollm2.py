@@ -44,12 +44,16 @@ def rescale_vs_plain(plain_path: Path, arm_path: Path) -> str:
         rows.append({m: d["ridgefill"][m] - plain[d["sha256"]][m] for m in MEASURES})
     means = {m: sum(r[m] for r in rows) / len(rows) for m in MEASURES}
     worse = {m: sum(r[m] > 0 for r in rows) for m in ("dnll_novel", "dnll_key", "kl")}
-    return (" | ".join(f"{means[m]:+.3f}" for m in MEASURES)
-            + f" | key ΔNLL higher on {worse['dnll_key']}/{len(rows)} documents")
+    return (
+        " | ".join(f"{means[m]:+.3f}" for m in MEASURES)
+        + f" | key ΔNLL higher on {worse['dnll_key']}/{len(rows)} documents"
+    )
 
 
 def main() -> None:
-    print("| model | split | arm | λ | ΔNLL novel | ΔNLL key | KL(exact‖arm) | top-1 agreement | filled-region retrieval |")
+    print(
+        "| model | split | arm | λ | ΔNLL novel | ΔNLL key | KL(exact‖arm) | top-1 agreement | filled-region retrieval |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for model, depth, path in RUNS:
         if not path.exists():
@@ -70,10 +74,12 @@ def main() -> None:
         path = HERE / f"gemma3_eval/split9_{name}/eval.json"
         if path.exists() and plain.exists():
             print(f"| {name.replace('_', ' ')} | {rescale_vs_plain(plain, path)} |")
-    print("\nMean arm − exact with paired bootstrap 95% intervals over 4 documents, ΔNLL in nats per token "
-          "over the last 1,024 rows. Novel tokens: in no 8-token run seen earlier in the document. Key "
-          "tokens: whose exact loss rises by more than 2 nats when the prefix is cut away (they need the "
-          "filled region). Retrieval: needles placed in the filled region that exact answers.")
+    print(
+        "\nMean arm − exact with paired bootstrap 95% intervals over 4 documents, ΔNLL in nats per token "
+        "over the last 1,024 rows. Novel tokens: in no 8-token run seen earlier in the document. Key "
+        "tokens: whose exact loss rises by more than 2 nats when the prefix is cut away (they need the "
+        "filled region). Retrieval: needles placed in the filled region that exact answers."
+    )
 
 
 if __name__ == "__main__":

@@ -29,10 +29,14 @@ def main() -> None:
     row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
     late = range(args.split, cfg.num_layers)
     late_local = [i for i in late if i in local]
-    print(f"Gemma 3 270M: {cfg.num_layers} layers, {len(local)} local (window {w}), K/V {row_bytes} B per row "
-          f"and layer (float32); split {args.split}, tail {args.tail}: {len(late)} late layers, "
-          f"{len(late_local)} of them local\n")
-    print("| context | K/V held today | window-bounded | held | fill K/V rows written today | reach-bounded | written |")
+    print(
+        f"Gemma 3 270M: {cfg.num_layers} layers, {len(local)} local (window {w}), K/V {row_bytes} B per row "
+        f"and layer (float32); split {args.split}, tail {args.tail}: {len(late)} late layers, "
+        f"{len(late_local)} of them local\n"
+    )
+    print(
+        "| context | K/V held today | window-bounded | held | fill K/V rows written today | reach-bounded | written |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in args.lengths:
         held = cfg.num_layers * n
@@ -41,8 +45,10 @@ def main() -> None:
         writes = len(late) * filled
         reach = (len(late) - len(late_local)) * filled + len(late_local) * min(filled, w - 1)
         mib = lambda rows: rows * row_bytes / 2**20  # noqa: E731
-        print(f"| {n} | {mib(held):.0f} MiB | {mib(bounded):.0f} MiB | {bounded / held:.0%} | {writes} | {reach} | "
-              f"{reach / writes:.0%} |")
+        print(
+            f"| {n} | {mib(held):.0f} MiB | {mib(bounded):.0f} MiB | {bounded / held:.0%} | {writes} | {reach} | "
+            f"{reach / writes:.0%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -27,10 +27,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's engine TTFT timer
 from prefill import time_ours as ttft  # noqa: E402
 
-CONFIG = dict(model_type="qwen3_5_text", hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
-              num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=4096,
-              max_position_embeddings=16384, linear_conv_kernel_dim=4, linear_key_head_dim=64,
-              linear_value_head_dim=64, linear_num_key_heads=8, linear_num_value_heads=16, tie_word_embeddings=False)
+CONFIG = dict(
+    model_type="qwen3_5_text",
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    vocab_size=4096,
+    max_position_embeddings=16384,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=8,
+    linear_num_value_heads=16,
+    tie_word_embeddings=False,
+)
 
 
 def build_checkpoint(folder: Path):
@@ -52,12 +65,23 @@ def random_maps(model, split: int, folder: Path) -> Path:
     d, g = cfg.hidden_size, torch.Generator().manual_seed(1)
     late = range(split, cfg.num_layers)
     maps = {l: (torch.eye(d) + 0.01 * torch.randn(d, d, generator=g), torch.zeros(d)) for l in late}
-    meta = MapMeta(model_identity=model.identity, architecture=cfg.architecture, num_layers=cfg.num_layers,
-                   hidden_size=d, split=split, lam=0.03, calibration_rows=0, calibration_hash="random")
+    meta = MapMeta(
+        model_identity=model.identity,
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
+        hidden_size=d,
+        split=split,
+        lam=0.03,
+        calibration_rows=0,
+        calibration_hash="random",
+    )
     path = folder / f"maps-split{split}.safetensors"
     save_maps(path, meta, maps)
-    shifts = {l: 1e-3 * torch.randn(hy.value_heads, hy.key_head_dim, hy.value_head_dim, generator=g)
-              for l in late if hy.is_linear(l)}
+    shifts = {
+        l: 1e-3 * torch.randn(hy.value_heads, hy.key_head_dim, hy.value_head_dim, generator=g)
+        for l in late
+        if hy.is_linear(l)
+    }
     add_terminal_shift(path, shifts, every=2048, states=0)
     return path
 
@@ -66,8 +90,11 @@ def engine(model, fill, maps, n: int):
     from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from ridgefill_runtime.engine import Engine
 
-    config = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5), fill=fill,
-                          scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n))
+    config = EngineConfig(
+        cache=CacheConfig(kv_cache_gib=0.5),
+        fill=fill,
+        scheduler=SchedulerConfig(max_num_batched_tokens=n, max_num_seqs=1, chunk_size=n),
+    )
     return Engine(model, None, config, maps)
 
 
@@ -84,7 +111,7 @@ def carry_seconds(model, maps, ids: list[int], split: int, tail: int) -> float:
     cfg = model.config
     xs = {}
     run_layer_inputs(model, ids, lambda layer, h: xs.__setitem__(layer, h) if layer == split else None, upto=split)
-    x_split = xs[split][:len(ids) - tail]
+    x_split = xs[split][: len(ids) - tail]
     m = x_split.shape[0]
     parts = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32).parts
     t = time.perf_counter()
@@ -93,10 +120,13 @@ def carry_seconds(model, maps, ids: list[int], split: int, tail: int) -> float:
             continue
         w = model.weights.layers[layer]
         state = {name: torch.zeros((1, *shape)) for name, shape in parts}
-        batch = AttentionBatch(query_starts=[0, m], context_lens=[m], write_slots=x_split.new_empty(0),
-                               read_slots=[None], state_slots=[0])
+        batch = AttentionBatch(
+            query_starts=[0, m], context_lens=[m], write_slots=x_split.new_empty(0), read_slots=[None], state_slots=[0]
+        )
         xn = zero_centred_rms_norm(maps.predict(layer, x_split), w.input_norm, cfg.rms_norm_eps)
-        gdn_mixer(xn, w.mixer, cfg.hybrid, batch, state, cfg.rms_norm_eps, out_rows=x_split.new_empty(0, dtype=torch.long))
+        gdn_mixer(
+            xn, w.mixer, cfg.hybrid, batch, state, cfg.rms_norm_eps, out_rows=x_split.new_empty(0, dtype=torch.long)
+        )
     return time.perf_counter() - t
 
 
@@ -123,17 +153,24 @@ def main() -> None:
     maps_path = random_maps(model, args.split, folder)
     maps = FillMaps(maps_path, "resident", model.dtype, model.device)
     rows = RowsConfig(selectors=("special",))
-    fills = {"exact": FillConfig(),
-             "fill": FillConfig(arm="ridgefill", split=args.split, tail=args.tail, maps=str(maps_path), rows=rows),
-             "fill+corr": FillConfig(arm="ridgefill", split=args.split, tail=args.tail, maps=str(maps_path), rows=rows,
-                                     terminal_state=True)}
+    fills = {
+        "exact": FillConfig(),
+        "fill": FillConfig(arm="ridgefill", split=args.split, tail=args.tail, maps=str(maps_path), rows=rows),
+        "fill+corr": FillConfig(
+            arm="ridgefill", split=args.split, tail=args.tail, maps=str(maps_path), rows=rows, terminal_state=True
+        ),
+    }
     ids_all = torch.randint(0, CONFIG["vocab_size"], (max(args.lengths),), generator=torch.Generator().manual_seed(2))
     ids_all = ids_all.tolist()
     layers = CONFIG["num_hidden_layers"]
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__} model=random qwen3_5_text d=1024 "
-          f"L={layers} (18 GDN + 6 attention) float32 CPU; split={args.split} tail={args.tail}; median of {args.reps}")
-    print(f"{'tokens':>6} | {'hf exact s':>10} | {'exact s':>8} | {'fill s':>7} | {'fill+corr s':>11} | "
-          f"{'speedup':>7} | {'+corr':>6} | {'ceiling':>7} | {'carry s':>7} | {'carry share':>11}")
+    print(
+        f"threads={torch.get_num_threads()} torch={torch.__version__} model=random qwen3_5_text d=1024 "
+        f"L={layers} (18 GDN + 6 attention) float32 CPU; split={args.split} tail={args.tail}; median of {args.reps}"
+    )
+    print(
+        f"{'tokens':>6} | {'hf exact s':>10} | {'exact s':>8} | {'fill s':>7} | {'fill+corr s':>11} | "
+        f"{'speedup':>7} | {'+corr':>6} | {'ceiling':>7} | {'carry s':>7} | {'carry share':>11}"
+    )
     print("-" * 104)
     for eng in (engine(model, f, maps, 256) for f in fills.values()):
         ttft(eng, ids_all[:256])  # warm up every path
@@ -151,9 +188,11 @@ def main() -> None:
         med = {name: statistics.median(v) for name, v in times.items()}
         carry = carry_seconds(model, maps, ids, args.split, args.tail)
         r = args.split / layers + (1 - args.split / layers) * args.tail / n
-        print(f"{n:>6} | {hf_s:>10.1f} | {med['exact']:>8.1f} | {med['fill']:>7.1f} | {med['fill+corr']:>11.1f} | "
-              f"{med['exact'] / med['fill']:>7.2f} | {med['exact'] / med['fill+corr']:>6.2f} | {1 / r:>7.2f} | "
-              f"{carry:>7.1f} | {carry / med['fill']:>11.0%}")
+        print(
+            f"{n:>6} | {hf_s:>10.1f} | {med['exact']:>8.1f} | {med['fill']:>7.1f} | {med['fill+corr']:>11.1f} | "
+            f"{med['exact'] / med['fill']:>7.2f} | {med['exact'] / med['fill+corr']:>6.2f} | {1 / r:>7.2f} | "
+            f"{carry:>7.1f} | {carry / med['fill']:>11.0%}"
+        )
 
 
 if __name__ == "__main__":

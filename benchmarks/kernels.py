@@ -43,7 +43,6 @@ def copy_bandwidth() -> float:
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     dst = torch.empty_like(src)
     t = timed(lambda: dst.copy_(src), reps=10)
-    del src, dst
     return 2 * n * 2 / t  # bytes read + written per second
 
 
@@ -60,8 +59,17 @@ ROWS: list[tuple] = []
 def report(kernel: str, shape: str, seconds: float, achieved: float, ceiling: float, unit: str, goal: float | None):
     ratio = achieved / ceiling
     verdict = "" if goal is None else ("meets" if ratio >= goal else f"below {goal:.0%}")
-    ROWS.append((kernel, shape, f"{seconds * 1e6:9.1f}", f"{achieved / 1e12 if unit == 'TFLOP/s' else achieved / 1e9:9.1f}",
-                 unit, f"{ratio:6.1%}", verdict))
+    ROWS.append(
+        (
+            kernel,
+            shape,
+            f"{seconds * 1e6:9.1f}",
+            f"{achieved / 1e12 if unit == 'TFLOP/s' else achieved / 1e9:9.1f}",
+            unit,
+            f"{ratio:6.1%}",
+            verdict,
+        )
+    )
 
 
 def bench_int8(copy_bw: float, quick: bool):
@@ -72,7 +80,7 @@ def bench_int8(copy_bw: float, quick: bool):
     qweight, scales = quantize_int8_groupwise(w)
     bias = torch.zeros(d_out, dtype=torch.bfloat16, device="cuda")
     w_bf16 = w.to(torch.bfloat16)
-    for m in ([1, 8, 2048] if quick else [1, 4, 8, 256, 2048, 8192]):
+    for m in [1, 8, 2048] if quick else [1, 4, 8, 256, 2048, 8192]:
         x = torch.randn(m, d_in, dtype=torch.bfloat16, device="cuda")
         t = timed(lambda: torch.ops.ridgefill.int8_map_gemm(x, qweight, scales, bias))
         if m <= 8:  # GEMV path: weight streaming
@@ -102,8 +110,11 @@ def bench_scattered(copy_bw: float, quick: bool):
         q_pos = (ctx - rows_per_seq + torch.arange(rows_per_seq, device="cuda")).repeat(batch)
         q = torch.randn(batch * rows_per_seq, heads, head_dim, dtype=torch.bfloat16, device="cuda")
         mass = rows_per_seq > 1  # the probe-shaped case also returns key mass
-        t = timed(lambda: torch.ops.ridgefill.scattered_rows_attention(q, q_seq, q_pos, k, v, tables, lens, 16,
-                                                                       head_dim**-0.5, mass))
+        t = timed(
+            lambda: torch.ops.ridgefill.scattered_rows_attention(
+                q, q_seq, q_pos, k, v, tables, lens, 16, head_dim**-0.5, mass
+            )
+        )
         shape = f"B={batch} ctx={ctx} rows/seq={rows_per_seq}{' +mass' if mass else ''}"
         if rows_per_seq == 1:  # decode-like: bandwidth-bound, each K and V row read once
             moved = batch * ctx * kv_heads * head_dim * 2 * 2
@@ -117,7 +128,7 @@ def bench_ripe(copy_bw: float, quick: bool):
     # RIPE(W) as the runtime calls it: deep = plane R gathered for the cached positions, ring = the
     # sequence's ring of plane r (exactly W slots), block = this loop's K/V of the Tq block tokens.
     heads, kv_heads, head_dim, window = 32, 8, 128, 64
-    for batch, ctx, block in ([(32, 4096, 1)] if quick else [(32, 4096, 1), (8, 16384, 1), (32, 4096, 5)]):
+    for batch, ctx, block in [(32, 4096, 1)] if quick else [(32, 4096, 1), (8, 16384, 1), (32, 4096, 5)]:
         deep_k = torch.randn(batch, ctx, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         deep_v = torch.randn_like(deep_k)
         ring_k = torch.randn(batch, window, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
@@ -126,16 +137,26 @@ def bench_ripe(copy_bw: float, quick: bool):
         block_v = torch.randn_like(block_k)
         lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, block, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-        t = timed(lambda: torch.ops.ridgefill.ripe_attention(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v,
-                                                             lens, window, head_dim**-0.5))
+        t = timed(
+            lambda: torch.ops.ridgefill.ripe_attention(
+                q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, lens, window, head_dim**-0.5
+            )
+        )
         moved = batch * (ctx + block) * kv_heads * head_dim * 2 * 2  # each key's K and V row read once
-        report("ripe_attention", f"B={batch} ctx={ctx} Tq={block} W={window}", t, moved / t, copy_bw, "GB/s",
-               0.6 if block == 1 else None)
+        report(
+            "ripe_attention",
+            f"B={batch} ctx={ctx} Tq={block} W={window}",
+            t,
+            moved / t,
+            copy_bw,
+            "GB/s",
+            0.6 if block == 1 else None,
+        )
 
 
 def bench_gdn(copy_bw: float, quick: bool):
     k_heads, v_heads, k_dim, v_dim = 16, 32, 128, 128  # Qwen3-Next linear-attention shape
-    for batch in ([64] if quick else [8, 64]):
+    for batch in [64] if quick else [8, 64]:
         q = torch.randn(batch, k_heads, k_dim, dtype=torch.bfloat16, device="cuda")
         k = torch.randn_like(q)
         v = torch.randn(batch, v_heads, v_dim, dtype=torch.bfloat16, device="cuda")
@@ -145,7 +166,7 @@ def bench_gdn(copy_bw: float, quick: bool):
         t = timed(lambda: torch.ops.ridgefill.gdn_step(q, k, v, g, beta, state, True))
         moved = 2 * state.numel() * 4  # the fp32 state is read and written once
         report("gdn_step", f"B={batch} Hv={v_heads} {k_dim}x{v_dim}", t, moved / t, copy_bw, "GB/s", None)
-    for seq_len in ([4096] if quick else [1024, 8192]):
+    for seq_len in [4096] if quick else [1024, 8192]:
         q = torch.randn(1, seq_len, k_heads, k_dim, dtype=torch.bfloat16, device="cuda")
         k = torch.randn_like(q)
         v = torch.randn(1, seq_len, v_heads, v_dim, dtype=torch.bfloat16, device="cuda")
@@ -169,8 +190,10 @@ def main() -> None:
         raise SystemExit(f"compiled extension not loaded: {ops.extension_error()}")
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
-    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {copy_bw / 1e9:.0f} GB/s  "
-          f"bf16 GEMM 8192^3: {gemm_rate(8192, 8192, 8192) / 1e12:.0f} TFLOP/s")
+    print(
+        f"device: {torch.cuda.get_device_name()}  copy bandwidth: {copy_bw / 1e9:.0f} GB/s  "
+        f"bf16 GEMM 8192^3: {gemm_rate(8192, 8192, 8192) / 1e12:.0f} TFLOP/s"
+    )
     with torch.inference_mode():
         bench_int8(copy_bw, args.quick)
         bench_scattered(copy_bw, args.quick)
@@ -180,8 +203,10 @@ def main() -> None:
     widths = [max(len(str(r[i])) for r in [header, *ROWS]) for i in range(len(header))]
     for row in [header, *ROWS]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
-    print("ceiling: copy bandwidth for GB/s rows; bf16 torch.matmul on the same shape (int8 GEMM) or at 4096^3 "
-          "(GDN scan) for TFLOP/s rows")
+    print(
+        "ceiling: copy bandwidth for GB/s rows; bf16 torch.matmul on the same shape (int8 GEMM) or at 4096^3 "
+        "(GDN scan) for TFLOP/s rows"
+    )
 
 
 if __name__ == "__main__":

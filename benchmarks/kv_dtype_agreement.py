@@ -32,10 +32,14 @@ def build(kv_dtype: str, docs: int, positions: int, chunk: int):
     from ridgefill_runtime.llm import LLM
 
     blocks = docs * (-(-(positions + 1) // 16) + 1)
-    return LLM(EngineConfig(weights="packed", dtype="float32",
-                            cache=CacheConfig(block_size=16, num_blocks=blocks, kv_dtype=kv_dtype),
-                            scheduler=SchedulerConfig(max_num_seqs=docs, max_num_batched_tokens=chunk + docs,
-                                                      chunk_size=chunk)))
+    return LLM(
+        EngineConfig(
+            weights="packed",
+            dtype="float32",
+            cache=CacheConfig(block_size=16, num_blocks=blocks, kv_dtype=kv_dtype),
+            scheduler=SchedulerConfig(max_num_seqs=docs, max_num_batched_tokens=chunk + docs, chunk_size=chunk),
+        )
+    )
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -55,14 +59,18 @@ def main() -> None:
 
     llms = {kv: build(kv, args.docs, max(args.tokens, 256 + args.new), args.chunk) for kv in KV_DTYPES}
     ids = real_text_ids(llms["auto"].tokenizer, args.docs * args.tokens)
-    docs = [ids[i * args.tokens:(i + 1) * args.tokens] for i in range(args.docs)]
-    print(f"threads={torch.get_num_threads()} SmolLM2-135M Q4_1 packed, float32 compute; {args.docs} documents x "
-          f"{args.tokens} tokens scored in chunks of {args.chunk}; {args.new} greedy tokens each\n")
+    docs = [ids[i * args.tokens : (i + 1) * args.tokens] for i in range(args.docs)]
+    print(
+        f"threads={torch.get_num_threads()} SmolLM2-135M Q4_1 packed, float32 compute; {args.docs} documents x "
+        f"{args.tokens} tokens scored in chunks of {args.chunk}; {args.new} greedy tokens each\n"
+    )
     scores = {kv: [llm.score(d) for d in docs] for kv, llm in llms.items()}
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     greedy = {kv: [c.token_ids for c in llm.generate([d[:256] for d in docs], params)] for kv, llm in llms.items()}
-    print("| K/V cache | bytes per token | max abs Δ log p | mean abs Δ log p | argmax agree | "
-          "greedy: first divergence per document |")
+    print(
+        "| K/V cache | bytes per token | max abs Δ log p | mean abs Δ log p | argmax agree | "
+        "greedy: first divergence per document |"
+    )
     print("|---|---|---|---|---|---|")
     for kv, llm in llms.items():
         d, agree, total = [], 0, 0
@@ -70,11 +78,14 @@ def main() -> None:
             d += [abs(x - y) for x, y in zip(mine["target_logprobs"], ref["target_logprobs"])]
             agree += sum(x == y for x, y in zip(mine["argmax"], ref["argmax"]))
             total += len(ref["argmax"])
-        div = ", ".join("none" if (i := first_divergence(a, b)) is None else str(i)
-                        for a, b in zip(greedy[kv], greedy["auto"]))
+        div = ", ".join(
+            "none" if (i := first_divergence(a, b)) is None else str(i) for a, b in zip(greedy[kv], greedy["auto"])
+        )
         name = "float32 (auto)" if kv == "auto" else kv
-        print(f"| {name} | {llm.engine.kv.bytes_per_token():,} | {max(d):.3g} | {statistics.fmean(d):.3g} | "
-              f"{agree} / {total} | {div} |")
+        print(
+            f"| {name} | {llm.engine.kv.bytes_per_token():,} | {max(d):.3g} | {statistics.fmean(d):.3g} | "
+            f"{agree} / {total} | {div} |"
+        )
 
 
 if __name__ == "__main__":

@@ -17,13 +17,34 @@ from ridgefill_runtime.models.huginn import HUGINN_RAVEN
 from ridgefill_runtime.models.looped import loop_cache_spec
 
 # Huginn-0125's config.json (tomg-group-umd/huginn-0125), the keys the family reads
-HUGINN_0125 = {"model_type": "huginn_raven", "n_embd": 5280, "n_heads": 55, "num_key_value_heads": 55,
-               "intermediate_size": 17920, "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
-               "n_layers_in_coda": 2, "mean_recurrence": 32, "vocab_size": 65536, "padded_vocab_size": 65536,
-               "block_size": 4096, "rope_base": 50000, "norm_eps": 1e-6, "qk_bias": True, "bias": False,
-               "tie_embeddings": True, "injection_type": "linear", "state_init": "like-init"}
-KINDS = (("full", "full", 0), ("deepest plane", "deepest", 0), ("RIPE, W = 16", "ripe", 16),
-         ("RIPE, W = 64", "ripe", 64), ("RIPE, W = 256", "ripe", 256))
+HUGINN_0125 = {
+    "model_type": "huginn_raven",
+    "n_embd": 5280,
+    "n_heads": 55,
+    "num_key_value_heads": 55,
+    "intermediate_size": 17920,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4,
+    "n_layers_in_coda": 2,
+    "mean_recurrence": 32,
+    "vocab_size": 65536,
+    "padded_vocab_size": 65536,
+    "block_size": 4096,
+    "rope_base": 50000,
+    "norm_eps": 1e-6,
+    "qk_bias": True,
+    "bias": False,
+    "tie_embeddings": True,
+    "injection_type": "linear",
+    "state_init": "like-init",
+}
+KINDS = (
+    ("full", "full", 0),
+    ("deepest plane", "deepest", 0),
+    ("RIPE, W = 16", "ripe", 16),
+    ("RIPE, W = 64", "ripe", 64),
+    ("RIPE, W = 256", "ripe", 256),
+)
 
 
 def table(cfg, length: int) -> list[tuple[str, float, float]]:
@@ -33,8 +54,11 @@ def table(cfg, length: int) -> list[tuple[str, float, float]]:
     for name, kind, window in KINDS:
         spec = loop_cache_spec(cfg, LoopConfig(cache=kind, window=window, block=0), torch.bfloat16)
         measured = spec.kv_bytes_per_token() * length + spec.state_bytes_per_sequence()
-        formula = {"full": b * length * (lc.prelude + lc.coda + lc.mean_recurrence * lc.core), "deepest": m_deep,
-                   "ripe": m_deep + b * lc.core * (lc.mean_recurrence - 1) * min(window, length)}[kind]
+        formula = {
+            "full": b * length * (lc.prelude + lc.coda + lc.mean_recurrence * lc.core),
+            "deepest": m_deep,
+            "ripe": m_deep + b * lc.core * (lc.mean_recurrence - 1) * min(window, length),
+        }[kind]
         rows.append((name, measured / 1e6, formula / 1e6))
     return rows
 

@@ -31,34 +31,64 @@ def main() -> None:
     results = {}
     for label, block, port in (("sequential", 0, 8741), ("self-speculative, d = 4, γ = 4", 4, 8742)):
         config = args.out / f"serve_block{block}.toml"
-        config.write_text(f"[looped]\nloops = {args.loops}\ncache = \"ripe\"\nwindow = 64\nblock = {block}\n"
-                          f"draft_loops = 4\n[scheduler]\nmax_num_seqs = {args.users}\n")
+        config.write_text(
+            f'[looped]\nloops = {args.loops}\ncache = "ripe"\nwindow = 64\nblock = {block}\n'
+            f"draft_loops = 4\n[scheduler]\nmax_num_seqs = {args.users}\n"
+        )
         out = args.out / f"plain_block{block}.json"
         proc = start_server(["--model", "looped", "--config", str(config), "--threads", str(args.threads)], port)
         try:
-            subprocess.run([sys.executable, "-m", "clients.loadtest", "plain", "--url", f"http://127.0.0.1:{port}",
-                            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.users),
-                            "--rate", "inf", "--prompt-tokens", str(args.prompt_tokens),
-                            "--output-tokens", str(args.output_tokens), "--out", str(out)],
-                           cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                           stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "clients.loadtest",
+                    "plain",
+                    "--url",
+                    f"http://127.0.0.1:{port}",
+                    "--num-prompts",
+                    str(args.num_prompts),
+                    "--max-concurrency",
+                    str(args.users),
+                    "--rate",
+                    "inf",
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                    "--output-tokens",
+                    str(args.output_tokens),
+                    "--out",
+                    str(out),
+                ],
+                cwd=ROOT,
+                check=True,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdout=subprocess.DEVNULL,
+            )
             results[label] = json.loads(out.read_text())["summary"]
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    print(f"threads={args.threads}, R = {args.loops}, RIPE W = 64, {args.users} users, {args.num_prompts} requests "
-          f"of {args.prompt_tokens} prompt / {args.output_tokens} output tokens (greedy, streamed)")
-    print("| decoding | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | "
-          "tokens / verification | failed |")
+    print(
+        f"threads={args.threads}, R = {args.loops}, RIPE W = 64, {args.users} users, {args.num_prompts} requests "
+        f"of {args.prompt_tokens} prompt / {args.output_tokens} output tokens (greedy, streamed)"
+    )
+    print(
+        "| decoding | output tok/s | TTFT p50 (ms) | TPOT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | "
+        "tokens / verification | failed |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, s in results.items():
         tpv = f"{s['tokens_per_verification']:.2f}" if "tokens_per_verification" in s else "–"
-        print(f"| {label} | {s['output_throughput_tok_s']:.1f} | {s['ttft_p50_s'] * 1e3:.0f} | "
-              f"{s['tpot_p50_s'] * 1e3:.0f} | {s['itl_p50_s'] * 1e3:.0f} | {s['itl_p99_s'] * 1e3:.0f} | {tpv} | "
-              f"{s['failed']} |")
+        print(
+            f"| {label} | {s['output_throughput_tok_s']:.1f} | {s['ttft_p50_s'] * 1e3:.0f} | "
+            f"{s['tpot_p50_s'] * 1e3:.0f} | {s['itl_p50_s'] * 1e3:.0f} | {s['itl_p99_s'] * 1e3:.0f} | {tpv} | "
+            f"{s['failed']} |"
+        )
     base, spec = results["sequential"], results["self-speculative, d = 4, γ = 4"]
-    print(f"\nthroughput ratio (self-speculative / sequential): "
-          f"{spec['output_throughput_tok_s'] / base['output_throughput_tok_s']:.2f}x")
+    print(
+        f"\nthroughput ratio (self-speculative / sequential): "
+        f"{spec['output_throughput_tok_s'] / base['output_throughput_tok_s']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def prompts_from_docs(tokenizer, count: int, length: int) -> list[list[int]]:
         ids = tokenizer.encode(doc.text)
         if len(ids) >= 2 * length:
             mid = len(ids) // 2
-            out.append(ids[mid:mid + length])
+            out.append(ids[mid : mid + length])
         if len(out) == count:
             return out
     raise SystemExit(f"only {len(out)} evaluation documents have {2 * length} tokens")
@@ -61,8 +61,11 @@ class Replay:
 
     def __init__(self, model, looped: LoopConfig, tokens: int):
         self.model = model
-        self.caches = build_caches(spec_of(model, looped), CacheBudget(block_size=BLOCK, num_blocks=-(-tokens // BLOCK),
-                                                                       state_slots=1), model.device)
+        self.caches = build_caches(
+            spec_of(model, looped),
+            CacheBudget(block_size=BLOCK, num_blocks=-(-tokens // BLOCK), state_slots=1),
+            model.device,
+        )
         self.runner = Runner(model, self.caches, BLOCK)
         self.blocks = BlockManager(self.caches.num_blocks, BLOCK)
 
@@ -113,7 +116,7 @@ def ripening(model, prompts, loops: int) -> dict:
     rates = {}
     for part, values in table.items():
         r = torch.arange(fit_from, loops, dtype=torch.float64)  # loops R/2 .. R-1 (Δ_R = 0)
-        y = torch.tensor(values[fit_from - 1:loops - 1], dtype=torch.float64).log()
+        y = torch.tensor(values[fit_from - 1 : loops - 1], dtype=torch.float64).log()
         a = torch.stack([torch.ones_like(r), r], 1)
         coef = torch.linalg.lstsq(a, y[:, None]).solution[:, 0]
         rates[part] = math.exp(float(coef[1]))
@@ -142,8 +145,13 @@ def kl_table(model, model_bf16, engine, prompts, loops: int, new: int, windows: 
     out = {}
     for name, values in rows.items():
         v = torch.cat(values)
-        out[name] = {"positions": v.numel(), "tail_gt_0.1": int((v > 0.1).sum()), "max_kl": float(v.max()),
-                     "mean_kl": float(v.mean()), "median_kl": float(v.median())}
+        out[name] = {
+            "positions": v.numel(),
+            "tail_gt_0.1": int((v > 0.1).sum()),
+            "max_kl": float(v.max()),
+            "mean_kl": float(v.mean()),
+            "median_kl": float(v.median()),
+        }
     return out
 
 
@@ -200,17 +208,24 @@ def main() -> None:
     looped = LoopConfig(loops=args.loops, cache="full", window=0, block=8, draft_loops=2)
     engine = build_engine(EngineConfig(model="looped", looped=looped, cache=CacheConfig(kv_cache_gib=2.0)))
     model, tok = engine.model, engine.tokenizer
-    bf16 = build_engine(EngineConfig(model="looped", dtype="bfloat16", looped=looped, cache=CacheConfig(num_blocks=4))).model
+    bf16 = build_engine(
+        EngineConfig(model="looped", dtype="bfloat16", looped=looped, cache=CacheConfig(num_blocks=4))
+    ).model
     prompts = prompts_from_docs(tok, args.prompts, args.prompt_tokens)
-    report = {"threads": args.threads, "loops": args.loops, "prompts": len(prompts), "prompt_tokens": args.prompt_tokens,
-              "new_tokens": args.new}
+    report = {
+        "threads": args.threads,
+        "loops": args.loops,
+        "prompts": len(prompts),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new,
+    }
     t = time.perf_counter()
     report["ripening"] = ripening(model, prompts[:8], args.loops)
     print("(a) ripening:", json.dumps(report["ripening"]["rho"]), f"{time.perf_counter() - t:.0f}s", flush=True)
     t = time.perf_counter()
     report["kl"] = kl_table(model, bf16, engine, prompts, args.loops, args.new, [4, 16, 64, 256])
     print("(b) KL:", json.dumps(report["kl"]), f"{time.perf_counter() - t:.0f}s", flush=True)
-    spec_prompts = prompts[:args.spec_prompts]
+    spec_prompts = prompts[: args.spec_prompts]
     acc = {}
     for cache in ("full", "deepest"):
         for d in (2, 4, 8):
@@ -225,13 +240,19 @@ def main() -> None:
     speed = {"sequential": {"tok_s": tokens / seq["seconds"], "seconds": seq["seconds"]}}
     for d in (2, 4):
         for block in (2, 4, 8):
-            r = timed(engine, spec_prompts, args.new, LoopOverrides(cache="ripe", window=64, block=block, draft_loops=d))
+            r = timed(
+                engine, spec_prompts, args.new, LoopOverrides(cache="ripe", window=64, block=block, draft_loops=d)
+            )
             tau = (r["accepted"] + r["steps"]) / r["steps"]
             predicted = tau * cost(model, args.loops) / (block * cost(model, d) + cost(model, args.loops))
             same = sum(a == b for a, b in zip(r["outputs"], seq["outputs"]))
-            speed[f"d = {d}, γ = {block}"] = {"tok_s": tokens / r["seconds"], "speedup": seq["seconds"] / r["seconds"],
-                                              "tau": tau, "eq8_speedup": predicted,
-                                              "identical": f"{same}/{len(spec_prompts)}"}
+            speed[f"d = {d}, γ = {block}"] = {
+                "tok_s": tokens / r["seconds"],
+                "speedup": seq["seconds"] / r["seconds"],
+                "tau": tau,
+                "eq8_speedup": predicted,
+                "identical": f"{same}/{len(spec_prompts)}",
+            }
             print("(d)", d, block, json.dumps(speed[f"d = {d}, γ = {block}"]), flush=True)
     report["speed"] = speed
     if args.json:

@@ -35,9 +35,14 @@ CODE = [
     "    return best\n",
 ]
 EDITS = ["rename the function to something clearer", "change the numbers", "add a short comment at the top"]
-CHAT = ["What is the capital of France? Answer in two sentences.", "Give me three tips for sleeping well.",
-        "Explain what a rainbow is to a child.", "Write a short poem about autumn.",
-        "What are the benefits of drinking water?", "Describe a cat in a few sentences."]
+CHAT = [
+    "What is the capital of France? Answer in two sentences.",
+    "Give me three tips for sleeping well.",
+    "Explain what a rainbow is to a child.",
+    "Write a short poem about autumn.",
+    "What are the benefits of drinking water?",
+    "Describe a cat in a few sentences.",
+]
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -60,8 +65,16 @@ def measure(engine, prompts: list[list[int]], params: SamplingParams) -> dict:
     steps = s1.spec_steps_total - s0.spec_steps_total
     accepted = s1.spec_accepted_tokens_total - s0.spec_accepted_tokens_total
     proposed = s1.spec_draft_tokens_total - s0.spec_draft_tokens_total
-    return dict(outputs=outputs, tokens=tokens, seconds=seconds, tps=tokens / seconds, steps=steps,
-                accepted=accepted, proposed=proposed, engine_steps=s1.steps_total - s0.steps_total)
+    return dict(
+        outputs=outputs,
+        tokens=tokens,
+        seconds=seconds,
+        tps=tokens / seconds,
+        steps=steps,
+        accepted=accepted,
+        proposed=proposed,
+        engine_steps=s1.steps_total - s0.steps_total,
+    )
 
 
 def main() -> None:
@@ -73,13 +86,16 @@ def main() -> None:
     ap.add_argument("--min-ngram", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    spec = SpeculativeConfig(method="ngram", num_tokens=args.num_tokens, max_ngram=args.max_ngram,
-                             min_ngram=args.min_ngram)
+    spec = SpeculativeConfig(
+        method="ngram", num_tokens=args.num_tokens, max_ngram=args.max_ngram, min_ngram=args.min_ngram
+    )
     engine = build_engine(EngineConfig(speculative=spec))
     tok = engine.tokenizer
     workloads = {
-        "copy": [chat_ids(tok, f"Repeat this code, but {EDITS[i % len(EDITS)]}:\n\n```python\n{c}```")
-                 for i, c in enumerate(CODE)],
+        "copy": [
+            chat_ids(tok, f"Repeat this code, but {EDITS[i % len(EDITS)]}:\n\n```python\n{c}```")
+            for i, c in enumerate(CODE)
+        ],
         "chat": [chat_ids(tok, c) for c in CHAT],
     }
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
@@ -87,21 +103,27 @@ def main() -> None:
     print(f"model: embedded SmolLM2-135M-Instruct, float32, CPU, torch threads: {torch.get_num_threads()}")
     print(f"speculative: {spec}; greedy, max_tokens {args.max_tokens}, one request at a time")
     print()
-    print("| workload | prompts | tokens | plain tok/s | spec tok/s | speedup | verify steps | "
-          "drafts/step | accepted/step | acceptance | identical |")
+    print(
+        "| workload | prompts | tokens | plain tok/s | spec tok/s | speedup | verify steps | "
+        "drafts/step | accepted/step | acceptance | identical |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, prompts in workloads.items():
         plain = measure(engine, prompts, dataclasses.replace(greedy, speculative=0))
         fast = measure(engine, prompts, greedy)
         same = plain["outputs"] == fast["outputs"]
         steps = max(fast["steps"], 1)
-        print(f"| {name} | {len(prompts)} | {fast['tokens']} | {plain['tps']:.1f} | {fast['tps']:.1f} | "
-              f"{fast['tps'] / plain['tps']:.2f}x | {fast['steps']} | {fast['proposed'] / steps:.2f} | "
-              f"{fast['accepted'] / steps:.2f} | {fast['accepted'] / max(fast['proposed'], 1):.0%} | {same} |")
+        print(
+            f"| {name} | {len(prompts)} | {fast['tokens']} | {plain['tps']:.1f} | {fast['tps']:.1f} | "
+            f"{fast['tps'] / plain['tps']:.2f}x | {fast['steps']} | {fast['proposed'] / steps:.2f} | "
+            f"{fast['accepted'] / steps:.2f} | {fast['accepted'] / max(fast['proposed'], 1):.0%} | {same} |"
+        )
     print()
-    print("tok/s: generated tokens / wall time (prefill included); verify steps: decode steps that "
-          "verified a draft; accepted/step: accepted draft tokens per verify step (each also yields "
-          "the model's own next token).")
+    print(
+        "tok/s: generated tokens / wall time (prefill included); verify steps: decode steps that "
+        "verified a draft; accepted/step: accepted draft tokens per verify step (each also yields "
+        "the model's own next token)."
+    )
 
 
 if __name__ == "__main__":

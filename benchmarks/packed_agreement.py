@@ -42,9 +42,14 @@ def build(weights: str, prompts: int, positions: int, chunk: int):
     from ridgefill_runtime.llm import LLM
 
     blocks = prompts * (-(-(positions + 1) // 16) + 1)
-    return LLM(EngineConfig(weights=weights, dtype="float32", cache=CacheConfig(block_size=16, num_blocks=blocks),
-                            scheduler=SchedulerConfig(max_num_seqs=prompts, max_num_batched_tokens=chunk + prompts,
-                                                      chunk_size=chunk)))
+    return LLM(
+        EngineConfig(
+            weights=weights,
+            dtype="float32",
+            cache=CacheConfig(block_size=16, num_blocks=blocks),
+            scheduler=SchedulerConfig(max_num_seqs=prompts, max_num_batched_tokens=chunk + prompts, chunk_size=chunk),
+        )
+    )
 
 
 def generate(llm, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float]:
@@ -76,16 +81,24 @@ def main() -> None:
     packed = build("packed", args.prompts, positions, args.chunk)
     dense = build("dequantized", args.prompts, positions, args.chunk)
     ids = real_text_ids(dense.tokenizer, args.prompts * args.prompt_tokens)
-    prompts = [ids[i * args.prompt_tokens:(i + 1) * args.prompt_tokens] for i in range(args.prompts)]
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__} model={default_model_path().name} "
-          f"float32; {args.prompts} prompts x {args.prompt_tokens} tokens, {args.tokens} greedy tokens each")
+    prompts = [ids[i * args.prompt_tokens : (i + 1) * args.prompt_tokens] for i in range(args.prompts)]
+    print(
+        f"threads={torch.get_num_threads()} torch={torch.__version__} model={default_model_path().name} "
+        f"float32; {args.prompts} prompts x {args.prompt_tokens} tokens, {args.tokens} greedy tokens each"
+    )
 
     gen_p, secs_p = generate(packed, prompts, args.tokens)
     gen_d, secs_d = generate(dense, prompts, args.tokens)
     free = []
     for i, (a, b) in enumerate(zip(gen_p, gen_d)):
-        free.append({"prompt": i, "tokens": len(b), "first_divergence": first_divergence(a, b),
-                     "agree": sum(x == y for x, y in zip(a, b))})
+        free.append(
+            {
+                "prompt": i,
+                "tokens": len(b),
+                "first_divergence": first_divergence(a, b),
+                "agree": sum(x == y for x, y in zip(a, b)),
+            }
+        )
 
     forced = []
     all_d: list[float] = []
@@ -97,10 +110,18 @@ def main() -> None:
         d = [abs(x - y) for x, y in zip(lp, ld)]
         all_d += d
         agree = sum(x == y for x, y in zip(sp["argmax"], sd["argmax"]))
-        gen_agree = sum(x == y for x, y in zip(sp["argmax"][len(p) - 1:], sd["argmax"][len(p) - 1:]))
-        forced.append({"prompt": i, "positions": len(d), "max_abs_dlogprob": max(d),
-                       "mean_abs_dlogprob": statistics.fmean(d), "argmax_agree": agree,
-                       "generated_positions": len(g), "generated_argmax_agree": gen_agree})
+        gen_agree = sum(x == y for x, y in zip(sp["argmax"][len(p) - 1 :], sd["argmax"][len(p) - 1 :]))
+        forced.append(
+            {
+                "prompt": i,
+                "positions": len(d),
+                "max_abs_dlogprob": max(d),
+                "mean_abs_dlogprob": statistics.fmean(d),
+                "argmax_agree": agree,
+                "generated_positions": len(g),
+                "generated_argmax_agree": gen_agree,
+            }
+        )
 
     print()
     print("(a) free-running greedy, packed vs dequantized")
@@ -116,20 +137,40 @@ def main() -> None:
     print("| prompt | positions | max abs Δ logprob | mean abs Δ logprob | argmax agree | on generated |")
     print("|---|---|---|---|---|---|")
     for r in forced:
-        print(f"| {r['prompt']} | {r['positions']} | {r['max_abs_dlogprob']:.3g} | {r['mean_abs_dlogprob']:.3g} | "
-              f"{r['argmax_agree']} / {r['positions']} | {r['generated_argmax_agree']} / {r['generated_positions']} |")
-    summary = {"positions": len(all_d), "max_abs_dlogprob": max(all_d), "mean_abs_dlogprob": statistics.fmean(all_d),
-               "argmax_agree": sum(r["argmax_agree"] for r in forced)}
-    print(f"all: {summary['positions']} positions, max |Δ| {summary['max_abs_dlogprob']:.3g}, "
-          f"mean |Δ| {summary['mean_abs_dlogprob']:.3g}, "
-          f"argmax agree {summary['argmax_agree']} / {summary['positions']}")
+        print(
+            f"| {r['prompt']} | {r['positions']} | {r['max_abs_dlogprob']:.3g} | {r['mean_abs_dlogprob']:.3g} | "
+            f"{r['argmax_agree']} / {r['positions']} | {r['generated_argmax_agree']} / {r['generated_positions']} |"
+        )
+    summary = {
+        "positions": len(all_d),
+        "max_abs_dlogprob": max(all_d),
+        "mean_abs_dlogprob": statistics.fmean(all_d),
+        "argmax_agree": sum(r["argmax_agree"] for r in forced),
+    }
+    print(
+        f"all: {summary['positions']} positions, max |Δ| {summary['max_abs_dlogprob']:.3g}, "
+        f"mean |Δ| {summary['mean_abs_dlogprob']:.3g}, "
+        f"argmax agree {summary['argmax_agree']} / {summary['positions']}"
+    )
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": args.prompts,
-                       "chunk": args.chunk,
-                       "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
-                       "free_running": free, "free_running_agree": agree, "free_running_total": total,
-                       "teacher_forced": forced, "teacher_forced_all": summary}, f, indent=1)
+            json.dump(
+                {
+                    "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "prompts": args.prompts,
+                    "chunk": args.chunk,
+                    "prompt_tokens": args.prompt_tokens,
+                    "tokens": args.tokens,
+                    "free_running": free,
+                    "free_running_agree": agree,
+                    "free_running_total": total,
+                    "teacher_forced": forced,
+                    "teacher_forced_all": summary,
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.out}")
 
 

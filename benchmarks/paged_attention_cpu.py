@@ -61,7 +61,7 @@ def sdpa_loop(q, k_slab, v_slab, slots, rows_per_seq, scale):
     outs = []
     for b, s in enumerate(slots):
         lo = b * rows_per_seq
-        outs.append(attend(q[lo:lo + rows_per_seq], k_slab[s], v_slab[s], scale))
+        outs.append(attend(q[lo : lo + rows_per_seq], k_slab[s], v_slab[s], scale))
     return torch.cat(outs)
 
 
@@ -83,19 +83,25 @@ def main() -> None:
     dtype = DTYPES[args.dtype]
     scale = args.head_dim**-0.5
     has_kernel = ops.extension_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "ridgefill::scattered_rows_attention", "CPU")
+        "ridgefill::scattered_rows_attention", "CPU"
+    )
     if not has_kernel:
         raise SystemExit("ridgefill_runtime._C has no CPU scattered_rows_attention: build the extension first")
     kernel = torch.ops.ridgefill.scattered_rows_attention
 
-    print(f"threads {torch.get_num_threads()}, H {args.heads} / Hkv {args.kv_heads} / D {args.head_dim}, "
-          f"{args.dtype}, context {args.context}, block size {args.block_size}")
-    print(f"{'case':>22} {'kernel ms':>10} {'GB/s':>7} {'reference ms':>13} {'speed-up':>9} "
-          f"{'gather+SDPA ms':>15} {'speed-up':>9}")
+    print(
+        f"threads {torch.get_num_threads()}, H {args.heads} / Hkv {args.kv_heads} / D {args.head_dim}, "
+        f"{args.dtype}, context {args.context}, block size {args.block_size}"
+    )
+    print(
+        f"{'case':>22} {'kernel ms':>10} {'GB/s':>7} {'reference ms':>13} {'speed-up':>9} "
+        f"{'gather+SDPA ms':>15} {'speed-up':>9}"
+    )
     cases = [(b, 1) for b in args.batches] + ([(1, args.prefill)] if args.prefill else [])
     for batch, rows_per_seq in cases:
-        inputs, slots = make_batch(batch, args.context, args.heads, args.kv_heads, args.head_dim, args.block_size,
-                                   dtype, rows_per_seq)
+        inputs, slots = make_batch(
+            batch, args.context, args.heads, args.kv_heads, args.head_dim, args.block_size, dtype, rows_per_seq
+        )
         q, _, _, k_slab, v_slab, _, _ = inputs
         call = (*inputs, args.block_size, scale, False)
         out = kernel(*call)[0]
@@ -108,9 +114,11 @@ def main() -> None:
         t_sdpa = timed(lambda: sdpa_loop(q, k_slab, v_slab, slots, rows_per_seq, scale), args.reps)
         gbs = batch * args.context * args.kv_heads * args.head_dim * 2 * k_slab.element_size() / t_kernel / 1e9
         name = f"B={batch} decode" if rows_per_seq == 1 else f"prefill {rows_per_seq} rows"
-        print(f"{name:>22} {t_kernel * 1e3:>10.3f} {gbs:>7.1f} {t_ref * 1e3:>13.3f} {t_ref / t_kernel:>8.1f}x "
-              f"{t_sdpa * 1e3:>15.3f} "
-              f"{t_sdpa / t_kernel:>8.1f}x")
+        print(
+            f"{name:>22} {t_kernel * 1e3:>10.3f} {gbs:>7.1f} {t_ref * 1e3:>13.3f} {t_ref / t_kernel:>8.1f}x "
+            f"{t_sdpa * 1e3:>15.3f} "
+            f"{t_sdpa / t_kernel:>8.1f}x"
+        )
 
 
 if __name__ == "__main__":

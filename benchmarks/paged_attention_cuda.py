@@ -93,11 +93,21 @@ def worker(args) -> list[dict]:
                 expected = scattered_rows_attention_reference(*call)[0]
                 err = (out.float() - expected.float()).abs().max().item()
                 assert err < (1e-4 if dtype == torch.float32 else 3e-2), (shape, batch, context, err)  # sanity
-                seconds = time_graph(lambda: kernel(*call), args.calls, args.reps)
+                seconds = time_graph(lambda: kernel(*call), args.calls, args.reps)  # noqa: F821 - timed before the del below
                 kv_bytes = batch * context * kv_heads * head_dim * 2 * inputs[3].element_size()
-                results.append({"shape": shape, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                                "batch": batch, "context": context, "ms": seconds * 1e3,
-                                "gb_per_s": kv_bytes / seconds / 1e9, "max_abs_err": err})
+                results.append(
+                    {
+                        "shape": shape,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "head_dim": head_dim,
+                        "batch": batch,
+                        "context": context,
+                        "ms": seconds * 1e3,
+                        "gb_per_s": kv_bytes / seconds / 1e9,
+                        "max_abs_err": err,
+                    }
+                )
                 del inputs, call, out, expected
                 torch.cuda.empty_cache()
     return results
@@ -117,8 +127,10 @@ def main() -> None:
     args = parser.parse_args()
 
     if not torch.cuda.is_available():
-        raise SystemExit("paged_attention_cuda.py needs a CUDA device (torch.cuda.is_available() is False); "
-                         "benchmarks/paged_attention_cpu.py times the CPU kernel")
+        raise SystemExit(
+            "paged_attention_cuda.py needs a CUDA device (torch.cuda.is_available() is False); "
+            "benchmarks/paged_attention_cpu.py times the CPU kernel"
+        )
     if args.worker:
         print("RESULTS " + json.dumps(worker(args)))
         return
@@ -130,31 +142,55 @@ def main() -> None:
         env.pop("RIDGEFILL_CUDA_ATTN_SPLIT", None)
         if knob is not None:
             env["RIDGEFILL_CUDA_ATTN_SPLIT"] = knob
-        res = subprocess.run([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env, capture_output=True,
-                             text=True)
+        res = subprocess.run(
+            [sys.executable, __file__, "--worker", *sys.argv[1:]], env=env, capture_output=True, text=True
+        )
         lines = [line for line in res.stdout.splitlines() if line.startswith("RESULTS ")]
         if res.returncode != 0 or not lines:
             raise SystemExit(f"split mode {mode}: worker failed (rc {res.returncode})\n{res.stdout}\n{res.stderr}")
-        runs[mode] = json.loads(lines[-1][len("RESULTS "):])
+        runs[mode] = json.loads(lines[-1][len("RESULTS ") :])
 
     props = torch.cuda.get_device_properties(0)
-    print(f"{props.name} ({props.multi_processor_count} SMs), {args.dtype}, block size {args.block_size}, "
-          f"graph of {args.calls} calls, median of {args.reps}")
-    print(f"{'shape':>8} {'B':>4} {'context':>8} {'off ms':>9} {'off GB/s':>9} {'split ms':>9} {'split GB/s':>10} "
-          f"{'speed-up':>9}")
+    print(
+        f"{props.name} ({props.multi_processor_count} SMs), {args.dtype}, block size {args.block_size}, "
+        f"graph of {args.calls} calls, median of {args.reps}"
+    )
+    print(
+        f"{'shape':>8} {'B':>4} {'context':>8} {'off ms':>9} {'off GB/s':>9} {'split ms':>9} {'split GB/s':>10} "
+        f"{'speed-up':>9}"
+    )
     rows = []
     for off, split in zip(runs["off"], runs["heuristic"]):
         speedup = off["ms"] / split["ms"]
-        print(f"{off['shape']:>8} {off['batch']:>4} {off['context']:>8} {off['ms']:>9.4f} {off['gb_per_s']:>9.1f} "
-              f"{split['ms']:>9.4f} {split['gb_per_s']:>10.1f} {speedup:>8.2f}x")
-        rows.append({**{k: off[k] for k in ("shape", "heads", "kv_heads", "head_dim", "batch", "context")},
-                     "off_ms": off["ms"], "off_gb_per_s": off["gb_per_s"], "split_ms": split["ms"],
-                     "split_gb_per_s": split["gb_per_s"], "speedup": speedup})
+        print(
+            f"{off['shape']:>8} {off['batch']:>4} {off['context']:>8} {off['ms']:>9.4f} {off['gb_per_s']:>9.1f} "
+            f"{split['ms']:>9.4f} {split['gb_per_s']:>10.1f} {speedup:>8.2f}x"
+        )
+        rows.append(
+            {
+                **{k: off[k] for k in ("shape", "heads", "kv_heads", "head_dim", "batch", "context")},
+                "off_ms": off["ms"],
+                "off_gb_per_s": off["gb_per_s"],
+                "split_ms": split["ms"],
+                "split_gb_per_s": split["gb_per_s"],
+                "speedup": speedup,
+            }
+        )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": props.name, "sms": props.multi_processor_count, "dtype": args.dtype,
-                       "block_size": args.block_size, "calls": args.calls, "reps": args.reps, "results": rows},
-                      f, indent=2)
+            json.dump(
+                {
+                    "device": props.name,
+                    "sms": props.multi_processor_count,
+                    "dtype": args.dtype,
+                    "block_size": args.block_size,
+                    "calls": args.calls,
+                    "reps": args.reps,
+                    "results": rows,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.out}")
 
 

@@ -42,8 +42,10 @@ def engine_with_chunk(llm, chunk: int):
     from ridgefill_runtime.engine import Engine
 
     # NOTE: prefix caching off: every rep sends the same prompt, and a cached prefix is not prefill
-    config = EngineConfig(cache=CacheConfig(kv_cache_gib=0.25, prefix_caching="off"),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=1, chunk_size=chunk))
+    config = EngineConfig(
+        cache=CacheConfig(kv_cache_gib=0.25, prefix_caching="off"),
+        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=1, chunk_size=chunk),
+    )
     return Engine(llm.engine.model, llm.tokenizer, config)
 
 
@@ -71,8 +73,13 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512, help="also time chunked prefill at this chunk size")
-    ap.add_argument("--weights", nargs="+", default=["auto"], choices=["auto", "packed", "dequantized"],
-                    help="ridgefill arms, by the weights setting, timed in the same reps")
+    ap.add_argument(
+        "--weights",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "packed", "dequantized"],
+        help="ridgefill arms, by the weights setting, timed in the same reps",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -87,14 +94,18 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ids_all = real_text_ids(next(iter(llms.values())).tokenizer, max(args.lengths))
 
-    print(f"threads={torch.get_num_threads()} torch={torch.__version__} model=SmolLM2-135M-Instruct (GGUF, float32, CPU)")
-    for w, llm in llms.items():
+    print(
+        f"threads={torch.get_num_threads()} torch={torch.__version__} model=SmolLM2-135M-Instruct (GGUF, float32, CPU)"
+    )
+    for llm in llms.values():
         time_ours(engine_with_chunk(llm, 128), ids_all[:128])  # warm up
     time_hf(hf, ids_all[:128])
     for w, llm in llms.items():
         print(f"\nweights = {w}")
-        print(f"{'tokens':>6} | {'transformers tok/s':>18} | {'ours tok/s':>10} | {'ratio':>5} | "
-              f"{'ours chunk=' + str(args.chunk) + ' tok/s':>22} | {'ratio':>5}")
+        print(
+            f"{'tokens':>6} | {'transformers tok/s':>18} | {'ours tok/s':>10} | {'ratio':>5} | "
+            f"{'ours chunk=' + str(args.chunk) + ' tok/s':>22} | {'ratio':>5}"
+        )
         print("-" * 84)
         for n in args.lengths:
             ids = ids_all[:n]

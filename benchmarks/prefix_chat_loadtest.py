@@ -21,11 +21,32 @@ from serving import ROOT, start_server
 
 
 def run_clients(port: int, args, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "clients.loadtest", "chat", "--url", f"http://127.0.0.1:{port}",
-                    "--num-prompts", str(args.requests), "--rate", str(args.rate),
-                    "--system-tokens", str(args.system_tokens), "--user-tokens", str(args.user_tokens),
-                    "--output-tokens", str(args.output_tokens), "--out", str(out)],
-                   cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "clients.loadtest",
+            "chat",
+            "--url",
+            f"http://127.0.0.1:{port}",
+            "--num-prompts",
+            str(args.requests),
+            "--rate",
+            str(args.rate),
+            "--system-tokens",
+            str(args.system_tokens),
+            "--user-tokens",
+            str(args.user_tokens),
+            "--output-tokens",
+            str(args.output_tokens),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+    )
     return json.loads(out.read_text())["summary"]
 
 
@@ -49,14 +70,20 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))
-    print(f"threads={args.threads}; {args.requests} chat requests at {args.rate}/s, a shared system prompt of "
-          f"~{args.system_tokens} tokens + ~{args.user_tokens} user tokens each, {args.output_tokens} output tokens")
-    print("| server | TTFT p50 (ms) | TTFT p90 | TTFT p99 | ITL p50 (ms) | ITL p99 | output tok/s | cached prompt tokens | failed |")
+    print(
+        f"threads={args.threads}; {args.requests} chat requests at {args.rate}/s, a shared system prompt of "
+        f"~{args.system_tokens} tokens + ~{args.user_tokens} user tokens each, {args.output_tokens} output tokens"
+    )
+    print(
+        "| server | TTFT p50 (ms) | TTFT p90 | TTFT p99 | ITL p50 (ms) | ITL p99 | output tok/s | cached prompt tokens | failed |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for label, s in results.items():
-        print(f"| {label} | {s['ttft_p50_s'] * 1e3:.0f} | {s['ttft_p90_s'] * 1e3:.0f} | {s['ttft_p99_s'] * 1e3:.0f} | "
-              f"{s['itl_p50_s'] * 1e3:.1f} | {s['itl_p99_s'] * 1e3:.1f} | {s['output_throughput_tok_s']:.1f} | "
-              f"{s['cached_tokens_total']} | {s['failed']} |")
+        print(
+            f"| {label} | {s['ttft_p50_s'] * 1e3:.0f} | {s['ttft_p90_s'] * 1e3:.0f} | {s['ttft_p99_s'] * 1e3:.0f} | "
+            f"{s['itl_p50_s'] * 1e3:.1f} | {s['itl_p99_s'] * 1e3:.1f} | {s['output_throughput_tok_s']:.1f} | "
+            f"{s['cached_tokens_total']} | {s['failed']} |"
+        )
     on, off = results["prefix cache on"], results["prefix cache off"]
     print(f"TTFT p50 off / on = {off['ttft_p50_s'] / on['ttft_p50_s']:.1f}x")
 

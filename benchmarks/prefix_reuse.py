@@ -79,8 +79,9 @@ def samples(tok, n: int, length: int, tail: int, seed: int):
     out = []
     for i in range(n):
         rng = random.Random(seed + i)
-        p = make_prompt("multikey", tok, " ".join(rng.sample(haystacks, 4)), length, rng,
-                        prefix_limit=length - tail - 64)
+        p = make_prompt(
+            "multikey", tok, " ".join(rng.sample(haystacks, 4)), length, rng, prefix_limit=length - tail - 64
+        )
         asked = next(k for k, v, _, _ in p.needles if v in p.answers)
         k2, v2, at, size = rng.choice([x for x in p.needles if x[0] != asked])
         out.append((p, k2, v2, range(at, at + size)))
@@ -117,8 +118,12 @@ def main() -> None:
         ids2 = second_turn(tok, first, f1.output_ids, key)
         # NOTE: reselect and as-is publish blocks under one identity: reselect runs first, so
         # as-is finds turn 1's blocks, not reselect's remade copies (those stay private anyway)
-        for arm, llm, reuse in (("reselect", filled, "reselect"), ("as-is", filled, "as-is"),
-                                ("never", filled, "never"), ("fresh", fresh, "never")):
+        for arm, llm, reuse in (
+            ("reselect", filled, "reselect"),
+            ("as-is", filled, "as-is"),
+            ("never", filled, "never"),
+            ("fresh", fresh, "never"),
+        ):
             seq, row[f"{arm}:ttft"] = run(llm, ids2, reuse=reuse)
             row[arm] = answered(tok.decode(seq.output_ids), value)
             row[f"{arm}:cached"], row[f"{arm}:cached_filled"] = seq.num_cached, seq.cached_filled_rows
@@ -143,27 +148,43 @@ def report(rows: list[dict], args) -> None:
         return f"{m:+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
     inside = [r for r in rows if r["needle_filled"]]
-    print(f"\n{len(rows)} samples of {args.length} tokens, tail {args.tail}, threads {args.threads}; "
-          f"second needle in the filled region in {len(inside)}")
-    print("| arm | turn 2 accuracy (all) | vs exact | vs fresh | needle filled: accuracy | vs exact "
-          "| turn-2 TTFT median s | cached tokens (filled rows) | rows remade exact (median) |")
+    print(
+        f"\n{len(rows)} samples of {args.length} tokens, tail {args.tail}, threads {args.threads}; "
+        f"second needle in the filled region in {len(inside)}"
+    )
+    print(
+        "| arm | turn 2 accuracy (all) | vs exact | vs fresh | needle filled: accuracy | vs exact "
+        "| turn-2 TTFT median s | cached tokens (filled rows) | rows remade exact (median) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for arm in ARMS:
-        cached = "—" if arm == "exact" else (f"{statistics.median(r[arm + ':cached'] for r in rows):.0f} "
-                                             f"({statistics.median(r[arm + ':cached_filled'] for r in rows):.0f})")
+        cached = (
+            "—"
+            if arm == "exact"
+            else (
+                f"{statistics.median(r[arm + ':cached'] for r in rows):.0f} "
+                f"({statistics.median(r[arm + ':cached_filled'] for r in rows):.0f})"
+            )
+        )
         vs_fresh = "—" if arm in ("exact", "fresh") else paired(arm, "fresh", rows)
         vs_exact = "—" if arm == "exact" else paired(arm, "exact", rows)
         vs_exact_in = "—" if arm == "exact" else paired(arm, "exact", inside)
-        print(f"| {arm} | {acc(arm, rows):.1f}% | {vs_exact} | {vs_fresh} | {acc(arm, inside):.1f}% | {vs_exact_in} "
-              f"| {statistics.median(r[arm + ':ttft'] for r in rows):.3f} | {cached} "
-              f"| {'—' if arm == 'exact' else statistics.median(r[arm + ':remade'] for r in rows)} |")
+        print(
+            f"| {arm} | {acc(arm, rows):.1f}% | {vs_exact} | {vs_fresh} | {acc(arm, inside):.1f}% | {vs_exact_in} "
+            f"| {statistics.median(r[arm + ':ttft'] for r in rows):.3f} | {cached} "
+            f"| {'—' if arm == 'exact' else statistics.median(r[arm + ':remade'] for r in rows)} |"
+        )
     print(f"turn 1 accuracy: exact {acc('exact:turn1', rows):.1f}%, filled {acc('fill:turn1', rows):.1f}%")
-    print(f"reselect holds every row the fresh fill made exact in {sum(r['reselect_has_fresh_rows'] for r in rows)} "
-          f"of {len(rows)} samples")
+    print(
+        f"reselect holds every row the fresh fill made exact in {sum(r['reselect_has_fresh_rows'] for r in rows)} "
+        f"of {len(rows)} samples"
+    )
     covered = [r["covered"] for r in inside]
     if covered:
-        print(f"the first question's exact rows cover a median {100 * statistics.median(covered):.0f}% of the "
-              f"second needle's tokens (needle in the filled region)")
+        print(
+            f"the first question's exact rows cover a median {100 * statistics.median(covered):.0f}% of the "
+            f"second needle's tokens (needle in the filled region)"
+        )
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
 
 

@@ -16,8 +16,13 @@ import json
 from pathlib import Path
 
 ARMS = ("plain", "lexical", "attention", "probe@0.33", "probe@1")
-SPEED_NAME = {"plain": "special", "lexical": "lexical", "attention": "attention 10%", "probe@0.33": "probe@0.33",
-              "probe@1": "probe@1"}
+SPEED_NAME = {
+    "plain": "special",
+    "lexical": "lexical",
+    "attention": "attention 10%",
+    "probe@0.33": "probe@0.33",
+    "probe@1": "probe@1",
+}
 
 
 def speed_key(split: int, tail: int, arm: str, default: tuple[int, int]) -> str:
@@ -37,28 +42,46 @@ def rows(evals: dict, speed: dict, length: int) -> list[dict]:
                 continue
             s, key = summary[arm], speed_key(split, tail, arm, default)
             r = s["retrieval"]
-            out.append({"split": split, "tail": tail, "arm": arm, "rows": r["row_share"], "retrieval": r["accuracy"],
-                        "exact": r["exact"], "diff": r["diff"], "ci": r["ci"], "bound": r["bound"], "n": r["n"],
-                        "dnll_key": s.get("dnll_key"),
-                        "speedup": at["ttft"]["exact"] / at["ttft"][key] if key in at["ttft"] else None})
+            out.append(
+                {
+                    "split": split,
+                    "tail": tail,
+                    "arm": arm,
+                    "rows": r["row_share"],
+                    "retrieval": r["accuracy"],
+                    "exact": r["exact"],
+                    "diff": r["diff"],
+                    "ci": r["ci"],
+                    "bound": r["bound"],
+                    "n": r["n"],
+                    "dnll_key": s.get("dnll_key"),
+                    "speedup": at["ttft"]["exact"] / at["ttft"][key] if key in at["ttft"] else None,
+                }
+            )
     return out
 
 
 def table(points: list[dict], length: int) -> str:
-    lines = [f"| split | tail | selection | exact rows (share of prefix) | retrieval (exact) | Δ vs exact, pts [95% CI] | "
-             f"key ΔNLL [95% CI] | speedup at {length} |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| split | tail | selection | exact rows (share of prefix) | retrieval (exact) | Δ vs exact, pts [95% CI] | "
+        f"key ΔNLL [95% CI] | speedup at {length} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for p in points:
         k = p["dnll_key"]
         key = "—" if not k else f"{k[0]:+.3f} [{k[1]:+.3f}, {k[2]:+.3f}]"
         sp = "—" if p["speedup"] is None else f"{p['speedup']:.2f}×"
-        lines.append(f"| {p['split']} | {p['tail']} | {p['arm']} | {100 * p['rows']:.1f}% | {p['retrieval']:.1f}% "
-                     f"({p['exact']:.1f}%, n={p['n']}) | {p['diff']:+.1f} [{p['ci'][0]:+.1f}, {p['ci'][1]:+.1f}] | "
-                     f"{key} | {sp} |")
+        lines.append(
+            f"| {p['split']} | {p['tail']} | {p['arm']} | {100 * p['rows']:.1f}% | {p['retrieval']:.1f}% "
+            f"({p['exact']:.1f}%, n={p['n']}) | {p['diff']:+.1f} [{p['ci'][0]:+.1f}, {p['ci'][1]:+.1f}] | "
+            f"{key} | {sp} |"
+        )
     return "\n".join(lines)
 
 
 def plot(points: list[dict], path: Path, length: int) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -49,18 +49,26 @@ def main() -> None:
 
     llm = LLM(EngineConfig(model="gemma3-270m", cache=CacheConfig(kv_cache_gib=0.05)))
     model = llm.engine.model
-    ridgefill = FillConfig(arm="ridgefill", split=args.split, tail=args.tail,
-                           maps=str(shipped_maps(args.split, "gemma3-270m")))
+    ridgefill = FillConfig(
+        arm="ridgefill", split=args.split, tail=args.tail, maps=str(shipped_maps(args.split, "gemma3-270m"))
+    )
     # NOTE: the default selection ("special") makes scattered exact prefix rows, whose windows reach
     # most filled rows; without exact rows only the tail's window does (the bound the issue names)
-    fills = {"exact": FillConfig(), "ridgefill": ridgefill,
-             "ridgefill, no exact rows": dataclasses.replace(ridgefill, rows=RowsConfig(selectors=()))}
+    fills = {
+        "exact": FillConfig(),
+        "ridgefill": ridgefill,
+        "ridgefill, no exact rows": dataclasses.replace(ridgefill, rows=RowsConfig(selectors=())),
+    }
     ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
     row_bytes = 2 * model.config.num_kv_heads * model.config.head_dim * 4
-    print(f"threads={torch.get_num_threads()} Gemma 3 270M (Q4_K_M GGUF, float32 CPU), block 16, chunk 512, "
-          f"+{args.new} greedy tokens; K/V row = one layer at one position = {row_bytes} B at float32\n")
-    print("| prompt | arm | cache | peak rows | rows held decoding | MiB decoding | vs every page | "
-          "late window-layer rows written | prefill s | same tokens |")
+    print(
+        f"threads={torch.get_num_threads()} Gemma 3 270M (Q4_K_M GGUF, float32 CPU), block 16, chunk 512, "
+        f"+{args.new} greedy tokens; K/V row = one layer at one position = {row_bytes} B at float32\n"
+    )
+    print(
+        "| prompt | arm | cache | peak rows | rows held decoding | MiB decoding | vs every page | "
+        "late window-layer rows written | prefill s | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for n in args.lengths:
         ids = ids_all[:n]
@@ -68,13 +76,16 @@ def main() -> None:
             runs = {}
             for mode, setting in (("every page", "on"), ("bounded", "off")):
                 cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=4.0, prefix_caching=setting), fill=fill)
-                runs[mode] = _run(Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model)), ids, args.new,
-                                  args.split)
+                runs[mode] = _run(
+                    Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model)), ids, args.new, args.split
+                )
             full = runs["every page"]
             for mode, r in runs.items():
                 same = "yes" if r["tokens"] == full["tokens"] else "NO"
-                print(f"| {n} | {arm} | {mode} | {r['peak']:,} | {r['decode']:,} | {r['decode'] * row_bytes / 2**20:.1f} | "
-                      f"{r['decode'] / full['decode']:.0%} | {r['written']:,} | {r['prefill_s']:.1f} | {same} |")
+                print(
+                    f"| {n} | {arm} | {mode} | {r['peak']:,} | {r['decode']:,} | {r['decode'] * row_bytes / 2**20:.1f} | "
+                    f"{r['decode'] / full['decode']:.0%} | {r['written']:,} | {r['prefill_s']:.1f} | {same} |"
+                )
     print("\nllama.cpp (llama-cpp-python), KV allocated at n_ctx = prompt + new, f16:\n")
     print("| n_ctx | swa_full | rows allocated | vs swa_full on |")
     print("|---|---|---|---|")
@@ -97,8 +108,7 @@ def _run(engine, ids: list[int], new: int, split: int) -> dict:
     rows the prefill wrote at late sliding-window layers, its time to first token, the tokens."""
     from ridgefill_runtime.sequence import SamplingParams
 
-    late_windowed = {i for i in engine.caches.spec.attention_layers
-                     if i >= split and engine.model.config.window_of(i)}
+    late_windowed = {i for i in engine.caches.spec.attention_layers if i >= split and engine.model.config.window_of(i)}
     written = [0]
     write = engine.kv.write
 
@@ -126,10 +136,17 @@ def _run(engine, ids: list[int], new: int, split: int) -> dict:
 def _llama_cpp_rows(path, n_ctx: int, swa_full: bool, threads: int) -> int:
     """Cells x layers of every KV cache llama.cpp creates, from its log (a child process: the
     log goes to the C stderr)."""
-    code = ("import llama_cpp, sys; llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), "
-            "n_threads=int(sys.argv[3]), verbose=True, swa_full=sys.argv[4] == '1')")
-    out = subprocess.run([sys.executable, "-c", code, str(path), str(n_ctx), str(threads), "1" if swa_full else "0"],
-                         capture_output=True, text=True, check=True, env=dict(os.environ))
+    code = (
+        "import llama_cpp, sys; llama_cpp.Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), "
+        "n_threads=int(sys.argv[3]), verbose=True, swa_full=sys.argv[4] == '1')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(n_ctx), str(threads), "1" if swa_full else "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ),
+    )
     found = re.findall(r"llama_kv_cache: size = .*?\(\s*(\d+) cells,\s*(\d+) layers", out.stderr)
     if not found:
         raise RuntimeError("llama.cpp printed no KV cache size:\n" + out.stderr[-2000:])

@@ -28,9 +28,11 @@ from pathlib import Path
 import httpx
 
 # A neutral English passage; repeated and cut to the exact token count asked for.
-_FILLER = ("The river ran past the old mill, where the miller kept a ledger of every sack of grain. "
-           "In spring the water rose and the wheel turned faster; in autumn the village gathered to "
-           "count the harvest and argue about the price of flour. ")
+_FILLER = (
+    "The river ran past the old mill, where the miller kept a ledger of every sack of grain. "
+    "In spring the water rose and the wheel turned faster; in autumn the village gathered to "
+    "count the harvest and argue about the price of flour. "
+)
 
 
 @dataclass
@@ -68,8 +70,9 @@ def percentile(values: list[float], q: float) -> float:
 class Client:
     def __init__(self, url: str, model: str | None, api_key: str | None, timeout: float):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout,
-                                      limits=httpx.Limits(max_connections=256))
+        self.http = httpx.AsyncClient(
+            base_url=url.rstrip("/"), headers=headers, timeout=timeout, limits=httpx.Limits(max_connections=256)
+        )
         self.model = model
 
     async def prompt_ids(self, n: int, salt: int) -> list[int]:
@@ -80,20 +83,34 @@ class Client:
         return r.json()["tokens"][:n]
 
     async def stream(self, prompt: list[int], max_tokens: int, started: asyncio.Event | None = None) -> StreamRecord:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.model:
             body["model"] = self.model
         return await self._stream("/v1/completions", body, "text", started)
 
     async def stream_chat(self, messages: list[dict], max_tokens: int) -> StreamRecord:
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if self.model:
             body["model"] = self.model
         return await self._stream("/v1/chat/completions", body, "content")
 
-    async def _stream(self, route: str, body: dict, field_name: str, started: asyncio.Event | None = None) -> StreamRecord:
+    async def _stream(
+        self, route: str, body: dict, field_name: str, started: asyncio.Event | None = None
+    ) -> StreamRecord:
         rec = StreamRecord(sent=time.perf_counter())
         try:
             async with self.http.stream("POST", route, json=body) as r:
@@ -145,15 +162,26 @@ async def mixed_cell(client: Client, users: int, rep: int, args) -> dict:
     new = await client.stream(new_prompt, args.new_output_tokens)
     done = await asyncio.gather(*tasks)
     errors = [r.error for r in [new, *done] if r.error]
-    cell = {"users": users, "rep": rep, "new_ttft_s": new.ttft if new.chunk_times else math.nan,
-            "new_filled_rows": new.fill["filled_rows"] if new.fill else 0, "new_fill": new.fill, "errors": errors}
+    cell = {
+        "users": users,
+        "rep": rep,
+        "new_ttft_s": new.ttft if new.chunk_times else math.nan,
+        "new_filled_rows": new.fill["filled_rows"] if new.fill else 0,
+        "new_fill": new.fill,
+        "errors": errors,
+    }
     if done:
         first_sent = min(r.sent for r in done)
         last = max(r.chunk_times[-1] for r in done if r.chunk_times)
         tokens = sum(r.completion_tokens for r in done)
         itls = [x for r in done for x in r.itls]
-        cell.update(others_tokens=tokens, others_throughput_tok_s=tokens / (last - first_sent),
-                    itl_p50_s=percentile(itls, 50), itl_p99_s=percentile(itls, 99), itl_max_s=max(itls, default=math.nan))
+        cell.update(
+            others_tokens=tokens,
+            others_throughput_tok_s=tokens / (last - first_sent),
+            itl_p50_s=percentile(itls, 50),
+            itl_p99_s=percentile(itls, 99),
+            itl_max_s=max(itls, default=math.nan),
+        )
     return cell
 
 
@@ -166,8 +194,11 @@ async def run_mixed(args) -> dict:
     summary = []
     for c in args.concurrency:
         rows = [x for x in cells if x["users"] == c]
-        row = {"users": c, "new_ttft_s": _median(r["new_ttft_s"] for r in rows),
-               "new_filled_rows": max(r["new_filled_rows"] for r in rows)}
+        row = {
+            "users": c,
+            "new_ttft_s": _median(r["new_ttft_s"] for r in rows),
+            "new_filled_rows": max(r["new_filled_rows"] for r in rows),
+        }
         if c > 1:
             for key in ("others_throughput_tok_s", "itl_p50_s", "itl_p99_s", "itl_max_s"):
                 row[key] = _median(r[key] for r in rows)
@@ -215,9 +246,10 @@ async def run_chat(args) -> dict:
     client = Client(args.url, args.model, args.api_key, args.timeout)
     try:
         system = filler_text(args.system_tokens, 0)
-        chats = [[{"role": "system", "content": system},
-                  {"role": "user", "content": filler_text(args.user_tokens, i + 1)}]
-                 for i in range(args.num_prompts)]
+        chats = [
+            [{"role": "system", "content": system}, {"role": "user", "content": filler_text(args.user_tokens, i + 1)}]
+            for i in range(args.num_prompts)
+        ]
         recs, duration = await _arrivals(chats, lambda m: client.stream_chat(m, args.output_tokens), args)
     finally:
         await client.close()
@@ -232,14 +264,20 @@ def summarize(recs: list[StreamRecord], duration: float) -> dict:
     ttft = [r.ttft for r in ok]
     tpot = [(r.chunk_times[-1] - r.chunk_times[0]) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]
     itl = [x for r in ok for x in r.itls]
-    stats = {"completed": len(ok), "failed": len(recs) - len(ok), "duration_s": duration,
-             "output_throughput_tok_s": sum(r.completion_tokens for r in ok) / duration,
-             "request_throughput_req_s": len(ok) / duration,
-             "errors": [r.error for r in recs if r.error]}
+    stats = {
+        "completed": len(ok),
+        "failed": len(recs) - len(ok),
+        "duration_s": duration,
+        "output_throughput_tok_s": sum(r.completion_tokens for r in ok) / duration,
+        "request_throughput_req_s": len(ok) / duration,
+        "errors": [r.error for r in recs if r.error],
+    }
     verified = [r.speculation for r in ok if r.speculation]
     if verified:  # NOTE: tokens per verification over all the run's verifications
         steps = sum(v["verifications"] for v in verified)
-        stats["tokens_per_verification"] = sum(v["verifications"] * v["tokens_per_verification"] for v in verified) / steps
+        stats["tokens_per_verification"] = (
+            sum(v["verifications"] * v["tokens_per_verification"] for v in verified) / steps
+        )
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         stats[f"{name}_mean_s"] = sum(vals) / len(vals) if vals else math.nan
         for q in (50, 90, 99):
@@ -255,20 +293,29 @@ def _settings(args) -> dict:
 
 
 def mixed_table(result: dict) -> str:
-    lines = ["| users C | new TTFT (s) | filled rows | others' tok/s | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| users C | new TTFT (s) | filled rows | others' tok/s | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["summary"]:
         ms = lambda k: f"{r[k] * 1e3:.0f}" if k in r else "–"  # noqa: E731
         tput = f"{r['others_throughput_tok_s']:.1f}" if "others_throughput_tok_s" in r else "–"
-        lines.append(f"| {r['users']} | {r['new_ttft_s']:.2f} | {r.get('new_filled_rows', 0)} | {tput} | {ms('itl_p50_s')} | {ms('itl_p99_s')} | {ms('itl_max_s')} |")
+        lines.append(
+            f"| {r['users']} | {r['new_ttft_s']:.2f} | {r.get('new_filled_rows', 0)} | {tput} | {ms('itl_p50_s')} | {ms('itl_p99_s')} | {ms('itl_max_s')} |"
+        )
     return "\n".join(lines)
 
 
 def mixed_side_by_side(results: list[dict], labels: list[str]) -> str:
     """One row per C, each measure for every result next to each other (e.g. fill off | on)."""
-    measures = [("new TTFT (s)", "new_ttft_s", 1, 2), ("filled rows", "new_filled_rows", 1, 0),
-                ("others' tok/s", "others_throughput_tok_s", 1, 1), ("ITL p50 (ms)", "itl_p50_s", 1e3, 0),
-                ("ITL p99 (ms)", "itl_p99_s", 1e3, 0), ("ITL max (ms)", "itl_max_s", 1e3, 0)]
+    measures = [
+        ("new TTFT (s)", "new_ttft_s", 1, 2),
+        ("filled rows", "new_filled_rows", 1, 0),
+        ("others' tok/s", "others_throughput_tok_s", 1, 1),
+        ("ITL p50 (ms)", "itl_p50_s", 1e3, 0),
+        ("ITL p99 (ms)", "itl_p99_s", 1e3, 0),
+        ("ITL max (ms)", "itl_max_s", 1e3, 0),
+    ]
     head = ["users C"] + [f"{title} {label}" for title, *_ in measures for label in labels]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = [{r["users"]: r for r in res["summary"]} for res in results]
@@ -287,10 +334,19 @@ def plain_table(result: dict) -> str:
     spec = f", {s['tokens_per_verification']:.2f} tokens per verification" if "tokens_per_verification" in s else ""
     if "cached_tokens_total" in s:
         spec += f", {s['cached_tokens_total']} prompt tokens cached"
-    rows = [f"completed {s['completed']}, failed {s['failed']}, {s['duration_s']:.1f} s, "
-            f"{s['output_throughput_tok_s']:.1f} output tok/s{spec}", "", "| metric | mean (ms) | p50 | p90 | p99 |", "|---|---|---|---|---|"]
+    rows = [
+        f"completed {s['completed']}, failed {s['failed']}, {s['duration_s']:.1f} s, "
+        f"{s['output_throughput_tok_s']:.1f} output tok/s{spec}",
+        "",
+        "| metric | mean (ms) | p50 | p90 | p99 |",
+        "|---|---|---|---|---|",
+    ]
     for name in ("ttft", "tpot", "itl"):
-        rows.append(f"| {name.upper()} | " + " | ".join(f"{s[f'{name}_{k}_s'] * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")) + " |")
+        rows.append(
+            f"| {name.upper()} | "
+            + " | ".join(f"{s[f'{name}_{k}_s'] * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99"))
+            + " |"
+        )
     return "\n".join(rows)
 
 
@@ -308,7 +364,9 @@ def plot(results: list[dict], labels: list[str], path: Path) -> None:
             more = [r for r in s if "itl_p50_s" in r]
             axes[1].plot([r["users"] for r in more], [r["others_throughput_tok_s"] for r in more], "o-", label=label)
             for key, style in (("itl_p50_s", "o-"), ("itl_p99_s", "s--"), ("itl_max_s", "^:")):
-                axes[2].plot([r["users"] for r in more], [r[key] * 1e3 for r in more], style, label=f"{label} {key[4:-2]}")
+                axes[2].plot(
+                    [r["users"] for r in more], [r[key] * 1e3 for r in more], style, label=f"{label} {key[4:-2]}"
+                )
         for ax, title in zip(axes, ("new request TTFT (s)", "others' throughput (tok/s)", "others' ITL (ms)")):
             ax.set_title(title)
             ax.set_xlabel("users C")
@@ -320,8 +378,12 @@ def plot(results: list[dict], labels: list[str], path: Path) -> None:
         for i, (res, label) in enumerate(zip(results, labels)):
             s = res["summary"]
             for j, q in enumerate(("p50", "p99")):
-                ax.bar([k + i * width + j * width / 2 for k in range(3)], [s[f"{n}_{q}_s"] * 1e3 for n in names],
-                       width / 2, label=f"{label} {q}")
+                ax.bar(
+                    [k + i * width + j * width / 2 for k in range(3)],
+                    [s[f"{n}_{q}_s"] * 1e3 for n in names],
+                    width / 2,
+                    label=f"{label} {q}",
+                )
         ax.set_xticks(range(3), [n.upper() for n in names])
         ax.set_ylabel("ms")
         ax.legend(fontsize=7)

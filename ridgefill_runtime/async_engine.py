@@ -154,8 +154,9 @@ class EngineObserver:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queued: int, observer: EngineObserver | None = None,
-                 stall_after_s: float = 60.0):
+    def __init__(
+        self, engine: Engine, max_queued: int, observer: EngineObserver | None = None, stall_after_s: float = 60.0
+    ):
         if not stall_after_s > 0:
             raise ValueError(f"stall_after_s must be positive, got {stall_after_s}")
         self.engine = engine
@@ -231,9 +232,16 @@ class AsyncEngine:
 
     # -- event-loop side ----------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
-               rows: RowsConfig | None = None, deadline: float | None = None,
-               terminal_state: bool | None = None, reuse_filled: str | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        fill: bool = True,
+        rows: RowsConfig | None = None,
+        deadline: float | None = None,
+        terminal_state: bool | None = None,
+        reuse_filled: str | None = None,
+    ) -> RequestHandle:
         """Validate and enqueue; raises InputError, EngineOverloaded or EngineStopped.
         `fill=False` asks for exact prefill even when the engine's fill is on; `rows` replaces
         the engine's exact-row selectors for this request (Engine.add_request); past `deadline`
@@ -243,8 +251,16 @@ class AsyncEngine:
         self.engine.validate(prompt_ids, params)  # reads only immutable model facts
         self.engine.check_terminal_request(terminal_state)  # NOTE: immutable engine facts, like validate
         self.engine.plan_loops(params)
-        handle = RequestHandle(list(prompt_ids), params, asyncio.get_running_loop(), fill=fill, rows=rows,
-                               deadline=deadline, terminal_state=terminal_state, reuse_filled=reuse_filled)
+        handle = RequestHandle(
+            list(prompt_ids),
+            params,
+            asyncio.get_running_loop(),
+            fill=fill,
+            rows=rows,
+            deadline=deadline,
+            terminal_state=terminal_state,
+            reuse_filled=reuse_filled,
+        )
         with self._lock:
             # NOTE: checked and enqueued under the lock: once stop() has closed admission, no
             # add can land in the inbox behind its wake-up, unseen by the thread's last drain.
@@ -339,18 +355,27 @@ class AsyncEngine:
             self._finish(handle, StreamEvent("", [], True, "abort"))
             return
         try:
-            seq = self.engine.add_request(handle.prompt_ids, handle.params, fill=handle.fill, rows=handle.rows,
-                                          terminal_state=handle.terminal_state, reuse_filled=handle.reuse_filled,
-                                          deadline=handle.deadline)
+            seq = self.engine.add_request(
+                handle.prompt_ids,
+                handle.params,
+                fill=handle.fill,
+                rows=handle.rows,
+                terminal_state=handle.terminal_state,
+                reuse_filled=handle.reuse_filled,
+                deadline=handle.deadline,
+            )
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
             self._finish(handle, StreamEvent("", [], True, "error", str(e)))
             return
         if seq.fill_boundary > 0:
             # NOTE: written before any event of this request is sent, so readers on the
             # event loop (usage) see it once they have an event.
-            handle.fill_rows = FillRows(filled=seq.fill_boundary, exact_prefix=0,
-                                        tail=len(seq.prompt_ids) - seq.fill_boundary,
-                                        split=self.engine.fill.split)
+            handle.fill_rows = FillRows(
+                filled=seq.fill_boundary,
+                exact_prefix=0,
+                tail=len(seq.prompt_ids) - seq.fill_boundary,
+                split=self.engine.fill.split,
+            )
         handle.seq = seq
         self._active[handle.seq.seq_id] = handle
 
@@ -413,8 +438,9 @@ class AsyncEngine:
                     handle.times.first_token = now
                 handle.times.last_token = now
                 self.observer.on_tokens(handle, len(out.new_token_ids), now, prev)
-            event = StreamEvent(out.delta_text, out.new_token_ids, out.finished, out.seq.finish_reason,
-                                new_logprobs=out.new_logprobs)
+            event = StreamEvent(
+                out.delta_text, out.new_token_ids, out.finished, out.seq.finish_reason, new_logprobs=out.new_logprobs
+            )
             if out.finished:
                 self._finish(handle, event)
             else:
@@ -432,9 +458,12 @@ class AsyncEngine:
                 seq = handle.seq
                 exact = len(seq.exact_rows)
                 handle.fill_rows = dataclasses.replace(
-                    handle.fill_rows, filled=seq.fill_boundary - exact, exact_prefix=exact,
+                    handle.fill_rows,
+                    filled=seq.fill_boundary - exact,
+                    exact_prefix=exact,
                     cached_filled=min(seq.cached_filled_rows, seq.fill_boundary) - len(seq.remade_rows),
-                    remade=len(seq.remade_rows))
+                    remade=len(seq.remade_rows),
+                )
         handle.times.finished = time.monotonic()
         with self._lock:
             self._in_flight -= 1

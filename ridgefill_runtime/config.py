@@ -71,10 +71,13 @@ class HybridConfig:
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
         if self.value_heads % self.key_heads:
-            raise ModelLoadError(f"model config: linear value heads {self.value_heads} are not a multiple "
-                                 f"of key heads {self.key_heads}")
+            raise ModelLoadError(
+                f"model config: linear value heads {self.value_heads} are not a multiple of key heads {self.key_heads}"
+            )
         if not 0 < self.partial_rotary_factor <= 1:
-            raise ModelLoadError(f"model config: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+            raise ModelLoadError(
+                f"model config: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
@@ -106,8 +109,10 @@ class LoopedConfig:
             if getattr(self, name) < (0 if name in ("prelude", "coda") else 1):
                 raise ModelLoadError(f"model config: looped.{name} must be positive, got {getattr(self, name)}")
         if self.embed_scale <= 0 or self.init_std < 0:
-            raise ModelLoadError(f"model config: looped embed_scale must be > 0 and init_std >= 0, "
-                                 f"got {self.embed_scale}, {self.init_std}")
+            raise ModelLoadError(
+                f"model config: looped embed_scale must be > 0 and init_std >= 0, "
+                f"got {self.embed_scale}, {self.init_std}"
+            )
 
     def is_core(self, layer: int) -> bool:
         return self.prelude <= layer < self.prelude + self.core
@@ -166,31 +171,40 @@ class ModelConfig:
         from .models.registry import family
 
         family(self.architecture)  # an unknown architecture is refused, naming the supported ones
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
-                f"model config: num_heads {self.num_heads} is not a multiple of "
-                f"num_kv_heads {self.num_kv_heads}"
+                f"model config: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
         if self.looped is not None and self.looped.prelude + self.looped.core + self.looped.coda != self.num_layers:
             raise ModelLoadError(f"model config: prelude + core + coda layers != {self.num_layers} layers")
         if self.sliding is not None and any(not 0 <= i < self.num_layers for i in self.sliding.local_layers):
-            raise ModelLoadError(f"model config: sliding-window layers {self.sliding.local_layers} outside "
-                                 f"0..{self.num_layers - 1}")
+            raise ModelLoadError(
+                f"model config: sliding-window layers {self.sliding.local_layers} outside 0..{self.num_layers - 1}"
+            )
         if self.attention_scale is not None and not self.attention_scale > 0:
             raise ModelLoadError(f"model config: attention_scale must be positive, got {self.attention_scale}")
         if self.hybrid is not None and len(self.hybrid.layer_types) != self.num_layers:
-            raise ModelLoadError(f"model config: {len(self.hybrid.layer_types)} layer types for "
-                                 f"{self.num_layers} layers")
+            raise ModelLoadError(
+                f"model config: {len(self.hybrid.layer_types)} layer types for {self.num_layers} layers"
+            )
 
     def window_of(self, layer: int) -> int:
         """Layer's sliding window (0: it sees every earlier key)."""
         return 0 if self.sliding is None else self.sliding.window_of(layer)
 
-    def replace(self, **changes) -> "ModelConfig":
+    def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -216,8 +230,9 @@ class CacheConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"cache.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.prefix_caching not in PREFIX_CACHING:
-            raise ValueError(f"cache.prefix_caching must be one of {', '.join(PREFIX_CACHING)}, "
-                             f"got {self.prefix_caching!r}")
+            raise ValueError(
+                f"cache.prefix_caching must be one of {', '.join(PREFIX_CACHING)}, got {self.prefix_caching!r}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"cache.block_size must be positive, got {self.block_size}")
         if self.kv_cache_gib <= 0:
@@ -243,8 +258,10 @@ class SchedulerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
         if self.prefill_budget_with_decodes < 0:
-            raise ValueError(f"scheduler.prefill_budget_with_decodes must be >= 0 (0: no cap), "
-                             f"got {self.prefill_budget_with_decodes}")
+            raise ValueError(
+                f"scheduler.prefill_budget_with_decodes must be >= 0 (0: no cap), "
+                f"got {self.prefill_budget_with_decodes}"
+            )
 
 
 LOOP_CACHES = ("full", "deepest", "ripe")
@@ -273,8 +290,9 @@ class LoopConfig:
     allow_short_window: bool = False
 
     def __post_init__(self) -> None:
-        check_loop_settings(self.loops, self.cache, self.window, self.block, self.draft_loops,
-                            self.allow_short_window, "looped")
+        check_loop_settings(
+            self.loops, self.cache, self.window, self.block, self.draft_loops, self.allow_short_window, "looped"
+        )
 
 
 def check_loop_settings(loops, cache, window, block, draft_loops, allow_short_window, where: str) -> None:
@@ -292,9 +310,11 @@ def check_loop_settings(loops, cache, window, block, draft_loops, allow_short_wi
     if loops is not None and block and draft_loops >= loops:
         raise ValueError(f"{where}.draft_loops must be < loops ({loops}), got {draft_loops}")
     if cache == "ripe" and block > window and not allow_short_window:
-        raise ValueError(f"{where}.window {window} < block {block}: with W < γ batched verification is not "
-                         f"block-independent (seed 001 Proposition 1); set {where}.allow_short_window = true "
-                         f"to accept that")
+        raise ValueError(
+            f"{where}.window {window} < block {block}: with W < γ batched verification is not "
+            f"block-independent (seed 001 Proposition 1); set {where}.allow_short_window = true "
+            f"to accept that"
+        )
 
 
 @dataclass(frozen=True)
@@ -363,7 +383,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    fill: "FillConfig" = field(default_factory=lambda: FillConfig())
+    fill: FillConfig = field(default_factory=lambda: FillConfig())
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     looped: LoopConfig = field(default_factory=LoopConfig)  # read only for looped models
 
@@ -431,13 +451,15 @@ class RowsConfig:
         if any(layer < 0 for layer in self.attention_layers):
             raise ValueError("fill.rows.attention_layers must be layer indices >= 0")
 
-    def replace(self, **changes) -> "RowsConfig":
+    def replace(self, **changes) -> RowsConfig:
         return dataclasses.replace(self, **changes)
 
     @property
     def lower_attention(self) -> bool:
         """The lower-layer attention scores are needed (attention rows, or the probe's budget)."""
         return "attention" in self.selectors or "probe" in self.selectors
+
+
 PLACEMENTS = ("resident", "streamed")
 REUSE_POLICIES = ("reselect", "as-is", "never")
 
@@ -489,8 +511,9 @@ class FillConfig:
         if self.arm == "ridgefill" and not self.maps:
             raise ValueError("fill.arm = ridgefill needs fill.maps (a map file from `ridgefill fit`)")
         if self.terminal_state and self.arm != "ridgefill":
-            raise ValueError("fill.corrections.terminal_state needs fill.mode = \"plain\": its ΔM is stored "
-                             "with the maps")
+            raise ValueError(
+                'fill.corrections.terminal_state needs fill.mode = "plain": its ΔM is stored with the maps'
+            )
 
     @property
     def enabled(self) -> bool:

@@ -21,7 +21,7 @@ tests pass `eager` to run the same static-buffer path on the CPU.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -109,7 +109,7 @@ class DecodeGraphs:
         self.ids[:b].copy_(ids)
         self.positions[:b].copy_(positions)
         self.slots[:b].copy_(batch.write_slots)
-        self.tables[:b, :tables.shape[1]].copy_(tables)
+        self.tables[:b, : tables.shape[1]].copy_(tables)
         self.context_lens[:b].copy_(positions + 1)
         self._pad(b, size)
         # NOTE: a copy: the graph's output buffer is overwritten by the next replay
@@ -125,13 +125,25 @@ class DecodeGraphs:
 
     def _forward_of(self, size: int) -> Forward:
         """The model's forward over the first `size` rows of the static buffers."""
-        paged = PagedRows(owner=self._owner[:size], pos=self.positions[:size], served=self._served[:size],
-                          served_seqs=(True,) * size, all_served=True, context_lens=self.context_lens[:size])
+        paged = PagedRows(
+            owner=self._owner[:size],
+            pos=self.positions[:size],
+            served=self._served[:size],
+            served_seqs=(True,) * size,
+            all_served=True,
+            context_lens=self.context_lens[:size],
+        )
         # NOTE: the host-side lists are placeholders of the right length: with every row served by
         # the batched kernel (paged_given), no layer reads them
-        batch = AttentionBatch(query_starts=list(range(size + 1)), context_lens=[1] * size,
-                               write_slots=self.slots[:size], read_slots=[None] * size,
-                               block_tables=self.tables[:size], block_size=self.block_size, paged_given=paged)
+        batch = AttentionBatch(
+            query_starts=list(range(size + 1)),
+            context_lens=[1] * size,
+            write_slots=self.slots[:size],
+            read_slots=[None] * size,
+            block_tables=self.tables[:size],
+            block_size=self.block_size,
+            paged_given=paged,
+        )
         step = ForwardBatch(self.ids[:size], self.positions[:size], batch, self.caches)
 
         def forward() -> torch.Tensor:

@@ -48,7 +48,7 @@ def _safe_length(text: str, stops: tuple[str, ...]) -> int:
     held = 0
     for stop in stops:
         for k in range(min(len(stop) - 1, n), 0, -1):
-            if text[n - k:n] == stop[:k]:
+            if text[n - k : n] == stop[:k]:
                 held = max(held, k)
                 break
     return n - held

@@ -96,13 +96,16 @@ class Engine:
         if self.speculative.enabled and not cache_spec.rolls_back:
             # NOTE: a rejected draft row has already updated a recurrent state; rolling that back
             # needs the layer's per-row snapshots (RecurrentCache.rollback_parts).
-            raise ValueError(f"speculative.method = {self.speculative.method!r}: this model has recurrent "
-                             f"layers {list(cache_spec.recurrent_layers)}, whose states cannot be rolled back "
-                             f"past rejected draft tokens; use speculative.method = \"off\"")
+            raise ValueError(
+                f"speculative.method = {self.speculative.method!r}: this model has recurrent "
+                f"layers {list(cache_spec.recurrent_layers)}, whose states cannot be rolled back "
+                f'past rejected draft tokens; use speculative.method = "off"'
+            )
         self.prefix_caching = prefix_caching_on(config.cache.prefix_caching, cache_spec)
         # NOTE: without the prefix cache, sliding-window layers give back the pages they can no longer read
-        budget = engine_budget(config, cfg.max_position_embeddings, self.loop_store is not None,
-                               window_bounded=not self.prefix_caching)
+        budget = engine_budget(
+            config, cfg.max_position_embeddings, self.loop_store is not None, window_bounded=not self.prefix_caching
+        )
         self.caches = build_caches(cache_spec, budget, model.device)
         self.kv = self.caches.kv
         # NOTE: a cached filled block must hold every filled row's K/V (another request's rows reach
@@ -115,11 +118,14 @@ class Engine:
         propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
         if self.loop_store is not None and config.looped.block > 0:
             propose = self_draft_slots
-        self.scheduler = Scheduler(config.scheduler, manager, RowSelector(token_table(tokenizer, self.fill.rows)),
-                                   propose)
+        self.scheduler = Scheduler(
+            config.scheduler, manager, RowSelector(token_table(tokenizer, self.fill.rows)), propose
+        )
         if self.fill.enabled and cache_spec.stash_width == 0:
-            raise ValueError(f"fill.mode: RidgeFill's two-sweep prefill is not built for {cfg.architecture} models "
-                             f"yet; use fill.mode = \"off\"")
+            raise ValueError(
+                f"fill.mode: RidgeFill's two-sweep prefill is not built for {cfg.architecture} models "
+                f'yet; use fill.mode = "off"'
+            )
         self.carries_late_state = self.fill.enabled and carries_late_state(cache_spec, self.fill.split)
         if self.fill.terminal_state:
             _check_terminal_shift(cache_spec, self.fill.split, fill_maps)
@@ -127,8 +133,9 @@ class Engine:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
         graphs = engine_decode_graphs(model, self.caches, config, self.max_model_len)
-        self.runner = Runner(model, self.caches, self.caches.block_size, self.fill, fill_maps, defer_windows=defer,
-                             graphs=graphs)
+        self.runner = Runner(
+            model, self.caches, self.caches.block_size, self.fill, fill_maps, defer_windows=defer, graphs=graphs
+        )
         self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -136,10 +143,17 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, fill: bool = True,
-                    rows: RowsConfig | None = None, hide_from: int | None = None,
-                    deadline: float | None = None, terminal_state: bool | None = None,
-                    reuse_filled: str | None = None) -> Sequence:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        fill: bool = True,
+        rows: RowsConfig | None = None,
+        hide_from: int | None = None,
+        deadline: float | None = None,
+        terminal_state: bool | None = None,
+        reuse_filled: str | None = None,
+    ) -> Sequence:
         """Queue a request. `fill=False` asks for an exact prefill even when the fill is on;
         `rows` overrides the configured exact-row selectors for this request; `hide_from`
         (evaluation: the question-hidden control) shows the selectors only positions before it;
@@ -170,14 +184,17 @@ class Engine:
             if params.looped is not None:
                 raise InputError("ridgefill.loops: loop settings are for looped models; this one runs each layer once")
             return None
-        return resolve_loops(self.config.looped, self.loop_store, params.looped,
-                             speculates=params.greedy and not params.prompt_logprobs)
+        return resolve_loops(
+            self.config.looped, self.loop_store, params.looped, speculates=params.greedy and not params.prompt_logprobs
+        )
 
     def check_terminal_request(self, terminal_state: bool | None) -> None:
         """A request may ask for the terminal-state correction only where maps hold ΔM."""
         if terminal_state and not self.runner.has_terminal_shift:
-            raise InputError("the terminal-state correction needs a hybrid model served with fill.mode = \"plain\" "
-                             "and maps holding ΔM (`ridgefill fit --terminal-state`)")
+            raise InputError(
+                'the terminal-state correction needs a hybrid model served with fill.mode = "plain" '
+                "and maps holding ΔM (`ridgefill fit --terminal-state`)"
+            )
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -209,16 +226,26 @@ class Engine:
 
     def stats(self) -> EngineStats:
         c, held, spec = self.counts, self.scheduler.caches.stats(), self.scheduler.spec
-        return EngineStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                           kv_blocks_used=held.kv_blocks_used, kv_blocks_total=held.kv_blocks_total,
-                           preemptions_total=self.scheduler.num_preemptions, aborts_total=c.aborts,
-                           timeouts_total=c.timeouts, steps_total=c.steps, idle_spins_total=c.idle_spins,
-                           state_slots_used=held.state_slots_used, state_slots_total=held.state_slots_total,
-                           stash_bytes=held.stash_bytes, spec_steps_total=spec.steps,
-                           spec_draft_tokens_total=spec.proposed, spec_accepted_tokens_total=spec.accepted,
-                           prefix_cached_blocks=held.prefix_cached_blocks,
-                           prefix_queried_tokens_total=held.prefix_queried_tokens,
-                           prefix_hit_tokens_total=held.prefix_hit_tokens)
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=held.kv_blocks_used,
+            kv_blocks_total=held.kv_blocks_total,
+            preemptions_total=self.scheduler.num_preemptions,
+            aborts_total=c.aborts,
+            timeouts_total=c.timeouts,
+            steps_total=c.steps,
+            idle_spins_total=c.idle_spins,
+            state_slots_used=held.state_slots_used,
+            state_slots_total=held.state_slots_total,
+            stash_bytes=held.stash_bytes,
+            spec_steps_total=spec.steps,
+            spec_draft_tokens_total=spec.proposed,
+            spec_accepted_tokens_total=spec.accepted,
+            prefix_cached_blocks=held.prefix_cached_blocks,
+            prefix_queried_tokens_total=held.prefix_queried_tokens,
+            prefix_hit_tokens_total=held.prefix_hit_tokens,
+        )
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -247,10 +274,15 @@ class Engine:
     def _idle_spin(self) -> None:
         self.counts.idle_spins += 1
         if self.counts.idle_spins == 1:
-            log.error("the scheduler found nothing to run with %d running and %d waiting sequences "
-                      "(%d of %d KV blocks free); backing off %.0f ms per step (counted in idle spins)",
-                      len(self.scheduler.running), len(self.scheduler.waiting), self.blocks.num_free,
-                      self.blocks.num_blocks, IDLE_BACKOFF_S * 1000)
+            log.error(
+                "the scheduler found nothing to run with %d running and %d waiting sequences "
+                "(%d of %d KV blocks free); backing off %.0f ms per step (counted in idle spins)",
+                len(self.scheduler.running),
+                len(self.scheduler.waiting),
+                self.blocks.num_free,
+                self.blocks.num_blocks,
+                IDLE_BACKOFF_S * 1000,
+            )
         time.sleep(IDLE_BACKOFF_S)
 
     def _forget(self, seq: Sequence) -> None:
@@ -275,8 +307,13 @@ class Engine:
             self.scheduler.finish(seq, "stop")  # NOTE: update() already emitted the cut text
         if seq.finished:
             self._forget(seq)
-        return RequestOutput(seq=seq, delta_text=delta, new_token_ids=seq.output_ids[had:],
-                             finished=seq.finished, new_logprobs=seq.output_logprobs[had:])
+        return RequestOutput(
+            seq=seq,
+            delta_text=delta,
+            new_token_ids=seq.output_ids[had:],
+            finished=seq.finished,
+            new_logprobs=seq.output_logprobs[had:],
+        )
 
 
 def spec_tokens(config: SpeculativeConfig, params: SamplingParams) -> int:
@@ -294,8 +331,10 @@ def _loop_store(spec, config: EngineConfig):
     if not spec.loop_layers:
         return None
     if config.speculative.enabled:
-        raise ValueError("speculative.method: a looped model drafts for itself (looped.block, Algorithm 1); "
-                         "use speculative.method = \"off\"")
+        raise ValueError(
+            "speculative.method: a looped model drafts for itself (looped.block, Algorithm 1); "
+            'use speculative.method = "off"'
+        )
     store = spec.layers[spec.loop_layers[0]]
     try:
         resolve_loops(config.looped, store, None, speculates=True)
@@ -304,8 +343,9 @@ def _loop_store(spec, config: EngineConfig):
     return store
 
 
-def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False,
-                  window_bounded: bool = False) -> CacheBudget:
+def engine_budget(
+    config: EngineConfig, max_positions: int, looped: bool = False, window_bounded: bool = False
+) -> CacheBudget:
     """The engine's caches: the configured KV pool, one state slot per sequence that may run
     (admission never waits on a slot, so liveness rests on the blocks alone)."""
     c = config.cache
@@ -313,15 +353,28 @@ def engine_budget(config: EngineConfig, max_positions: int, looped: bool = False
     if looped and config.looped.block > 0:
         history = config.looped.block + 1
     kv_dtype = None if c.kv_dtype == "auto" else _DTYPES[c.kv_dtype]
-    return CacheBudget(block_size=c.block_size, num_blocks=c.num_blocks, kv_cache_gib=c.kv_cache_gib, kv_dtype=kv_dtype,
-                       state_slots=config.scheduler.max_num_seqs, max_positions=max_positions,
-                       history_rows=history, window_bounded=window_bounded,
-                       fill_split=config.fill.split if config.fill.enabled else 0,
-                       scratch_slot=wants_decode_graphs(config))
+    return CacheBudget(
+        block_size=c.block_size,
+        num_blocks=c.num_blocks,
+        kv_cache_gib=c.kv_cache_gib,
+        kv_dtype=kv_dtype,
+        state_slots=config.scheduler.max_num_seqs,
+        max_positions=max_positions,
+        history_rows=history,
+        window_bounded=window_bounded,
+        fill_split=config.fill.split if config.fill.enabled else 0,
+        scratch_slot=wants_decode_graphs(config),
+    )
 
 
-def apply_fill(seq: Sequence, fill, wanted: bool = True, rows: RowsConfig | None = None,
-               hide_from: int | None = None, carry: bool = False) -> None:
+def apply_fill(
+    seq: Sequence,
+    fill,
+    wanted: bool = True,
+    rows: RowsConfig | None = None,
+    hide_from: int | None = None,
+    carry: bool = False,
+) -> None:
     """Set a new sequence's fill: prompt rows before len - tail are filled (when the fill is on
     and the prompt is longer than the tail), with these exact-row selectors. `carry`: the model
     has recurrent layers above the split (carries_late_state), whose state the filled rows carry."""
@@ -341,7 +394,7 @@ def prefix_caching_on(setting: str, spec) -> bool:
     has a sliding window (there "auto" chooses the smaller cache: a window layer's old pages go
     back to the pool, and a cached prefix would need them kept; "on" keeps them)."""
     if setting == "on" and not spec.prefix_cacheable:
-        raise ValueError("cache.prefix_caching = \"on\": " + spec.why_not_prefix_cacheable())
+        raise ValueError('cache.prefix_caching = "on": ' + spec.why_not_prefix_cacheable())
     if setting == "auto":
         return spec.prefix_cacheable and not spec.windowed
     return setting == "on"
@@ -380,8 +433,10 @@ def _check_terminal_shift(spec, split: int, maps) -> None:
     missing = [layer for layer in late if maps is None or layer not in maps.terminal]
     if missing:
         where = maps.path if maps is not None else "the map file"
-        raise ValueError(f"fill.corrections.terminal_state: {where} holds no ΔM for layers {missing} "
-                         "(fit it with `ridgefill fit --terminal-state`)")
+        raise ValueError(
+            f"fill.corrections.terminal_state: {where} holds no ΔM for layers {missing} "
+            "(fit it with `ridgefill fit --terminal-state`)"
+        )
 
 
 def carries_late_state(spec, split: int) -> bool:

@@ -28,11 +28,14 @@ class Completion:
 def build_engine(config: EngineConfig) -> Engine:
     ckpt = load_checkpoint(config.model, packed=_wants_packed(config))
     if config.weights == "packed" and not any(isinstance(t, GroupedInts) for t in ckpt.tensors.values()):
-        raise UnsupportedError(f"weights = \"packed\": {ckpt.source} has no packable weights (a GGUF of a dense "
-                               f"llama/qwen3 model with Q8_0, Q4_0, Q4_1, Q4_K or Q6_K linear weights)")
+        raise UnsupportedError(
+            f'weights = "packed": {ckpt.source} has no packable weights (a GGUF of a dense '
+            f"llama/qwen3 model with Q8_0, Q4_0, Q4_1, Q4_K or Q6_K linear weights)"
+        )
     # The checkpoint's family (models/registry.py) says which model class runs it.
-    model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors,
-                                                          dtype=_DTYPES[config.dtype], device=config.device)
+    model = family(ckpt.config.architecture).build_model(
+        ckpt.config, ckpt.tensors, dtype=_DTYPES[config.dtype], device=config.device
+    )
     model.identity = ckpt.identity
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
     return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model))
@@ -51,10 +54,15 @@ def _wants_packed(config: EngineConfig) -> bool:
     on_kernel = packed_compiled_for(device)
     if config.weights == "packed":
         if not on_kernel:
-            where = ("this install (the compiled extension is not loaded)" if device.type == "cpu"
-                     else f"this build for {config.device}")
-            raise UnsupportedError(f"weights = \"packed\" needs the packed kernel, which {where} lacks; "
-                                   f"use weights = \"dequantized\" or \"auto\"")
+            where = (
+                "this install (the compiled extension is not loaded)"
+                if device.type == "cpu"
+                else f"this build for {config.device}"
+            )
+            raise UnsupportedError(
+                f'weights = "packed" needs the packed kernel, which {where} lacks; '
+                f'use weights = "dequantized" or "auto"'
+            )
         return True
     return on_kernel and device.type == "cpu"
 
@@ -80,12 +88,12 @@ class LLM:
         if self.tokenizer is None:
             raise InputError("this model has no tokenizer: pass token ids")
         if chat:  # NOTE: the template writes any BOS itself (as the server encodes chat prompts)
-            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                        add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
         return self.tokenizer.encode(prompt, add_special_tokens=not chat)
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams,
-                 chat: bool = False) -> list[Completion]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams, chat: bool = False) -> list[Completion]:
         seqs = [self.engine.add_request(self.encode(p, chat), params) for p in prompts]
         while self.engine.has_unfinished():
             self.engine.step()
@@ -97,7 +105,9 @@ class LLM:
         seq = self.engine.add_request(token_ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
         while self.engine.has_unfinished():
             self.engine.step()
-        return {"token_ids": list(token_ids), "first_scored": seq.fill_boundary,
-                "target_logprobs": seq.prompt_logprobs, "argmax": seq.prompt_argmax}
-
-
+        return {
+            "token_ids": list(token_ids),
+            "first_scored": seq.fill_boundary,
+            "target_logprobs": seq.prompt_logprobs,
+            "argmax": seq.prompt_argmax,
+        }

@@ -16,8 +16,9 @@ from .config import LoopConfig, LoopOverrides, LoopPlan, check_loop_settings
 from .errors import InputError
 
 
-def resolve_loops(config: LoopConfig, store: LoopPlanesCache, asked: LoopOverrides | None,
-                  speculates: bool) -> LoopPlan:
+def resolve_loops(
+    config: LoopConfig, store: LoopPlanesCache, asked: LoopOverrides | None, speculates: bool
+) -> LoopPlan:
     """`speculates`: the request may self-speculate (greedy, not scoring); otherwise block = 0."""
     asked = asked or LoopOverrides()
     given = {k: v for k, v in dataclasses.asdict(asked).items() if v is not None}
@@ -27,30 +28,37 @@ def resolve_loops(config: LoopConfig, store: LoopPlanesCache, asked: LoopOverrid
     window = merged.window if merged.cache == "ripe" else 0
     block = merged.block if speculates else 0
     try:
-        check_loop_settings(loops, merged.cache, window, block, merged.draft_loops, merged.allow_short_window,
-                            "ridgefill")
+        check_loop_settings(
+            loops, merged.cache, window, block, merged.draft_loops, merged.allow_short_window, "ridgefill"
+        )
     except ValueError as e:
         raise InputError(str(e)) from None
     if loops > store.loops:
-        raise InputError(f"ridgefill.loops must be <= {store.loops} (the planes this server stores, looped.loops), "
-                         f"got {loops}")
+        raise InputError(
+            f"ridgefill.loops must be <= {store.loops} (the planes this server stores, looped.loops), got {loops}"
+        )
     _check_readable(merged.cache, window, store)
     if block > config.block and "block" in given:
         raise InputError(f"ridgefill.block must be <= {config.block} (looped.block), got {block}")
-    return LoopPlan(loops=loops, window=None if merged.cache == "full" else window,
-                    block=block, draft_loops=merged.draft_loops)
+    return LoopPlan(
+        loops=loops, window=None if merged.cache == "full" else window, block=block, draft_loops=merged.draft_loops
+    )
 
 
 def _check_readable(cache: str, window: int, store: LoopPlanesCache) -> None:
     if cache == "full" and store.kind != "full":
-        raise InputError(f"ridgefill.cache \"full\" needs every plane stored; this server stores "
-                         f"{store.kind!r} (looped.cache)")
+        raise InputError(
+            f'ridgefill.cache "full" needs every plane stored; this server stores {store.kind!r} (looped.cache)'
+        )
     if cache == "ripe" and store.kind == "deepest" and window > 0:
-        raise InputError("ridgefill.cache \"ripe\" needs the recent planes stored; this server stores only the "
-                         "deepest plane (looped.cache)")
+        raise InputError(
+            'ridgefill.cache "ripe" needs the recent planes stored; this server stores only the '
+            "deepest plane (looped.cache)"
+        )
     if cache == "ripe" and store.kind == "ripe" and window > store.window:
-        raise InputError(f"ridgefill.window must be <= {store.window} (the window this server stores, "
-                         f"looped.window), got {window}")
+        raise InputError(
+            f"ridgefill.window must be <= {store.window} (the window this server stores, looped.window), got {window}"
+        )
 
 
 def field_of(message: str) -> str | None:

@@ -16,21 +16,41 @@ from .stages import Stage, advance, next_item
 
 
 class PromptLogits:
-    def __init__(self, model, fill: FillConfig | None = None, maps=None, chunk: int = 512, block_size: int = 16,
-                 selector: RowSelector | None = None):
+    def __init__(
+        self,
+        model,
+        fill: FillConfig | None = None,
+        maps=None,
+        chunk: int = 512,
+        block_size: int = 16,
+        selector: RowSelector | None = None,
+    ):
         self.model, self.fill, self.maps = model, fill or FillConfig(), maps
         self.chunk, self.block_size = chunk, block_size
         self.select = selector or RowSelector(None)
 
     def new_sequence(self, ids: list[int], rows: RowsConfig | None = None, hide_from: int | None = None) -> Sequence:
         seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0, prompt_logprobs=True))
-        apply_fill(seq, self.fill, True, rows, hide_from,
-                   self.fill.enabled and carries_late_state(spec_of(self.model), self.fill.split))
+        apply_fill(
+            seq,
+            self.fill,
+            True,
+            rows,
+            hide_from,
+            self.fill.enabled and carries_late_state(spec_of(self.model), self.fill.split),
+        )
         seq.start_prefill()
         return seq
 
-    def __call__(self, ids: list[int], after_fill=None, logits_from: int = 0, rows: RowsConfig | None = None,
-                 hide_from: int | None = None, at_prefix_end=None) -> tuple[int, torch.Tensor, "Runner", Sequence]:
+    def __call__(
+        self,
+        ids: list[int],
+        after_fill=None,
+        logits_from: int = 0,
+        rows: RowsConfig | None = None,
+        hide_from: int | None = None,
+        at_prefix_end=None,
+    ) -> tuple[int, torch.Tensor, Runner, Sequence]:
         """-> (first row with logits, logits [N - first, V], the runner holding the cache, the sequence).
 
         Logits start at the fill boundary, or at `logits_from` (whichever is later).
@@ -62,6 +82,6 @@ class PromptLogits:
             held.settle(seq)  # NOTE: as the scheduler does: the stash goes when the prefill ends
             if item.kind.reaches_top and item.end > first:
                 logits = step.logits
-                parts.append(logits[max(0, logits.shape[0] - (item.end - first)):])
+                parts.append(logits[max(0, logits.shape[0] - (item.end - first)) :])
         seq.params = scoring
         return first, torch.cat(parts), runner, seq

@@ -35,8 +35,16 @@ class StepLogits:
 
 
 class Runner:
-    def __init__(self, model, caches: ModelCaches, block_size: int, fill: FillConfig | None = None,
-                 maps=None, defer_windows: bool = False, graphs: DecodeGraphs | None = None):
+    def __init__(
+        self,
+        model,
+        caches: ModelCaches,
+        block_size: int,
+        fill: FillConfig | None = None,
+        maps=None,
+        defer_windows: bool = False,
+        graphs: DecodeGraphs | None = None,
+    ):
         """`caches`: what build_caches made for this model. defer_windows: the fill writes a filled
         row's K/V at sliding-window late layers only once a later row reaches it (fill/plan.py);
         only where nothing else reads the filled cache (no prefix cache, no splice, no replay).
@@ -56,9 +64,18 @@ class Runner:
         terminal = maps.terminal_shift if self.has_terminal_shift else None
         self.looped = getattr(model.config, "looped", None) is not None
         self.drafter = SelfDrafter(model, self.caches, self._slots) if self.looped else None
-        self.planner = FillPlanner(self.fill_config, self.predict, self._seq_slots_at, self.states,
-                                   model.config, model.dtype, self.device, self.caches.spec.attention_layers,
-                                   terminal, defer_windows)
+        self.planner = FillPlanner(
+            self.fill_config,
+            self.predict,
+            self._seq_slots_at,
+            self.states,
+            model.config,
+            model.dtype,
+            self.device,
+            self.caches.spec.attention_layers,
+            terminal,
+            defer_windows,
+        )
 
     def forward(self, items: list[ScheduledSeq]) -> StepLogits:
         """Run the step's model call (a looped model's self-drafts first) and keep what the fill
@@ -68,14 +85,19 @@ class Runner:
             self.kv.copy_blocks(copies, self.block_size)
         if self._graphed(items):
             ids, positions, batch = self._prepare(items)
-            return StepLogits(self.graphs.run(ids, positions, batch), [(k, k + 1) for k in range(len(items))],
-                              [None] * len(items))
+            return StepLogits(
+                self.graphs.run(ids, positions, batch), [(k, k + 1) for k in range(len(items))], [None] * len(items)
+            )
         drafts = self.drafter(items) if self.drafter is not None and any(it.draft for it in items) else None
         ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items)
-        out = run_model(self.model, ForwardBatch(ids, positions, batch, self.caches, rows,
-                                                 None if plan is None else plan.step, self._loop_reads(items)))
+        out = run_model(
+            self.model,
+            ForwardBatch(
+                ids, positions, batch, self.caches, rows, None if plan is None else plan.step, self._loop_reads(items)
+            ),
+        )
         return StepLogits(out.logits, owners, self._keep_fill_outputs(items, plan, out), drafts)
 
     def _graphed(self, items: list[ScheduledSeq]) -> bool:
@@ -83,8 +105,16 @@ class Runner:
         position (nothing scored, no draft to verify, no fill stage), tables no wider than theirs."""
         if self.graphs is None or not items:
             return False
-        plain = all(it.kind is Stage.FULL and it.num_tokens == 1 and it.start > 0 and it.positions is None
-                    and not it.draft and it.samples and not _scored(it) for it in items)
+        plain = all(
+            it.kind is Stage.FULL
+            and it.num_tokens == 1
+            and it.start > 0
+            and it.positions is None
+            and not it.draft
+            and it.samples
+            and not _scored(it)
+            for it in items
+        )
         return plain and self.graphs.fits(len(items), max(len(it.seq.block_table) for it in items))
 
     def run(self, items: list[ScheduledSeq]) -> StepResult:
@@ -98,10 +128,17 @@ class Runner:
             scores.append(self._prompt_scores(item, logits[lo:hi]) if _scored(item) else None)
             draft = (step.drafts or {}).get(item.seq.seq_id, item.draft)  # a looped model's own, else the scheduler's
             sampled = range(hi - item.num_sampled, hi)
-            next_tokens.append(self._accepted(item, draft, logits[sampled.start:hi],
-                                              [greedy.get(r) for r in sampled]) if item.samples else None)
-        return StepResult(next_tokens=next_tokens, prompt_logprobs=scores, row_scores=step.row_scores,
-                          token_logprobs=_token_logprobs(items, owners, next_tokens, logits))
+            next_tokens.append(
+                self._accepted(item, draft, logits[sampled.start : hi], [greedy.get(r) for r in sampled])
+                if item.samples
+                else None
+            )
+        return StepResult(
+            next_tokens=next_tokens,
+            prompt_logprobs=scores,
+            row_scores=step.row_scores,
+            token_logprobs=_token_logprobs(items, owners, next_tokens, logits),
+        )
 
     def forget(self, seq_id: int) -> None:
         """NOTE: only the sampler's state: what the caches keep goes with the sequence's state
@@ -134,7 +171,7 @@ class Runner:
             stash = self.states.stash(seq.state_slot)
             if item.kind is Stage.LOWER or item.kind is Stage.RECOVER:
                 at = slice(item.start, item.end) if item.positions is None else torch.tensor(item.positions)
-                stash.x[at] = split_states[offset:offset + item.num_tokens]
+                stash.x[at] = split_states[offset : offset + item.num_tokens]
                 offset += item.num_tokens
                 if item.end == seq.num_tokens and seq.rows.lower_attention:
                     scores = {"attention": stash.attention.tolist()}
@@ -161,7 +198,7 @@ class Runner:
             seq = item.seq
             tokens = item.token_ids()  # NOTE: a speculating decode ends with its draft
             if drafts and seq.seq_id in drafts:  # a looped model's own draft replaces the placeholders
-                tokens = tokens[:len(tokens) - len(item.draft)] + drafts[seq.seq_id]
+                tokens = tokens[: len(tokens) - len(item.draft)] + drafts[seq.seq_id]
             ids.extend(tokens)
             # NOTE: a recover item's rows are scattered positions, each reading the cache up to itself
             pos.append(torch.arange(item.start, item.end) if item.positions is None else torch.tensor(item.positions))
@@ -173,16 +210,24 @@ class Runner:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
         ends = [it.end for it in items]
         # NOTE: a fresh prefill (start 0) has all its K/V in hand and reads no cache
-        read = ContextSlots([None if it.start == 0 and it.positions is None else it.seq.block_table for it in items],
-                            ends, self.block_size, dev)
+        read = ContextSlots(
+            [None if it.start == 0 and it.positions is None else it.seq.block_table for it in items],
+            ends,
+            self.block_size,
+            dev,
+        )
         scattered = [p.to(dev) if it.positions is not None else None for it, p in zip(items, pos)]
-        batch = AttentionBatch(query_starts=starts, context_lens=ends,
-                               write_slots=cat(write).to(dev), read_slots=read,
-                               query_pos=scattered if any(q is not None for q in scattered) else None,
-                               state_slots=[it.seq.state_slot for it in items],
-                               verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None,
-                               block_tables=tables.to(dev),
-                               block_size=self.block_size)
+        batch = AttentionBatch(
+            query_starts=starts,
+            context_lens=ends,
+            write_slots=cat(write).to(dev),
+            read_slots=read,
+            query_pos=scattered if any(q is not None for q in scattered) else None,
+            state_slots=[it.seq.state_slot for it in items],
+            verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None,
+            block_tables=tables.to(dev),
+            block_size=self.block_size,
+        )
         return torch.tensor(ids, dtype=torch.int64, device=dev), cat(pos).to(dev), batch
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -234,7 +279,7 @@ class Runner:
         if n == 0:
             return start, [], []
         logp = logits[:n].log_softmax(-1)  # [n, V]
-        targets = torch.tensor(seq.prompt_ids[start + 1:start + 1 + n], device=logits.device)
+        targets = torch.tensor(seq.prompt_ids[start + 1 : start + 1 + n], device=logits.device)
         chosen = logp.gather(1, targets[:, None])[:, 0]
         k = seq.params.prompt_top_logprobs
         if not k:
@@ -242,8 +287,9 @@ class Runner:
         top = logp.topk(k, -1)
         return start, chosen.tolist(), logp.argmax(-1).tolist(), _pairs(top.indices, top.values)
 
-    def _accepted(self, item: ScheduledSeq, draft: list[int], logits: torch.Tensor,
-                  greedy: list[int | None]) -> list[int] | None:
+    def _accepted(
+        self, item: ScheduledSeq, draft: list[int], logits: torch.Tensor, greedy: list[int | None]
+    ) -> list[int] | None:
         """The item's new tokens from its sampled rows' logits [1 + len(draft), V] (`greedy`: their
         argmax, None for a sampling item): one sampled token, or, verifying a draft (greedy
         only), the accepted run."""
@@ -271,17 +317,21 @@ def _greedy_choices(items: list[ScheduledSeq], owners: list[tuple[int, int]], lo
     """logit row -> its argmax, for the sampled rows of greedy items, in one reduction.
     NOTE: one call for the step instead of one per sequence (at batch 16 those cost ~2 ms a step),
     and max() rather than argmax(): the same first-maximum index, ~3x faster on CPU."""
-    rows = [r for it, (_, hi) in zip(items, owners)
-            if it.samples and (it.seq.params.greedy or it.num_sampled > 1)  # > 1: verifying a draft
-            for r in range(hi - it.num_sampled, hi)]
+    rows = [
+        r
+        for it, (_, hi) in zip(items, owners)
+        if it.samples and (it.seq.params.greedy or it.num_sampled > 1)  # > 1: verifying a draft
+        for r in range(hi - it.num_sampled, hi)
+    ]
     if not rows:
         return {}
     picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
     return dict(zip(rows, picked.max(-1).indices.tolist()))
 
 
-def _token_logprobs(items: list[ScheduledSeq], owners: list[tuple[int, int]], runs: list[list[int] | None],
-                    logits: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+def _token_logprobs(
+    items: list[ScheduledSeq], owners: list[tuple[int, int]], runs: list[list[int] | None], logits: torch.Tensor
+) -> dict[int, list[TokenLogprobs]]:
     """seq_id -> one TokenLogprobs per token of its run, for the items whose request asked
     (params.logprobs). Token j of a run was chosen from the item's j-th sampled row (a verified
     draft's accepted run included), so its values come from that row's raw logits. One

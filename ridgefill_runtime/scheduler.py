@@ -53,8 +53,13 @@ class Scheduler:
     prompt + max_tokens by the pool). So the oldest running sequence never loses its work, and
     every step schedules something while there is work."""
 
-    def __init__(self, config: SchedulerConfig, caches: CacheManager | BlockManager,
-                 select: Select = _no_selection, propose: Propose = no_drafts):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        caches: CacheManager | BlockManager,
+        select: Select = _no_selection,
+        propose: Propose = no_drafts,
+    ):
         """`caches`: the manager of every cache's ids; a bare BlockManager gets one state slot
         per sequence that may run (no pool behind them: the fake-runner tests). `propose`
         drafts tokens for sequences that speculate (seq.spec_tokens > 0)."""
@@ -155,7 +160,9 @@ class Scheduler:
     def _draft_fits(self, seq: Sequence, num_draft: int) -> bool:
         """The draft's extra blocks are free beyond what every running sequence (seq included)
         still needs for its known tokens, so no decode this step is short for a draft."""
-        extra = self.caches.blocks_needed(seq, seq.num_tokens + num_draft) - self.caches.blocks_needed(seq, seq.num_tokens)
+        extra = self.caches.blocks_needed(seq, seq.num_tokens + num_draft) - self.caches.blocks_needed(
+            seq, seq.num_tokens
+        )
         return extra == 0 or extra + self._blocks_owed() <= self.blocks.num_free
 
     def _make_room(self, item: ScheduledSeq, step: _Step) -> bool:
@@ -208,8 +215,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, items: list[ScheduledSeq], result: StepResult,
-                    eos_ids: tuple[int, ...]) -> list[Sequence]:
+    def postprocess(self, items: list[ScheduledSeq], result: StepResult, eos_ids: tuple[int, ...]) -> list[Sequence]:
         """Apply a step's results; returns the sequences that gained a token or finished."""
         touched = []
         row_scores = result.row_scores or [None] * len(items)
@@ -300,16 +306,17 @@ def _decoding(seq: Sequence) -> bool:
     return seq.stage.done and seq.remaining == 1
 
 
-def _record_prompt_scores(seq: Sequence, start: int, logprobs: list[float], argmax: list[int],
-                          top: list | None = None) -> None:
+def _record_prompt_scores(
+    seq: Sequence, start: int, logprobs: list[float], argmax: list[int], top: list | None = None
+) -> None:
     # NOTE: rows are recorded from the fill boundary on (filled rows have no logits);
     # after a preemption the prompt is recomputed, so keep only rows not yet recorded.
     skip = len(seq.prompt_logprobs) - (start - seq.fill_boundary)
     if skip < len(logprobs):
-        seq.prompt_logprobs.extend(logprobs[max(skip, 0):])
-        seq.prompt_argmax.extend(argmax[max(skip, 0):])
+        seq.prompt_logprobs.extend(logprobs[max(skip, 0) :])
+        seq.prompt_argmax.extend(argmax[max(skip, 0) :])
         if top is not None:
-            seq.prompt_top.extend(top[max(skip, 0):])
+            seq.prompt_top.extend(top[max(skip, 0) :])
 
 
 def _finish_reason(seq: Sequence, token: int, eos_ids: tuple[int, ...]) -> str | None:

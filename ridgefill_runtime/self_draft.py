@@ -53,9 +53,13 @@ class SelfDrafter:
             table = torch.tensor(it.seq.block_table, dtype=torch.int64)
             write.append(self.slots_at(table, torch.tensor([p])))
             read.append(self.slots_at(table, torch.arange(p + 1)).to(device))
-        batch = AttentionBatch(query_starts=list(range(len(live) + 1)), context_lens=[p + 1 for p in positions.tolist()],
-                               write_slots=torch.cat(write).to(device), read_slots=read,
-                               state_slots=[it.seq.state_slot for it in live])
+        batch = AttentionBatch(
+            query_starts=list(range(len(live) + 1)),
+            context_lens=[p + 1 for p in positions.tolist()],
+            write_slots=torch.cat(write).to(device),
+            read_slots=read,
+            state_slots=[it.seq.state_slot for it in live],
+        )
         reads = tuple(loop_read(it.seq, draft=True) for it in live)
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)
         out = run_model(self.model, ForwardBatch(ids, positions.to(device), batch, self.caches, None, None, reads))

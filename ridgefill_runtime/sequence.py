@@ -16,7 +16,7 @@ from .stages import Stage
 # overflows them to inf, and the softmax of inf - inf is NaN. Such a temperature means argmax anyway.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 # What torch.Generator.manual_seed accepts (a negative seed is taken modulo 2**64).
-SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Most alternatives a request may ask per token (OpenAI's bound): each costs a top-k over the
 # vocabulary and a little text per token on the way out.
 MAX_LOGPROBS = 20
@@ -49,7 +49,7 @@ class SamplingParams:
     # NOTE: a per-request decoding option, carried here so it travels with the request:
     # most draft tokens a step may verify; None takes the engine's setting, 0 turns it off.
     speculative: int | None = None
-    looped: "LoopOverrides | None" = None  # a looped model's loops / cache policy / self-speculation
+    looped: LoopOverrides | None = None  # a looped model's loops / cache policy / self-speculation
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -165,8 +165,8 @@ class Sequence:
         if end <= n:
             return self.prompt_ids[start:end]
         if start >= n:
-            return self.output_ids[start - n:end - n]
-        return self.prompt_ids[start:] + self.output_ids[:end - n]
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     @property
     def finished(self) -> bool:

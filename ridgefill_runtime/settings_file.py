@@ -42,8 +42,9 @@ def read_toml(path: Path) -> dict:
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: cannot read config: not UTF-8 text (byte {e.object[e.start]:#04x} "
-                          f"at offset {e.start})") from None
+        raise ConfigError(
+            f"{path}: cannot read config: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})"
+        ) from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config: {e}") from None
 
@@ -74,8 +75,10 @@ def checked_key(schema: Schema, dotted: str, value: Any, source: str) -> Key:
     if spec.items is not None:
         bad = [v for v in value if isinstance(v, bool) or not isinstance(v, spec.items)]
         if bad:
-            raise ConfigError(f"{source}: key '{dotted}' must be a list of {spec.items.__name__}, "
-                              f"got {type(bad[0]).__name__} {bad[0]!r} in it")
+            raise ConfigError(
+                f"{source}: key '{dotted}' must be a list of {spec.items.__name__}, "
+                f"got {type(bad[0]).__name__} {bad[0]!r} in it"
+            )
     return spec
 
 
@@ -87,8 +90,9 @@ def _wanted(spec: Key) -> str:
     return " or ".join(t.__name__ for t in spec.types)
 
 
-def store(values: dict[str, dict[str, Any]], origin: dict[str, str], spec: Key, dotted: str, value: Any,
-          source: str) -> None:
+def store(
+    values: dict[str, dict[str, Any]], origin: dict[str, str], spec: Key, dotted: str, value: Any, source: str
+) -> None:
     """Put a checked value where its Key says (ints widened to float for float keys)."""
     values[spec.target][spec.name] = float(value) if float in spec.types else value
     origin[dotted] = source

@@ -9,7 +9,7 @@ run is the longest draft prefix that matches those choices, plus the choice afte
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .config import SpeculativeConfig
 from .sequence import Sequence
@@ -28,12 +28,12 @@ def ngram_draft(tokens: list[int], num_tokens: int, max_ngram: int, min_ngram: i
     if num_tokens <= 0:
         return []
     for n in range(min(max_ngram, n_all - 1), min_ngram - 1, -1):
-        suffix = tokens[n_all - n:]
+        suffix = tokens[n_all - n :]
         # NOTE: newest match first: the nearest copy is the likeliest to continue the same way
         # (an edit of code repeats the lines just above, not a far older mention).
         for start in range(n_all - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + num_tokens]
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + num_tokens]
     return []
 
 
@@ -60,7 +60,7 @@ def accept_greedy(draft: list[int], choices: list[int]) -> list[int]:
     matched = 0
     while matched < len(draft) and draft[matched] == choices[matched]:
         matched += 1
-    return choices[:matched + 1]
+    return choices[: matched + 1]
 
 
 def draft_limit(seq: Sequence) -> int:

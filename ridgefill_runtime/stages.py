@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 if TYPE_CHECKING:  # NOTE: sequence.py imports Stage from here
     from .sequence import Sequence
@@ -112,7 +113,7 @@ def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
     if seq.carry_all_rows and seq.stage is Stage.LATE and seq.queue_done < seq.fill_boundary:
         # NOTE: a chunk ends at the prefix's end, where the terminal-state correction is added
         n = min(n, seq.fill_boundary - seq.queue_done)
-    pos = seq.queue[seq.queue_done:seq.queue_done + n]
+    pos = seq.queue[seq.queue_done : seq.queue_done + n]
     return ScheduledSeq(seq, pos[0], len(pos), seq.stage, pos)
 
 
@@ -159,8 +160,10 @@ def usable_hit(seq: Sequence, hit):
     if not (seq.reselect and seq.fill_boundary and seq.rows.lower_attention):
         return hit
     end = seq.hide_from if seq.hide_from is not None else len(seq.prompt_ids)
-    first = end - max(seq.rows.window if "attention" in seq.rows.selectors else 0,
-                      seq.rows.probe_window if "probe" in seq.rows.selectors else 0)
+    first = end - max(
+        seq.rows.window if "attention" in seq.rows.selectors else 0,
+        seq.rows.probe_window if "probe" in seq.rows.selectors else 0,
+    )
     return hit.cut(max(0, first))
 
 

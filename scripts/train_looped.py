@@ -73,18 +73,37 @@ SAMPLE_TOKENS = 40
 SAMPLE_LOOPS = 12
 
 CONFIG = {
-    "model_type": "huginn_raven", "architectures": ["RavenForCausalLM"], "n_embd": 192, "n_heads": 3,
-    "num_attention_heads": 3, "num_key_value_heads": 3, "intermediate_size": 512,
-    "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4, "n_layers_in_coda": 2, "n_layers": 8,
-    "mean_recurrence": 12, "mean_backprop_depth": 4, "vocab_size": 2048, "padded_vocab_size": 2048,
-    "padding_multiple": 64, "block_size": 1024, "rope_base": 50000.0, "norm_eps": 1e-06, "qk_bias": True,
-    "bias": False, "tie_embeddings": True, "injection_type": "linear", "state_init": "like-init",
+    "model_type": "huginn_raven",
+    "architectures": ["RavenForCausalLM"],
+    "n_embd": 192,
+    "n_heads": 3,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
+    "intermediate_size": 512,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 4,
+    "n_layers_in_coda": 2,
+    "n_layers": 8,
+    "mean_recurrence": 12,
+    "mean_backprop_depth": 4,
+    "vocab_size": 2048,
+    "padded_vocab_size": 2048,
+    "padding_multiple": 64,
+    "block_size": 1024,
+    "rope_base": 50000.0,
+    "norm_eps": 1e-06,
+    "qk_bias": True,
+    "bias": False,
+    "tie_embeddings": True,
+    "injection_type": "linear",
+    "state_init": "like-init",
 }
 
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer and data
 # ---------------------------------------------------------------------------------------------
+
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE: every byte is in the alphabet, so any text encodes without an unknown token."""
@@ -121,12 +140,13 @@ def windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Non-overlapping windows of seq_len inputs; each row has seq_len + 1 ids (inputs + next-token targets)."""
     n = (len(stream) - 1) // seq_len
     starts = torch.arange(n) * seq_len
-    return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seq_len + 1] for s in starts.tolist()])
 
 
 # ---------------------------------------------------------------------------------------------
 # The model (names match the Huginn / Raven checkpoint layout)
 # ---------------------------------------------------------------------------------------------
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -166,8 +186,9 @@ class Attention(nn.Module):
         q, k, v = self.Wqkv(x).view(B, T, 3, self.n_heads, self.head_dim).unbind(2)
         q = apply_rotary(q + self.qk_bias[0], cos, sin)  # bias per head, before rotary
         k = apply_rotary(k + self.qk_bias[1], cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True)  # default scale 1/sqrt(head_dim)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # default scale 1/sqrt(head_dim)
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
 
@@ -232,8 +253,11 @@ class RavenLM(nn.Module):
         stay O(1) at the start. Norm weights start at 1, qk_bias at 0."""
         std = math.sqrt(2 / (5 * self.d))
         cfg = self.cfg
-        depth = (cfg["n_layers_in_prelude"] + cfg["n_layers_in_coda"]
-                 + cfg["n_layers_in_recurrent_block"] * cfg["mean_recurrence"])
+        depth = (
+            cfg["n_layers_in_prelude"]
+            + cfg["n_layers_in_coda"]
+            + cfg["n_layers_in_recurrent_block"] * cfg["mean_recurrence"]
+        )
         out_std = std / math.sqrt(2 * depth)
         with torch.no_grad():
             for name, p in self.named_parameters():  # named_parameters order is fixed
@@ -296,13 +320,14 @@ class RavenLM(nn.Module):
 # Training
 # ---------------------------------------------------------------------------------------------
 
+
 def sample_loops(cfg: dict, gen: torch.Generator) -> tuple[int, int]:
     """Huginn's schedule: rate ~ LogNormal(ln(t+k) - sigma^2/2, sigma), p = Poisson(rate) + 1.
     The mean of the log-normal is t + k = mean_recurrence. Returns (no-grad loops, grad loops)."""
     k = cfg["mean_backprop_depth"]
     t = cfg["mean_recurrence"] - k
     sigma = 0.5
-    mu = math.log(t + k) - sigma ** 2 / 2
+    mu = math.log(t + k) - sigma**2 / 2
     rate = torch.exp(mu + sigma * torch.randn((), generator=gen, dtype=torch.float64))
     p = int(torch.poisson(rate.reshape(1), generator=gen).item()) + 1
     p = min(p, MAX_LOOPS)
@@ -320,11 +345,15 @@ def lr_at(step: int, steps: int) -> float:
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """AdamW; weight decay on weight matrices only (not norms, not qk_bias)."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         (decay if p.ndim == 2 else no_decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=LR, betas=BETAS, eps=1e-8, foreach=True)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=1e-8,
+        foreach=True,
+    )
 
 
 @torch.no_grad()
@@ -334,7 +363,7 @@ def heldout_loss(model: RavenLM, data: torch.Tensor, loops: int, seed: int, batc
     gen = torch.Generator().manual_seed(seed)
     total, count = 0.0, 0
     for i in range(0, len(data), batch):
-        rows = data[i:i + batch]
+        rows = data[i : i + batch]
         x, y = rows[:, :-1], rows[:, 1:]
         s0 = model.initial_state((x.shape[0], x.shape[1], model.d), gen)
         logits = model(x, loops, s0)
@@ -352,7 +381,7 @@ def greedy_sample(model: RavenLM, tok: Tokenizer, prompt: str, n_tokens: int, lo
     s_full = model.initial_state((1, len(ids) + n_tokens, model.d), gen)
     for _ in range(n_tokens):
         x = torch.tensor([ids])
-        logits = model(x, loops, s_full[:, :len(ids)])
+        logits = model(x, loops, s_full[:, : len(ids)])
         ids.append(int(logits[0, -1].argmax()))
     return tok.decode(ids)
 
@@ -384,16 +413,20 @@ def train(model, opt, train_rows, held_curve, steps, log, gen):
         history.append((step + 1, loss.item(), n + k, dt))
         window_losses.append(loss.item())
         if (step + 1) % log_every == 0 or step == 0:
-            log(f"step {step + 1}/{steps} loss {loss.item():.4f} loops {n + k} (grad {k}) "
+            log(
+                f"step {step + 1}/{steps} loss {loss.item():.4f} loops {n + k} (grad {k}) "
                 f"lr {lr_at(step, steps):.2e} gnorm {gnorm.item():.2f} {dt:.2f}s/step "
-                f"elapsed {time.time() - t_train:.0f}s")
+                f"elapsed {time.time() - t_train:.0f}s"
+            )
         if step + 1 in checkpoints:
             model.eval()
             h = heldout_loss(model, held_curve, cfg["mean_recurrence"], seed=SEED + 7)
             model.train()
             curve.append((step + 1, sum(window_losses) / len(window_losses), h))
-            log(f"checkpoint step {step + 1}: mean train loss {curve[-1][1]:.4f}, "
-                f"held-out loss @{cfg['mean_recurrence']} loops {h:.4f}")
+            log(
+                f"checkpoint step {step + 1}: mean train loss {curve[-1][1]:.4f}, "
+                f"held-out loss @{cfg['mean_recurrence']} loops {h:.4f}"
+            )
             window_losses = []
     return history, curve
 
@@ -402,15 +435,27 @@ def train(model, opt, train_rows, held_curve, steps, log, gen):
 # Saving and reports
 # ---------------------------------------------------------------------------------------------
 
+
 def save_folder(out: Path, model: RavenLM, tok: Tokenizer, config: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": EOT, "eos_token": EOT, "pad_token": EOT, "model_max_length": 1024,
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": EOT,
+                "eos_token": EOT,
+                "pad_token": EOT,
+                "model_max_length": 1024,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "add_bos_token": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     # Only persistent parameters; the head is tied to transformer.wte.weight, so no lm_head.weight.
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -429,8 +474,10 @@ def check_reload(out: Path, model: RavenLM, rows: torch.Tensor) -> None:
 
 
 def markdown_tables(curve, eval_table, cfg):
-    curve_md = ["| step | mean train loss (since previous row) | held-out loss @ %d loops |" % cfg["mean_recurrence"],
-                "|---:|---:|---:|"]
+    curve_md = [
+        f"| step | mean train loss (since previous row) | held-out loss @ {cfg['mean_recurrence']} loops |",
+        "|---:|---:|---:|",
+    ]
     curve_md += [f"| {s} | {tl:.4f} | {hl:.4f} |" for s, tl, hl in curve]
     eval_md = ["| loops | held-out loss | perplexity |", "|---:|---:|---:|"]
     eval_md += [f"| {r} | {l:.4f} | {math.exp(l):.1f} |" for r, l in eval_table]
@@ -444,38 +491,38 @@ def write_reports(out: Path, bench: Path, facts: dict, curve, eval_table, sample
     card = f"""# ridgefill looped demo model (Huginn-0125 layout, tiny)
 
 **What it is.** A demonstration model for testing ridgefill's looped (recurrent-depth) runtime,
-trained on this machine in {f['wall_min']:.1f} minutes (whole run) on {f['threads']} CPU threads.
-It is **not a useful language model**: {n_params / 1e6:.2f}M parameters, {f['tokens_seen']:,} training tokens.
+trained on this machine in {f["wall_min"]:.1f} minutes (whole run) on {f["threads"]} CPU threads.
+It is **not a useful language model**: {n_params / 1e6:.2f}M parameters, {f["tokens_seen"]:,} training tokens.
 It exists so the loader and the recurrent forward pass can be checked against real trained
 weights whose loss changes with the loop count.
 
 ## Architecture
 `model_type: huginn_raven` (`RavenForCausalLM`), the layout of Huginn-0125 scaled down:
-d = {cfg['n_embd']}, {cfg['n_heads']} heads of 64, gated SiLU MLP of {cfg['intermediate_size']},
-{cfg['n_layers_in_prelude']} prelude blocks, a {cfg['n_layers_in_recurrent_block']}-block recurrent
-core, {cfg['n_layers_in_coda']} coda blocks, all "sandwich" blocks (norm_1 .. norm_4), RMSNorm
-eps {cfg['norm_eps']}, interleaved-pair rotary (base {cfg['rope_base']}), per-head q/k bias,
+d = {cfg["n_embd"]}, {cfg["n_heads"]} heads of 64, gated SiLU MLP of {cfg["intermediate_size"]},
+{cfg["n_layers_in_prelude"]} prelude blocks, a {cfg["n_layers_in_recurrent_block"]}-block recurrent
+core, {cfg["n_layers_in_coda"]} coda blocks, all "sandwich" blocks (norm_1 .. norm_4), RMSNorm
+eps {cfg["norm_eps"]}, interleaved-pair rotary (base {cfg["rope_base"]}), per-head q/k bias,
 linear adapter injecting the prelude output at every loop (`s = adapter(cat[s, e])`), initial state
 "like-init" (truncated normal, std sqrt(2/(5d)), +-3 std, times sqrt(d)), `ln_f` applied before
-and after the coda, tied embeddings (only `transformer.wte.weight` is stored), vocabulary {cfg['vocab_size']}.
-Default loop count (mean_recurrence) {cfg['mean_recurrence']}. Weights: float32 safetensors.
+and after the coda, tied embeddings (only `transformer.wte.weight` is stored), vocabulary {cfg["vocab_size"]}.
+Default loop count (mean_recurrence) {cfg["mean_recurrence"]}. Weights: float32 safetensors.
 
 ## Data and licence
 Trained on the reStructuredText sources of the Linux kernel documentation
 (Debian package linux-doc-6.1, `/usr/share/doc/linux-doc-6.1/Documentation/**/*.rst.gz`),
 the calibration split of `ridgefill_runtime.fill.corpus.calibration_and_heldout()`
-({f['n_train_docs']} documents, {f['train_tokens']:,} tokens); held-out losses use its held-out split
-({f['n_held_docs']} documents, disjoint by content hash). The kernel documentation is GPL-2.0
+({f["n_train_docs"]} documents, {f["train_tokens"]:,} tokens); held-out losses use its held-out split
+({f["n_held_docs"]} documents, disjoint by content hash). The kernel documentation is GPL-2.0
 licensed text; treat these weights as derived from GPL-2.0 material. The Python documentation
 (ridgefill's evaluation text) was not used.
 
 ## Tokenizer
 Byte-level BPE (`tokenizers`, ByteLevel pre-tokenizer and decoder, no prefix space), vocabulary
-{cfg['vocab_size']}, trained on the same training text. `<|endoftext|>` = id {cfg['eos_token_id']} is bos,
+{cfg["vocab_size"]}, trained on the same training text. `<|endoftext|>` = id {cfg["eos_token_id"]} is bos,
 eos and pad; documents were joined with it. No BOS is added when encoding (`add_bos_token: false`).
 
 ## Held-out loss by loop count
-{f['eval_tokens']:,} held-out tokens, same initial state for every row:
+{f["eval_tokens"]:,} held-out tokens, same initial state for every row:
 
 {eval_md}
 
@@ -486,12 +533,12 @@ eos and pad; documents were joined with it. No BOS is added when encoding (`add_
 Truncated-backprop recurrence as in Huginn: per step, rate ~ LogNormal(ln 12 - 0.125, 0.5),
 p = Poisson(rate) + 1 (capped at {MAX_LOOPS}); max(p - 4, 0) loops without gradient, then min(p, 4)
 with gradient. AdamW (betas {BETAS}, weight decay {WEIGHT_DECAY} on matrices), lr {LR} with
-{WARMUP} warmup steps then cosine to {MIN_LR_FRACTION:g}x, grad clip {GRAD_CLIP}; {f['steps']} steps of
-{BATCH} x {SEQ_LEN} tokens; seed {SEED}; torch {torch.__version__}, {f['threads']} threads, float32, CPU.
+{WARMUP} warmup steps then cosine to {MIN_LR_FRACTION:g}x, grad clip {GRAD_CLIP}; {f["steps"]} steps of
+{BATCH} x {SEQ_LEN} tokens; seed {SEED}; torch {torch.__version__}, {f["threads"]} threads, float32, CPU.
 
 Command (from the repository root):
 
-    {f['command']}
+    {f["command"]}
 
 ## Sample
 Greedy, {SAMPLE_LOOPS} loops, prompt `{SAMPLE_PROMPT}`, {SAMPLE_TOKENS} new tokens:
@@ -509,24 +556,24 @@ Greedy, {SAMPLE_LOOPS} loops, prompt `{SAMPLE_PROMPT}`, {SAMPLE_TOKENS} new toke
 
 | what | value |
 |---|---|
-| command | `{f['command']}` |
-| machine | {f['cpu']}, {os.cpu_count()} cores |
-| torch threads | {f['threads']} |
-| wall time, whole run | {f['wall_s']:.0f} s ({f['wall_min']:.1f} min) |
-| of which tokenizer training | {f['tok_s']:.0f} s |
-| of which tokenization + windows | {f['data_s']:.0f} s |
-| of which training | {f['train_s']:.0f} s ({f['train_s'] / f['steps']:.2f} s/step) |
-| of which final eval + sample + save | {f['post_s']:.0f} s |
-| steps | {f['steps']} |
+| command | `{f["command"]}` |
+| machine | {f["cpu"]}, {os.cpu_count()} cores |
+| torch threads | {f["threads"]} |
+| wall time, whole run | {f["wall_s"]:.0f} s ({f["wall_min"]:.1f} min) |
+| of which tokenizer training | {f["tok_s"]:.0f} s |
+| of which tokenization + windows | {f["data_s"]:.0f} s |
+| of which training | {f["train_s"]:.0f} s ({f["train_s"] / f["steps"]:.2f} s/step) |
+| of which final eval + sample + save | {f["post_s"]:.0f} s |
+| steps | {f["steps"]} |
 | batch | {BATCH} x {SEQ_LEN} tokens |
-| tokens seen | {f['tokens_seen']:,} |
-| training tokens available | {f['train_tokens']:,} ({f['train_windows']:,} windows) |
-| mean sampled loop count p | {f['mean_p']:.2f} |
-| final held-out eval | {f['eval_tokens']:,} tokens |
+| tokens seen | {f["tokens_seen"]:,} |
+| training tokens available | {f["train_tokens"]:,} ({f["train_windows"]:,} windows) |
+| mean sampled loop count p | {f["mean_p"]:.2f} |
+| final held-out eval | {f["eval_tokens"]:,} tokens |
 
 ## Loss curve (every 10% of steps)
 Train loss is averaged over the steps since the previous row (each at its own sampled loop count);
-held-out loss on {CURVE_EVAL_WINDOWS * SEQ_LEN:,} held-out tokens at {cfg['mean_recurrence']} loops.
+held-out loss on {CURVE_EVAL_WINDOWS * SEQ_LEN:,} held-out tokens at {cfg["mean_recurrence"]} loops.
 
 {curve_md}
 
@@ -556,6 +603,7 @@ def cpu_name() -> str:
 
 # ---------------------------------------------------------------------------------------------
 
+
 def main() -> None:
     global BATCH, WARMUP
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -564,10 +612,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--batch", type=int, default=BATCH)
     ap.add_argument("--warmup", type=int, default=WARMUP)
-    ap.add_argument("--eval-windows", type=int, default=EVAL_WINDOWS,
-                    help="held-out windows for the final table (smaller only for a timing probe)")
-    ap.add_argument("--log", type=Path, default=Path("/tmp/train_looped_steps.log"),
-                    help="per-step log file (loss every ~1%% of steps)")
+    ap.add_argument(
+        "--eval-windows",
+        type=int,
+        default=EVAL_WINDOWS,
+        help="held-out windows for the final table (smaller only for a timing probe)",
+    )
+    ap.add_argument(
+        "--log",
+        type=Path,
+        default=Path("/tmp/train_looped_steps.log"),
+        help="per-step log file (loss every ~1%% of steps)",
+    )
     args = ap.parse_args()
     # The module constants are the recorded recipe; the flags exist only for timing probes.
     BATCH, WARMUP = args.batch, args.warmup
@@ -610,8 +666,7 @@ def main() -> None:
     log(f"model: {n_params:,} parameters")
     opt = make_optimizer(model)
     model.train()
-    history, curve = train(model, opt, train_rows, held_curve, args.steps, log,
-                           torch.Generator().manual_seed(SEED + 1))
+    history, curve = train(model, opt, train_rows, held_curve, args.steps, log, torch.Generator().manual_seed(SEED + 1))
     t_train = time.time()
 
     model.eval()
@@ -627,19 +682,30 @@ def main() -> None:
 
     facts = {
         "command": "python " + " ".join(sys.argv),
-        "cpu": cpu_name(), "threads": torch.get_num_threads(), "n_params": n_params,
-        "steps": args.steps, "tokens_seen": args.steps * BATCH * SEQ_LEN,
-        "train_tokens": int(train_rows.numel() - len(train_rows)), "train_windows": len(train_rows),
-        "n_train_docs": len(calib), "n_held_docs": len(held),
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "n_params": n_params,
+        "steps": args.steps,
+        "tokens_seen": args.steps * BATCH * SEQ_LEN,
+        "train_tokens": int(train_rows.numel() - len(train_rows)),
+        "train_windows": len(train_rows),
+        "n_train_docs": len(calib),
+        "n_held_docs": len(held),
         "eval_tokens": int(held_eval.shape[0] * SEQ_LEN),
         "mean_p": sum(h[2] for h in history) / len(history),
-        "tok_s": t_tok - t_start, "data_s": t_data - t_tok, "train_s": t_train - t_data,
-        "post_s": t_end - t_train, "wall_s": t_end - t_start, "wall_min": (t_end - t_start) / 60,
+        "tok_s": t_tok - t_start,
+        "data_s": t_data - t_tok,
+        "train_s": t_train - t_data,
+        "post_s": t_end - t_train,
+        "wall_s": t_end - t_start,
+        "wall_min": (t_end - t_start) / 60,
     }
     write_reports(args.out, args.bench, facts, curve, eval_table, sample, config)
     log(f"done in {facts['wall_s']:.0f}s; wrote {args.out} and {args.bench}")
-    json.dump({"facts": facts, "curve": curve, "eval": eval_table, "sample": sample,
-               "history": history}, open(args.log.with_suffix(".json"), "w"))
+    json.dump(
+        {"facts": facts, "curve": curve, "eval": eval_table, "sample": sample, "history": history},
+        open(args.log.with_suffix(".json"), "w"),
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ _ID_CHARS = frozenset(chr(c) for c in range(0x21, 0x7F)) - {'"', "\\"}  # visibl
 
 # -- helpers for routes -------------------------------------------------------------------------
 
+
 def note_usage(request: Request, prompt_tokens: int | None, completion_tokens: int | None = None) -> None:
     """Token counts for this request's access log line; call it whenever they are known (a
     streaming route may call it again at the end of the stream: the last call wins)."""
@@ -57,6 +58,7 @@ def clean_request_id(given: bytes | None) -> str:
 
 # -- middleware -----------------------------------------------------------------------------------
 
+
 class RequestContext:
     """Outermost middleware: gives each request an id (scope["state"]["request_id"], echoed in
     the x-request-id response header and in JSON error bodies as "request_id"), and writes one
@@ -83,8 +85,13 @@ class RequestContext:
     def _log(self, scope, state: dict, status: int | None, seconds: float) -> None:
         endpoint = scope.get("endpoint")
         route = getattr(endpoint, "__name__", "unmatched")
-        fields = {"request_id": state.get("request_id"), "method": scope.get("method"),
-                  "path": scope.get("path"), "status": status or "-", "duration_ms": round(seconds * 1000, 1)}
+        fields = {
+            "request_id": state.get("request_id"),
+            "method": scope.get("method"),
+            "path": scope.get("path"),
+            "status": status or "-",
+            "duration_ms": round(seconds * 1000, 1),
+        }
         for name in ("prompt_tokens", "completion_tokens"):
             if state.get(name) is not None:
                 fields[name] = state[name]
@@ -156,23 +163,25 @@ class HostAllowList:
         given = _header(scope, b"host")
         if given is None or self.allows(host_name(given.decode("latin-1"))):
             return await self.app(scope, receive, send)
-        await send_json_error(send, 421, f"host {given.decode('latin-1')!r} is not served here "
-                                         f"(server.allowed_hosts)", close=True)
+        await send_json_error(
+            send, 421, f"host {given.decode('latin-1')!r} is not served here (server.allowed_hosts)", close=True
+        )
 
     def allows(self, name: str) -> bool:
         return name in self.exact or (bool(self.suffixes) and name.endswith(self.suffixes))
 
 
 def host_name(host: str) -> str:
-    """"Example.com:8000" -> "example.com"; "[::1]:8000" -> "::1"."""
+    """ "Example.com:8000" -> "example.com"; "[::1]:8000" -> "::1"."""
     host = host.strip().lower()
     if host.startswith("["):
         return host[1:].partition("]")[0]
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-async def send_json_error(send, status: int, message: str, close: bool = False,
-                          headers: dict[str, str] | None = None) -> None:
+async def send_json_error(
+    send, status: int, message: str, close: bool = False, headers: dict[str, str] | None = None
+) -> None:
     """An OpenAI-style error response sent straight from a middleware."""
     body = json.dumps(error_body(status, message)).encode()
     extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]

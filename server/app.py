@@ -41,11 +41,29 @@ from .errors import HTTPError, describe_invalid, error_body, error_response
 from .limits import BodyReadTimeout, BodySizeLimit, RateLimit
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .logprobs import TokenStrings
-from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
-                       DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                       TokenizeResponse, new_id, usage_of)
-from .streaming import (CompletionChoiceStream, Echo, chat_choice, collect, completion_choice, stream_chat,
-                        stream_completion)
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    new_id,
+    usage_of,
+)
+from .streaming import (
+    CompletionChoiceStream,
+    Echo,
+    chat_choice,
+    collect,
+    completion_choice,
+    stream_chat,
+    stream_completion,
+)
 
 log = logging.getLogger("ridgefill.server")
 
@@ -99,8 +117,9 @@ class ServerState:
             self._stop_by = time.monotonic() + grace + SHUTDOWN_BACKSTOP_S
             if self.engine is not None:
                 self.engine.begin_drain()
-                self._stopper = threading.Thread(target=self.engine.stop, args=(grace,),
-                                                 name="ridgefill-drain", daemon=True)
+                self._stopper = threading.Thread(
+                    target=self.engine.stop, args=(grace,), name="ridgefill-drain", daemon=True
+                )
                 self._stopper.start()
 
     async def finish_shutdown(self) -> None:
@@ -111,9 +130,13 @@ class ServerState:
             await asyncio.to_thread(self._stopper.join, max(0.0, self._stop_by - time.monotonic()))
 
 
-def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: FillSettings,
-               build: Callable[[], Engine] | None = None,
-               on_load_failure: Callable[[str], None] | None = None) -> FastAPI:
+def create_app(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    fill: FillSettings,
+    build: Callable[[], Engine] | None = None,
+    on_load_failure: Callable[[str], None] | None = None,
+) -> FastAPI:
     """`build`: makes the Engine (tests share one model); None loads it from engine_config.
     `on_load_failure(cause)`: called (on the loading thread) when the model cannot load, e.g.
     to end the process; None keeps serving 503 with the cause on /health."""
@@ -122,6 +145,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
     def load() -> None:
         try:
             from ridgefill_runtime.llm import build_engine
+
             built = build() if build is not None else build_engine(engine_config)
             async_engine = AsyncEngine(built, server_config.max_queued_requests, state.metrics)
         except Exception as e:  # noqa: BLE001 - any failure to load is reported, not raised
@@ -153,8 +177,10 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
     app.add_middleware(BodyReadTimeout, timeout_s=server_config.body_timeout_s, draining=lambda: state.draining)
     app.add_middleware(RateLimit, per_minute=server_config.rate_limit_per_minute)
     app.add_middleware(HostAllowList, allowed=server_config.allowed_hosts)
-    app.add_middleware(RequestContext, on_done=lambda route, status: state.metrics.http_requests.labels(
-        route=route, status=str(status)).inc())
+    app.add_middleware(
+        RequestContext,
+        on_done=lambda route, status: state.metrics.http_requests.labels(route=route, status=str(status)).inc(),
+    )
     _install_error_handlers(app)
 
     async def require_key(request: Request) -> None:
@@ -168,8 +194,9 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
 
     def check_model(name: str | None) -> None:
         if name is not None and name != server_config.served_model_name:
-            raise HTTPError(404, f"model {name!r} does not exist; this server serves "
-                                 f"{server_config.served_model_name!r}", "model")
+            raise HTTPError(
+                404, f"model {name!r} does not exist; this server serves {server_config.served_model_name!r}", "model"
+            )
 
     def fill_for(body, eng: AsyncEngine):
         """The request's (exact-row selectors, terminal-state correction, prefix-cache reuse of
@@ -186,8 +213,11 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         handles = []
         try:
             for choice in rq.choice_params(params, body.n):
-                handles.append(eng.submit(prompt_ids, choice, fill, rows, deadline=deadline, terminal_state=terminal,
-                                          reuse_filled=reuse))
+                handles.append(
+                    eng.submit(
+                        prompt_ids, choice, fill, rows, deadline=deadline, terminal_state=terminal, reuse_filled=reuse
+                    )
+                )
         except InputError as e:
             _abort_all(eng, handles)
             raise HTTPError(400, str(e), field_of(str(e)) or "prompt") from None
@@ -205,9 +235,16 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
             return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
         engine_health = state.engine.health()
         if engine_health.status != "ok":  # "stalled": no step finished for a while with work in flight
-            return JSONResponse({"status": engine_health.status, "detail": (
-                f"no engine progress for {engine_health.seconds_since_progress:.0f} s with "
-                f"{engine_health.in_flight} requests in flight")}, status_code=503)
+            return JSONResponse(
+                {
+                    "status": engine_health.status,
+                    "detail": (
+                        f"no engine progress for {engine_health.seconds_since_progress:.0f} s with "
+                        f"{engine_health.in_flight} requests in flight"
+                    ),
+                },
+                status_code=503,
+            )
         return {"status": "ok"}
 
     metrics_guard = [] if server_config.metrics_public else [Depends(require_key)]
@@ -219,8 +256,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
     @app.get("/v1/models", dependencies=[Depends(require_key)])
     async def models():
         eng = state.ready()
-        return ModelList(data=[ModelCard(id=server_config.served_model_name,
-                                         max_model_len=eng.engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=server_config.served_model_name, max_model_len=eng.engine.max_model_len)])
 
     @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(body: TokenizeRequest):
@@ -273,8 +309,12 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         outs = await collect(eng, handles, request)
         note_usage(request, len(prompt), sum(h.num_output_tokens for h in handles))
         _raise_if_failed(outs)
-        return CompletionResponse(id=rid, model=model, usage=usage_of(handles),
-                                  choices=[completion_choice(c, out) for c, out in zip(choices, outs)])
+        return CompletionResponse(
+            id=rid,
+            model=model,
+            usage=usage_of(handles),
+            choices=[completion_choice(c, out) for c, out in zip(choices, outs)],
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -301,8 +341,12 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig, fill: F
         outs = await collect(eng, handles, request)
         note_usage(request, len(prompt), sum(h.num_output_tokens for h in handles))
         _raise_if_failed(outs)
-        return ChatCompletionResponse(id=rid, model=model, usage=usage_of(handles),
-                                      choices=[chat_choice(i, strings, out) for i, out in enumerate(outs)])
+        return ChatCompletionResponse(
+            id=rid,
+            model=model,
+            usage=usage_of(handles),
+            choices=[chat_choice(i, strings, out) for i, out in enumerate(outs)],
+        )
 
     return app
 
@@ -326,8 +370,9 @@ def _sse_response(request: Request, handles, chunks) -> StreamingResponse:
         finally:  # NOTE: before the access log line, which is written when the response ends
             note_usage(request, handles[0].num_prompt_tokens, sum(h.num_output_tokens for h in handles))
 
-    return StreamingResponse(counted(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        counted(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:

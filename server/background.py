@@ -27,13 +27,18 @@ class BackgroundServer:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # NOTE: the same protocol, timeouts and connection cap as `ridgefill serve`.
-        config = uvicorn_config(app, app.state.ridgefill.config, app.state.ridgefill.config.max_connections,
-                                log_level="warning", port=self.port)
+        config = uvicorn_config(
+            app,
+            app.state.ridgefill.config,
+            app.state.ridgefill.config.max_connections,
+            log_level="warning",
+            port=self.port,
+        )
         self.connections = config.connection_guard
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="uvicorn", daemon=True)
 
-    def __enter__(self) -> "BackgroundServer":
+    def __enter__(self) -> BackgroundServer:
         self._thread.start()
         deadline = time.monotonic() + 60
         # NOTE: uvicorn exposes no awaitable "started" event across threads; its flag is the signal.

@@ -18,12 +18,24 @@ from typing import Any
 
 # NOTE: nothing here may import torch at module level (ridgefill_runtime.fill.maps does): a
 # bad flag or file must fail in well under a second, not after a 4-8 s torch import.
-from ridgefill_runtime.config import (CacheConfig, EngineConfig, FillConfig, LoopConfig, SchedulerConfig,
-                                      SpeculativeConfig)
+from ridgefill_runtime.config import (
+    CacheConfig,
+    EngineConfig,
+    FillConfig,
+    LoopConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from ridgefill_runtime.loader.embedded import model_path
 from ridgefill_runtime.errors import ConfigError, ModelLoadError
-from ridgefill_runtime.fill.settings import (FILL_KEYS, FillSettings, new_fill_values, put_fill_value,
-                                             resolve_fill, rows_origin)
+from ridgefill_runtime.fill.settings import (
+    FILL_KEYS,
+    FillSettings,
+    new_fill_values,
+    put_fill_value,
+    resolve_fill,
+    rows_origin,
+)
 from ridgefill_runtime.settings_file import Key, checked_key, flatten, read_toml, store
 
 API_KEY_ENV = "RIDGEFILL_API_KEY"  # read only by load_config, between the file and the flags
@@ -57,17 +69,29 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port}")
-        for name in ("max_queued_requests", "max_body_bytes", "retry_after_s", "default_chat_max_tokens",
-                     "max_connections", "request_timeout_s", "shutdown_grace_s", "header_timeout_s",
-                     "body_timeout_s", "keep_alive_s"):
+        for name in (
+            "max_queued_requests",
+            "max_body_bytes",
+            "retry_after_s",
+            "default_chat_max_tokens",
+            "max_connections",
+            "request_timeout_s",
+            "shutdown_grace_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "keep_alive_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"server.{name} must be positive, got {getattr(self, name)}")
         if self.rate_limit_per_minute < 0:
-            raise ValueError(f"server.rate_limit_per_minute must be >= 0 (0: no limit), got {self.rate_limit_per_minute}")
+            raise ValueError(
+                f"server.rate_limit_per_minute must be >= 0 (0: no limit), got {self.rate_limit_per_minute}"
+            )
         if self.max_stop_strings < 0:
             raise ValueError(f"server.max_stop_strings must be >= 0, got {self.max_stop_strings}")
-        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
-                                         or not self.api_key.isascii() or " " in self.api_key):
+        if self.api_key is not None and (
+            not self.api_key or not self.api_key.isprintable() or not self.api_key.isascii() or " " in self.api_key
+        ):
             raise ValueError("server.api_key must be non-empty printable ASCII without spaces")
         if self.allowed_hosts is None:
             # NOTE: a server on loopback answers only to loopback names, so a web page cannot
@@ -77,13 +101,15 @@ class ServerConfig:
         else:
             object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in self.allowed_hosts))
             if not self.allowed_hosts or not all(self.allowed_hosts):
-                raise ValueError("server.allowed_hosts must list at least one host name (\"*\": any)")
+                raise ValueError('server.allowed_hosts must list at least one host name ("*": any)')
         if self.threads is not None and self.threads <= 0:
             raise ValueError(f"server.threads must be positive, got {self.threads}")
         if not self.served_model_name:
             raise ValueError("server.served_model_name must not be empty")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
-            raise ValueError(f"server.log_level must be one of critical/error/warning/info/debug, got {self.log_level!r}")
+            raise ValueError(
+                f"server.log_level must be one of critical/error/warning/info/debug, got {self.log_level!r}"
+            )
 
     def redacted(self) -> dict:
         d = asdict(self)
@@ -102,12 +128,27 @@ def is_loopback(host: str) -> bool:
 
 # [server]: ServerConfig fields and their TOML types (allowed_hosts is a list of str).
 _SERVER_TYPES: dict[str, tuple[type, ...]] = {
-    "host": (str,), "port": (int,), "api_key": (str,), "api_key_file": (str,), "served_model_name": (str,),
-    "max_queued_requests": (int,), "max_body_bytes": (int,), "retry_after_s": (int,),
-    "threads": (int,), "log_level": (str,), "default_chat_max_tokens": (int,), "max_stop_strings": (int,),
-    "request_timeout_s": (int, float), "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
-    "body_timeout_s": (int, float), "keep_alive_s": (int, float), "max_connections": (int,),
-    "rate_limit_per_minute": (int,), "allowed_hosts": (list,), "metrics_public": (bool,),
+    "host": (str,),
+    "port": (int,),
+    "api_key": (str,),
+    "api_key_file": (str,),
+    "served_model_name": (str,),
+    "max_queued_requests": (int,),
+    "max_body_bytes": (int,),
+    "retry_after_s": (int,),
+    "threads": (int,),
+    "log_level": (str,),
+    "default_chat_max_tokens": (int,),
+    "max_stop_strings": (int,),
+    "request_timeout_s": (int, float),
+    "shutdown_grace_s": (int, float),
+    "header_timeout_s": (int, float),
+    "body_timeout_s": (int, float),
+    "keep_alive_s": (int, float),
+    "max_connections": (int,),
+    "rate_limit_per_minute": (int,),
+    "allowed_hosts": (list,),
+    "metrics_public": (bool,),
 }
 
 # section -> key -> Key (accepted types, the dataclass the value is passed to, its field).
@@ -134,22 +175,41 @@ _SCHEMA: dict[str, dict[str, Key]] = {
         "chunk_size": Key((int,), "scheduler", "chunk_size"),
         "prefill_budget_with_decodes": Key((int,), "scheduler", "prefill_budget_with_decodes"),
     },
-    "speculative": {name: Key(types, "speculative", name) for name, types in
-                    (("method", (str,)), ("num_tokens", (int,)), ("max_ngram", (int,)), ("min_ngram", (int,)))},
-    "looped": {name: Key(types, "looped", name) for name, types in
-               (("loops", (int,)), ("cache", (str,)), ("window", (int,)), ("block", (int,)),
-                ("draft_loops", (int,)), ("allow_short_window", (bool,)))},
+    "speculative": {
+        name: Key(types, "speculative", name)
+        for name, types in (("method", (str,)), ("num_tokens", (int,)), ("max_ngram", (int,)), ("min_ngram", (int,)))
+    },
+    "looped": {
+        name: Key(types, "looped", name)
+        for name, types in (
+            ("loops", (int,)),
+            ("cache", (str,)),
+            ("window", (int,)),
+            ("block", (int,)),
+            ("draft_loops", (int,)),
+            ("allow_short_window", (bool,)),
+        )
+    },
     "fill": FILL_KEYS,
-    "server": {name: Key(types, "server", name, items=str if list in types else None)
-               for name, types in _SERVER_TYPES.items()},
+    "server": {
+        name: Key(types, "server", name, items=str if list in types else None) for name, types in _SERVER_TYPES.items()
+    },
 }
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
-                ) -> tuple[EngineConfig, ServerConfig, FillSettings]:
+def load_config(
+    path: str | Path | None, overrides: dict[str, Any] | None = None
+) -> tuple[EngineConfig, ServerConfig, FillSettings]:
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
-    values: dict[str, dict[str, Any]] = {"engine": {}, "cache": {}, "scheduler": {}, "speculative": {},
-                                         "looped": {}, **new_fill_values(), "server": {}}
+    values: dict[str, dict[str, Any]] = {
+        "engine": {},
+        "cache": {},
+        "scheduler": {},
+        "speculative": {},
+        "looped": {},
+        **new_fill_values(),
+        "server": {},
+    }
     origin: dict[str, str] = {}  # dotted key -> where its value came from, for errors found later
     source = str(path) if path else "command line"
     if path:
@@ -166,8 +226,14 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         cache = CacheConfig(**values["cache"])
         scheduler = SchedulerConfig(**values["scheduler"])
         speculative = SpeculativeConfig(**values["speculative"])
-        engine = EngineConfig(cache=cache, scheduler=scheduler, fill=fill, speculative=speculative,
-                              looped=LoopConfig(**values["looped"]), **values["engine"])
+        engine = EngineConfig(
+            cache=cache,
+            scheduler=scheduler,
+            fill=fill,
+            speculative=speculative,
+            looped=LoopConfig(**values["looped"]),
+            **values["engine"],
+        )
         server = ServerConfig(**values["server"])
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
@@ -189,9 +255,11 @@ def _read_api_key_file(server: dict[str, Any], origin: dict[str, str]) -> None:
         return
     where = origin["server.api_key_file"]
     if "api_key" in server:
-        raise ConfigError(f"{where}: key 'server.api_key_file' conflicts with the API key from "
-                          f"{origin['server.api_key']}; give only one of --api-key / ${API_KEY_ENV} / "
-                          f"server.api_key and --api-key-file / server.api_key_file")
+        raise ConfigError(
+            f"{where}: key 'server.api_key_file' conflicts with the API key from "
+            f"{origin['server.api_key']}; give only one of --api-key / ${API_KEY_ENV} / "
+            f"server.api_key and --api-key-file / server.api_key_file"
+        )
     try:
         key = Path(path).read_text(encoding="utf-8").strip()
     except FileNotFoundError:
@@ -229,11 +297,14 @@ def check_device(engine: EngineConfig) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise ConfigError(f"model.device (--device) {device!r}: no CUDA device is available "
-                          f"(torch.cuda.is_available() is false); use \"cpu\"")
+        raise ConfigError(
+            f"model.device (--device) {device!r}: no CUDA device is available "
+            f'(torch.cuda.is_available() is false); use "cpu"'
+        )
     if index and int(index) >= torch.cuda.device_count():
-        raise ConfigError(f"model.device (--device) {device!r}: only {torch.cuda.device_count()} "
-                          f"CUDA device(s) are visible")
+        raise ConfigError(
+            f"model.device (--device) {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
 
 
 def _check_unigram_file(path: str, where: str) -> None:
@@ -259,8 +330,9 @@ def _check_maps_header(fill: FillConfig, where: str) -> None:
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
         raise ConfigError(f"{where}: key 'fill.maps': {path}: unreadable map file ({type(e).__name__}: {e})") from None
     if meta.split != fill.split:
-        raise ConfigError(f"{where}: key 'fill.maps': {path} holds maps fitted for split {meta.split}, "
-                          f"but fill.split is {fill.split}")
+        raise ConfigError(
+            f"{where}: key 'fill.maps': {path} holds maps fitted for split {meta.split}, but fill.split is {fill.split}"
+        )
 
 
 def _put(values: dict, origin: dict, dotted: str, value: Any, source: str) -> None:

@@ -50,7 +50,7 @@ class ConnectionGuard:
         self._open: dict[GuardedH11Protocol, None] = {}
         self.evicted = self.refused = 0  # counts, for scripts/reliability/slow_clients.py
 
-    def admit(self, conn: "GuardedH11Protocol") -> bool:
+    def admit(self, conn: GuardedH11Protocol) -> bool:
         if len(self._open) >= self.cap:
             victim = next((c for c in self._open if c.awaiting_request()), None)
             if victim is None:
@@ -64,7 +64,7 @@ class ConnectionGuard:
         self._open[conn] = None
         return True
 
-    def release(self, conn: "GuardedH11Protocol") -> None:
+    def release(self, conn: GuardedH11Protocol) -> None:
         self._open.pop(conn, None)
 
     def __len__(self) -> int:
@@ -127,12 +127,15 @@ class GuardedH11Protocol(H11Protocol):
 
 def _refusal(cap: int) -> bytes:
     body = json.dumps(error_body(503, f"too many open connections (the server allows {cap})")).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
 # -- logging --------------------------------------------------------------------------------
+
 
 class RateLimitedLog(logging.Filter):
     """At most one warning or error per (logger, message) per `window_s`; the next one says
@@ -193,6 +196,7 @@ def quiet_connection_errors() -> None:
 
 # -- open files -------------------------------------------------------------------------------
 
+
 def raise_open_files_limit() -> int:
     """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -211,21 +215,30 @@ def connection_cap(configured: int, open_files: int) -> int:
     is one file), so accept() never fails with EMFILE."""
     fits = max(open_files - FD_RESERVE, 1)
     if configured > fits:
-        log.warning("server.max_connections %d lowered to %d to fit the open-files limit %d",
-                    configured, fits, open_files)
+        log.warning(
+            "server.max_connections %d lowered to %d to fit the open-files limit %d", configured, fits, open_files
+        )
     return min(configured, fits)
 
 
 # -- uvicorn ----------------------------------------------------------------------------------
 
-def uvicorn_config(app, server_config, max_connections: int, log_level: str = "info",
-                   host: str = "127.0.0.1", port: int = 0) -> uvicorn.Config:
+
+def uvicorn_config(
+    app, server_config, max_connections: int, log_level: str = "info", host: str = "127.0.0.1", port: int = 0
+) -> uvicorn.Config:
     """The uvicorn settings every ridgefill server runs with (serve and BackgroundServer);
     host and port matter only when uvicorn binds the socket itself (not given `sockets`)."""
     guard = ConnectionGuard(max_connections)
     protocol = functools.partial(GuardedH11Protocol, guard=guard, header_timeout_s=server_config.header_timeout_s)
     config = uvicorn.Config(
-        app, host=host, port=port, http=protocol, lifespan="on", log_level=log_level, backlog=LISTEN_BACKLOG,
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        lifespan="on",
+        log_level=log_level,
+        backlog=LISTEN_BACKLOG,
         access_log=False,  # NOTE: server.access writes one structured line per request instead
         timeout_keep_alive=server_config.keep_alive_s,
         # NOTE: the engine aborts what is left at the grace; this backstop cancels request

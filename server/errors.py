@@ -9,29 +9,39 @@ from fastapi.responses import JSONResponse
 
 from .protocol import ErrorInfo, ErrorResponse
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          408: "timeout_error", 413: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
-          500: "internal_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    421: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 
 class HTTPError(Exception):
     """Raised anywhere in a route; the app turns it into the JSON body and status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    info = ErrorInfo(message=_printable(message), type=_TYPES.get(status, "error"),
-                     param=None if param is None else _printable(param), code=status)
+    info = ErrorInfo(
+        message=_printable(message),
+        type=_TYPES.get(status, "error"),
+        param=None if param is None else _printable(param),
+        code=status,
+    )
     return ErrorResponse(error=info).model_dump()
 
 
 def error_response(err: HTTPError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param), status_code=err.status,
-                        headers=err.headers)
+    return JSONResponse(error_body(err.status, err.message, err.param), status_code=err.status, headers=err.headers)
 
 
 def _printable(text: str) -> str:
@@ -44,16 +54,27 @@ def _printable(text: str) -> str:
 
 # What a field should have held, by pydantic error type.
 _EXPECTED = {
-    "string_type": "a string", "int_type": "an integer", "int_parsing": "an integer",
-    "int_from_float": "an integer", "int_parsing_size": "an integer", "float_type": "a number",
-    "float_parsing": "a number", "finite_number": "a finite number (not Infinity or NaN)",
-    "bool_type": "true or false", "bool_parsing": "true or false", "list_type": "a list",
-    "dict_type": "a JSON object", "model_type": "a JSON object", "model_attributes_type": "a JSON object",
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "int_parsing_size": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number (not Infinity or NaN)",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "list_type": "a list",
+    "dict_type": "a JSON object",
+    "model_type": "a JSON object",
+    "model_attributes_type": "a JSON object",
 }
 # What a union-typed field takes, by field name; pydantic reports one error per alternative.
 _UNION_EXPECTED = {
-    "prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
-    "content": "a string or a list of content parts", "logprobs": "an integer or true/false",
+    "prompt": "a string or a list of token ids",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+    "logprobs": "an integer or true/false",
 }
 
 
@@ -65,8 +86,11 @@ def describe_invalid(errors: list[dict], body: Any) -> tuple[str, str | None]:
     first = errors[0]
     if first["type"] == "json_invalid":
         where = first["loc"][-1]
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')} " \
-               f"(at character {where})", None
+        return (
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')} "
+            f"(at character {where})",
+            None,
+        )
     if tuple(first["loc"]) == ("body",):
         return _describe_body(first), None
     chosen, path, branches = _pick(errors, body)
@@ -76,7 +100,8 @@ def describe_invalid(errors: list[dict], body: Any) -> tuple[str, str | None]:
     # the alternatives of a union all failed, none further into the value than the others
     name = path[-1] if path and isinstance(path[-1], str) else ""
     expected = _UNION_EXPECTED.get(name) or " or ".join(
-        dict.fromkeys(_EXPECTED.get(e["type"], "another type") for e in branches))
+        dict.fromkeys(_EXPECTED.get(e["type"], "another type") for e in branches)
+    )
     return f"{param} must be {expected}, got {_shown(_at(body, path))}", param
 
 
@@ -95,8 +120,10 @@ def _describe_field(error: dict, param: str) -> str:
     if kind == "extra_forbidden":
         return f"{param} is not a known field"
     if kind == "literal_error":
-        return f"{param} must be {error.get('ctx', {}).get('expected', 'one of the listed values')}, " \
-               f"got {_shown(error.get('input'))}"
+        return (
+            f"{param} must be {error.get('ctx', {}).get('expected', 'one of the listed values')}, "
+            f"got {_shown(error.get('input'))}"
+        )
     if kind in _EXPECTED:
         return f"{param} must be {_EXPECTED[kind]}, got {_shown(error.get('input'))}"
     return f"{param}: {error.get('msg', 'invalid value')}"
@@ -162,4 +189,4 @@ def _shown(value: Any, limit: int = 80) -> str:
         text = json.dumps(value, ensure_ascii=True)
     except (TypeError, ValueError):
         text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

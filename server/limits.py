@@ -65,9 +65,13 @@ class BodySizeLimit:
 
     async def _refuse(self, send):
         body = json.dumps(error_body(413, _too_large(self.max_bytes))).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -131,8 +135,12 @@ class BodyReadTimeout:
         if self.draining():
             await send_json_error(send, 503, "the server is shutting down", close=True)
         else:
-            await send_json_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
-                                             f"(server.body_timeout_s)", close=True)
+            await send_json_error(
+                send,
+                408,
+                f"the request body did not arrive within {self.timeout_s:g} s (server.body_timeout_s)",
+                close=True,
+            )
 
 
 class RateLimit:
@@ -152,9 +160,12 @@ class RateLimit:
             wait = self._take((scope.get("client") or ("?",))[0], time.monotonic())
             if wait > 0:
                 return await send_json_error(
-                    send, 429, f"rate limit: {self.per_minute} requests a minute per client "
-                               f"(server.rate_limit_per_minute); retry in {wait:.1f} s",
-                    headers={"retry-after": str(math.ceil(wait))})
+                    send,
+                    429,
+                    f"rate limit: {self.per_minute} requests a minute per client "
+                    f"(server.rate_limit_per_minute); retry in {wait:.1f} s",
+                    headers={"retry-after": str(math.ceil(wait))},
+                )
         await self.app(scope, receive, send)
 
     def _take(self, client: str, now: float) -> float:
@@ -172,5 +183,6 @@ class RateLimit:
 
     def _forget_full(self, now: float) -> None:
         rate = self.per_minute / 60.0
-        self._buckets = {c: (t, last) for c, (t, last) in self._buckets.items()
-                         if t + (now - last) * rate < self.per_minute}
+        self._buckets = {
+            c: (t, last) for c, (t, last) in self._buckets.items() if t + (now - last) * rate < self.per_minute
+        }

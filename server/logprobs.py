@@ -119,7 +119,8 @@ class CompletionLogprobsBuilder:
             tokens=[self.strings.text(e.token) for e in entries],
             token_logprobs=[finite(e.logprob) for e in entries],
             top_logprobs=[self._top(e.top, e.token, e.logprob) for e in entries],
-            text_offset=[self._offsets.next(e.token) for e in entries])
+            text_offset=[self._offsets.next(e.token) for e in entries],
+        )
 
     def _top(self, pairs: tuple, token: int, logprob: float) -> dict[str, float]:
         """The asked alternatives, best first, and the chosen token (OpenAI's "logprobs + 1").
@@ -132,9 +133,13 @@ class CompletionLogprobsBuilder:
 
 def chat_content(strings: TokenStrings, entries: list[TokenLogprobs]) -> list[ChatTokenLogprob]:
     """Chat's logprobs.content for these generated tokens."""
-    return [ChatTokenLogprob(**_top_entry(strings, e.token, e.logprob).model_dump(),
-                             top_logprobs=[_top_entry(strings, t, v) for t, v in e.top])
-            for e in entries]
+    return [
+        ChatTokenLogprob(
+            **_top_entry(strings, e.token, e.logprob).model_dump(),
+            top_logprobs=[_top_entry(strings, t, v) for t, v in e.top],
+        )
+        for e in entries
+    ]
 
 
 def _top_entry(strings: TokenStrings, token: int, logprob: float) -> TopLogprob:

@@ -18,9 +18,21 @@ from ridgefill_runtime.engine import EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # What the snapshot-backed metrics read before an engine is bound (the model is loading).
-_UNBOUND = ServingStats(EngineStats(running=0, waiting=0, kv_blocks_used=0, kv_blocks_total=0, preemptions_total=0,
-                                    aborts_total=0, timeouts_total=0, steps_total=0, idle_spins_total=0),
-                        inbox=0, in_flight=0)
+_UNBOUND = ServingStats(
+    EngineStats(
+        running=0,
+        waiting=0,
+        kv_blocks_used=0,
+        kv_blocks_total=0,
+        preemptions_total=0,
+        aborts_total=0,
+        timeouts_total=0,
+        steps_total=0,
+        idle_spins_total=0,
+    ),
+    inbox=0,
+    in_flight=0,
+)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -39,14 +51,20 @@ class ServerMetrics(EngineObserver):
         r.register(self._snapshot)
         self.prompt_tokens = Counter("ridgefill_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("ridgefill_generation_tokens", "Generated tokens", registry=r)
-        self.finished = Counter("ridgefill_request_finished", "Finished requests by reason",
-                                ["finish_reason"], registry=r)
+        self.finished = Counter(
+            "ridgefill_request_finished", "Finished requests by reason", ["finish_reason"], registry=r
+        )
         # Counted when a filled request finishes (like the prompt tokens); exact requests add nothing.
-        self.filled_rows = Counter("ridgefill_fill_filled_rows", "Prompt rows filled (late-layer K/V predicted, not computed)", registry=r)
-        self.exact_prefix_rows = Counter("ridgefill_fill_exact_prefix_rows", "Exact prefix rows in filled prompts", registry=r)
+        self.filled_rows = Counter(
+            "ridgefill_fill_filled_rows", "Prompt rows filled (late-layer K/V predicted, not computed)", registry=r
+        )
+        self.exact_prefix_rows = Counter(
+            "ridgefill_fill_exact_prefix_rows", "Exact prefix rows in filled prompts", registry=r
+        )
         self.tail_rows = Counter("ridgefill_fill_tail_rows", "Exact tail rows in filled prompts", registry=r)
-        self.http_requests = Counter("ridgefill_http_requests", "HTTP requests by route and status",
-                                     ["route", "status"], registry=r)
+        self.http_requests = Counter(
+            "ridgefill_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r
+        )
 
     def bind(self, stats: Callable[[], ServingStats]) -> None:
         """Read the gauges (running, waiting, KV usage) and the engine counters (preemptions,
@@ -106,30 +124,46 @@ def _families(s: ServingStats | None) -> Iterator:
     s = s if s is not None else _UNBOUND
     e = s.engine
     yield GaugeMetricFamily("ridgefill_num_requests_running", "Sequences in the running batch", value=e.running)
-    yield GaugeMetricFamily("ridgefill_num_requests_waiting", "Requests queued, not yet running",
-                            value=e.waiting + s.inbox)
+    yield GaugeMetricFamily(
+        "ridgefill_num_requests_waiting", "Requests queued, not yet running", value=e.waiting + s.inbox
+    )
     yield GaugeMetricFamily("ridgefill_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=e.kv_usage)
     yield GaugeMetricFamily("ridgefill_kv_cache_blocks_used", "KV blocks in use", value=e.kv_blocks_used)
     yield GaugeMetricFamily("ridgefill_kv_cache_blocks_total", "KV blocks in the pool", value=e.kv_blocks_total)
-    yield CounterMetricFamily("ridgefill_preemptions", "Sequences preempted (recomputed) to free KV blocks",
-                              value=e.preemptions_total)
-    yield CounterMetricFamily("ridgefill_request_aborts", "Requests aborted (client gone, shutdown)",
-                              value=e.aborts_total)
-    yield CounterMetricFamily("ridgefill_request_timeouts", "Requests ended at their deadline",
-                              value=e.timeouts_total)
-    yield CounterMetricFamily("ridgefill_spec_draft_tokens", "Speculative draft tokens proposed and verified",
-                              value=e.spec_draft_tokens_total)
-    yield CounterMetricFamily("ridgefill_spec_accepted_tokens", "Speculative draft tokens accepted",
-                              value=e.spec_accepted_tokens_total)
-    yield CounterMetricFamily("ridgefill_spec_verify_steps", "Decode steps that verified a speculative draft",
-                              value=e.spec_steps_total)
+    yield CounterMetricFamily(
+        "ridgefill_preemptions", "Sequences preempted (recomputed) to free KV blocks", value=e.preemptions_total
+    )
+    yield CounterMetricFamily(
+        "ridgefill_request_aborts", "Requests aborted (client gone, shutdown)", value=e.aborts_total
+    )
+    yield CounterMetricFamily("ridgefill_request_timeouts", "Requests ended at their deadline", value=e.timeouts_total)
+    yield CounterMetricFamily(
+        "ridgefill_spec_draft_tokens", "Speculative draft tokens proposed and verified", value=e.spec_draft_tokens_total
+    )
+    yield CounterMetricFamily(
+        "ridgefill_spec_accepted_tokens", "Speculative draft tokens accepted", value=e.spec_accepted_tokens_total
+    )
+    yield CounterMetricFamily(
+        "ridgefill_spec_verify_steps", "Decode steps that verified a speculative draft", value=e.spec_steps_total
+    )
     # NOTE: in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the hit rate
-    yield CounterMetricFamily("ridgefill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                              value=e.prefix_queried_tokens_total)
-    yield CounterMetricFamily("ridgefill_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
-                              value=e.prefix_hit_tokens_total)
-    yield GaugeMetricFamily("ridgefill_prefix_cache_blocks", "KV blocks findable in the prefix cache (held or not)",
-                            value=e.prefix_cached_blocks)
-    yield CounterMetricFamily("ridgefill_engine_idle_spins",
-                              "Engine steps that found nothing to run while work existed (a scheduler bug)",
-                              value=e.idle_spins_total)
+    yield CounterMetricFamily(
+        "ridgefill_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+        value=e.prefix_queried_tokens_total,
+    )
+    yield CounterMetricFamily(
+        "ridgefill_prefix_cache_hits",
+        "Prompt tokens found in the prefix cache (not computed)",
+        value=e.prefix_hit_tokens_total,
+    )
+    yield GaugeMetricFamily(
+        "ridgefill_prefix_cache_blocks",
+        "KV blocks findable in the prefix cache (held or not)",
+        value=e.prefix_cached_blocks,
+    )
+    yield CounterMetricFamily(
+        "ridgefill_engine_idle_spins",
+        "Engine steps that found nothing to run while work existed (a scheduler bug)",
+        value=e.idle_spins_total,
+    )

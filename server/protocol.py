@@ -151,17 +151,39 @@ class Usage(BaseModel):
     speculation: SpeculationUsage | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, fill: FillRows | None = None,
-               verifications: int = 0, verified_tokens: int = 0, cached_tokens: int = 0) -> Usage:
-    fill_usage = None if fill is None else FillUsage(
-        filled_rows=fill.filled, exact_prefix_rows=fill.exact_prefix, tail_rows=fill.tail, split=fill.split,
-        cached_filled_rows=fill.cached_filled, remade_exact_rows=fill.remade)
-    spec = None if not verifications else SpeculationUsage(
-        verifications=verifications, tokens_per_verification=verified_tokens / verifications)
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens), ridgefill=fill_usage,
-                 speculation=spec)
+def make_usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    fill: FillRows | None = None,
+    verifications: int = 0,
+    verified_tokens: int = 0,
+    cached_tokens: int = 0,
+) -> Usage:
+    fill_usage = (
+        None
+        if fill is None
+        else FillUsage(
+            filled_rows=fill.filled,
+            exact_prefix_rows=fill.exact_prefix,
+            tail_rows=fill.tail,
+            split=fill.split,
+            cached_filled_rows=fill.cached_filled,
+            remade_exact_rows=fill.remade,
+        )
+    )
+    spec = (
+        None
+        if not verifications
+        else SpeculationUsage(verifications=verifications, tokens_per_verification=verified_tokens / verifications)
+    )
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        ridgefill=fill_usage,
+        speculation=spec,
+    )
 
 
 def usage_of(handles: Sequence[RequestHandle]) -> Usage:
@@ -170,8 +192,14 @@ def usage_of(handles: Sequence[RequestHandle]) -> Usage:
     seqs = [h.seq for h in handles if h.seq is not None]
     # NOTE: the prompt tokens none of the choices computed (the first computes what the others reuse)
     cached = min((s.num_cached for s in seqs), default=0)
-    return make_usage(handles[0].num_prompt_tokens, sum(h.num_output_tokens for h in handles), handles[0].fill_rows,
-                      sum(s.verifications for s in seqs), sum(s.verified_tokens for s in seqs), cached)
+    return make_usage(
+        handles[0].num_prompt_tokens,
+        sum(h.num_output_tokens for h in handles),
+        handles[0].fill_rows,
+        sum(s.verifications for s in seqs),
+        sum(s.verified_tokens for s in seqs),
+        cached,
+    )
 
 
 def new_id(prefix: str) -> str:
@@ -192,11 +220,13 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
-    def __add__(self, more: "CompletionLogprobs") -> "CompletionLogprobs":
-        return CompletionLogprobs(tokens=self.tokens + more.tokens,
-                                  token_logprobs=self.token_logprobs + more.token_logprobs,
-                                  top_logprobs=self.top_logprobs + more.top_logprobs,
-                                  text_offset=self.text_offset + more.text_offset)
+    def __add__(self, more: CompletionLogprobs) -> CompletionLogprobs:
+        return CompletionLogprobs(
+            tokens=self.tokens + more.tokens,
+            token_logprobs=self.token_logprobs + more.token_logprobs,
+            top_logprobs=self.top_logprobs + more.top_logprobs,
+            text_offset=self.text_offset + more.text_offset,
+        )
 
 
 class CompletionChoice(BaseModel):

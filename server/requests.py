@@ -31,8 +31,12 @@ def check_common(req: _SamplingFields) -> None:
 
 def check_best_of(req: CompletionRequest) -> None:
     if req.best_of not in (None, 1):
-        raise HTTPError(400, f"best_of={req.best_of} is not supported: this server does not rank choices; "
-                             f"ask n={req.best_of} and choose among them", "best_of")
+        raise HTTPError(
+            400,
+            f"best_of={req.best_of} is not supported: this server does not rank choices; "
+            f"ask n={req.best_of} and choose among them",
+            "best_of",
+        )
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:
@@ -41,8 +45,11 @@ def completion_logprobs(req: CompletionRequest) -> int | None:
     if asked is None or asked is False:
         return None
     if asked is True:
-        raise HTTPError(400, f"logprobs on /v1/completions is a number of alternatives per token "
-                             f"(0..{MAX_LOGPROBS}), got true", "logprobs")
+        raise HTTPError(
+            400,
+            f"logprobs on /v1/completions is a number of alternatives per token (0..{MAX_LOGPROBS}), got true",
+            "logprobs",
+        )
     return _logprob_count(asked, "logprobs")
 
 
@@ -51,8 +58,12 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     token (0..20), or None (none asked)."""
     asked = req.logprobs
     if asked is not None and not isinstance(asked, bool) and asked != 0:
-        raise HTTPError(400, f"logprobs on /v1/chat/completions must be true or false (top_logprobs "
-                             f"sets the alternatives per token), got {asked}", "logprobs")
+        raise HTTPError(
+            400,
+            f"logprobs on /v1/chat/completions must be true or false (top_logprobs "
+            f"sets the alternatives per token), got {asked}",
+            "logprobs",
+        )
     if not asked:
         if req.top_logprobs is not None:
             raise HTTPError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -71,8 +82,7 @@ def with_logprobs(params: SamplingParams, top: int | None, prompt: bool = False)
     `prompt`: the prompt's rows too, with as many alternatives (echo)."""
     if top is None:
         return params
-    return dataclasses.replace(params, logprobs=top, prompt_logprobs=prompt,
-                               prompt_top_logprobs=top if prompt else 0)
+    return dataclasses.replace(params, logprobs=top, prompt_logprobs=prompt, prompt_top_logprobs=top if prompt else 0)
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -92,12 +102,18 @@ def wants_fill(req: _SamplingFields, scores_prompt: bool = False) -> bool:
     filled rows do not have, so it runs an exact prefill."""
     mode = req.ridgefill.mode if req.ridgefill is not None else None
     if mode not in (None, "off", "plain"):
-        raise HTTPError(400, f"ridgefill.mode must be \"off\" (exact prefill) or \"plain\" "
-                             f"(the server's fill), got {mode!r}", "ridgefill.mode")
+        raise HTTPError(
+            400,
+            f'ridgefill.mode must be "off" (exact prefill) or "plain" (the server\'s fill), got {mode!r}',
+            "ridgefill.mode",
+        )
     if scores_prompt and mode == "plain":
-        raise HTTPError(400, "echo with logprobs needs every prompt row's logits, and filled rows have none: "
-                             "send ridgefill.mode \"off\" or leave it out (such requests run exactly)",
-                        "ridgefill.mode")
+        raise HTTPError(
+            400,
+            "echo with logprobs needs every prompt row's logits, and filled rows have none: "
+            'send ridgefill.mode "off" or leave it out (such requests run exactly)',
+            "ridgefill.mode",
+        )
     return mode != "off" and not scores_prompt
 
 
@@ -105,8 +121,9 @@ def _recipe(req: _SamplingFields):
     """The request's ridgefill.recipe (fill/recipes.py) or None; unknown names are refused."""
     name = req.ridgefill.recipe if req.ridgefill is not None else None
     if name is not None and name not in RECIPES:
-        raise HTTPError(400, f"ridgefill.recipe: unknown recipe {name!r} (known: {', '.join(RECIPES)})",
-                        "ridgefill.recipe")
+        raise HTTPError(
+            400, f"ridgefill.recipe: unknown recipe {name!r} (known: {', '.join(RECIPES)})", "ridgefill.recipe"
+        )
     return None if name is None else RECIPES[name]
 
 
@@ -114,8 +131,11 @@ def request_reuse(req: _SamplingFields) -> str | None:
     """The request's ridgefill.reuse_filled (None: the server's fill.reuse_filled)."""
     policy = req.ridgefill.reuse_filled if req.ridgefill is not None else None
     if policy is not None and policy not in REUSE_POLICIES:
-        raise HTTPError(400, f"ridgefill.reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}",
-                        "ridgefill.reuse_filled")
+        raise HTTPError(
+            400,
+            f"ridgefill.reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}",
+            "ridgefill.reuse_filled",
+        )
     return policy
 
 
@@ -144,15 +164,24 @@ def request_rows(req: _SamplingFields, configured: RowsConfig, has_token_table: 
         return None
     for name in selectors:
         if name not in SELECTORS:
-            raise HTTPError(400, f"ridgefill.selectors: unknown selector {name!r} "
-                                 f"(known: {', '.join(SELECTORS)})", "ridgefill.selectors")
+            raise HTTPError(
+                400,
+                f"ridgefill.selectors: unknown selector {name!r} (known: {', '.join(SELECTORS)})",
+                "ridgefill.selectors",
+            )
     if not has_token_table and set(selectors) - {"special"}:
-        raise HTTPError(400, "ridgefill.selectors: this model has no tokenizer, so only 'special' "
-                             "(position 0) can be chosen", "ridgefill.selectors")
+        raise HTTPError(
+            400,
+            "ridgefill.selectors: this model has no tokenizer, so only 'special' (position 0) can be chosen",
+            "ridgefill.selectors",
+        )
     if configured.unigram is None and needs_counts(selectors):
-        raise HTTPError(400, f"ridgefill.selectors: {' and '.join(repr(s) for s in needs_counts(selectors))} "
-                             f"needs unigram counts, and this server has none configured (fill.rows.unigram)",
-                        "ridgefill.selectors")
+        raise HTTPError(
+            400,
+            f"ridgefill.selectors: {' and '.join(repr(s) for s in needs_counts(selectors))} "
+            f"needs unigram counts, and this server has none configured (fill.rows.unigram)",
+            "ridgefill.selectors",
+        )
     return configured.replace(selectors=tuple(selectors))
 
 
@@ -163,18 +192,23 @@ def with_speculation(req: _SamplingFields, params: SamplingParams, configured: S
     method = opts.speculative if opts is not None else None
     num = opts.num_tokens if opts is not None else None
     if method not in (None, "off", "ngram"):
-        raise HTTPError(400, f"ridgefill.speculative must be \"off\" or \"ngram\", got {method!r}",
-                        "ridgefill.speculative")
+        raise HTTPError(400, f'ridgefill.speculative must be "off" or "ngram", got {method!r}', "ridgefill.speculative")
     if method == "off":
         return dataclasses.replace(params, speculative=0)
     if (method is not None or num is not None) and configured.method != "ngram":
-        raise HTTPError(400, f"ridgefill.speculative: this server's speculative decoding is "
-                             f"{configured.method!r} (speculative.method)", "ridgefill.speculative")
+        raise HTTPError(
+            400,
+            f"ridgefill.speculative: this server's speculative decoding is {configured.method!r} (speculative.method)",
+            "ridgefill.speculative",
+        )
     if num is None:
         return params
     if not 0 <= num <= configured.num_tokens:
-        raise HTTPError(400, f"ridgefill.num_tokens must be in 0..{configured.num_tokens} "
-                             f"(speculative.num_tokens), got {num}", "ridgefill.num_tokens")
+        raise HTTPError(
+            400,
+            f"ridgefill.num_tokens must be in 0..{configured.num_tokens} (speculative.num_tokens), got {num}",
+            "ridgefill.num_tokens",
+        )
     return dataclasses.replace(params, speculative=num)
 
 
@@ -188,8 +222,13 @@ def with_loops(req: _SamplingFields, params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, looped=LoopOverrides(**given)) if given else params
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max: int, max_stop_strings: int,
-                    max_tokens_field: str = "max_tokens") -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields,
+    max_tokens: int | None,
+    default_max: int,
+    max_stop_strings: int,
+    max_tokens_field: str = "max_tokens",
+) -> SamplingParams:
     """`max_tokens_field` names the field `max_tokens` came from, for the error."""
     if max_tokens is not None and max_tokens < 0:
         raise HTTPError(400, f"{max_tokens_field} must be >= 0, got {max_tokens}", max_tokens_field)
@@ -217,8 +256,9 @@ def chat_sampling_params(req: ChatCompletionRequest, default_max: int, max_stop_
     return sampling_params(req, req.max_tokens, default_max, max_stop_strings)
 
 
-def fit_default_limit(req: ChatCompletionRequest, params: SamplingParams, prompt_len: int,
-                      max_model_len: int) -> SamplingParams:
+def fit_default_limit(
+    req: ChatCompletionRequest, params: SamplingParams, prompt_len: int, max_model_len: int
+) -> SamplingParams:
     """Clip an unset chat limit to the context the prompt leaves; a limit the client asked
     for stays, so a too-long request is refused by name instead of silently cut."""
     if req.max_completion_tokens is not None or req.max_tokens is not None:
@@ -230,12 +270,16 @@ def fit_default_limit(req: ChatCompletionRequest, params: SamplingParams, prompt
 def _stop_strings(stop: str | list[str] | None, max_strings: int) -> tuple[str, ...]:
     strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if len(strings) > max_strings:
-        raise HTTPError(400, f"stop holds {len(strings)} strings; at most {max_strings} are allowed "
-                             f"(server.max_stop_strings)", "stop")
+        raise HTTPError(
+            400,
+            f"stop holds {len(strings)} strings; at most {max_strings} are allowed (server.max_stop_strings)",
+            "stop",
+        )
     for s in strings:
         if len(s) > MAX_STOP_CHARS:
-            raise HTTPError(400, f"stop strings must be at most {MAX_STOP_CHARS} characters, "
-                                 f"got one of {len(s)}", "stop")
+            raise HTTPError(
+                400, f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}", "stop"
+            )
         check_text(s, "stop")
     return strings
 
@@ -246,8 +290,12 @@ def check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise HTTPError(400, f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(text[e.start]):04x}) "
-                             f"at character {e.start}: send valid Unicode text", param) from None
+        raise HTTPError(
+            400,
+            f"{param} holds an unpaired UTF-16 surrogate (\\u{ord(text[e.start]):04x}) "
+            f"at character {e.start}: send valid Unicode text",
+            param,
+        ) from None
 
 
 # -- prompts: the check_* functions are cheap and run first; the tokenizing ones are slow on long
@@ -265,8 +313,7 @@ def check_completion_prompt(req: CompletionRequest, max_model_len: int) -> None:
         _check_id_count(len(p), max_model_len)
         return
     if len(p) != 1:
-        raise HTTPError(400, "prompt must be one string or one list of token ids (batches are not supported)",
-                        "prompt")
+        raise HTTPError(400, "prompt must be one string or one list of token ids (batches are not supported)", "prompt")
     if isinstance(p[0], str):  # a batch of one: ["text"], or [[ids]]
         check_text(p[0], "prompt[0]")
     else:
@@ -276,8 +323,9 @@ def check_completion_prompt(req: CompletionRequest, max_model_len: int) -> None:
 def _check_id_count(count: int, max_model_len: int) -> None:
     # NOTE: refused here, before the ids are copied and each is checked against the vocabulary.
     if count > max_model_len:
-        raise HTTPError(400, f"prompt ({count} token ids) exceeds the context length of {max_model_len} tokens",
-                        "prompt")
+        raise HTTPError(
+            400, f"prompt ({count} token ids) exceeds the context length of {max_model_len} tokens", "prompt"
+        )
 
 
 def completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
@@ -295,8 +343,7 @@ def check_messages(messages: list[ChatMessage]) -> None:
     if not messages:
         raise HTTPError(400, "messages is empty: send at least one message", "messages")
     if len(messages) > MAX_MESSAGES:
-        raise HTTPError(400, f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are allowed",
-                        "messages")
+        raise HTTPError(400, f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are allowed", "messages")
     for i, m in enumerate(messages):
         _message_text(m, i)  # refuses bad content now, before any slow work
 
@@ -326,8 +373,7 @@ def detokenize_ids(tokenizer, ids: list[int]) -> str:
     vocab = tokenizer.vocab_size
     for i, token in enumerate(ids):
         if not 0 <= token < vocab:
-            raise HTTPError(400, f"tokens[{i}]: token id {token} is outside the vocabulary (size {vocab})",
-                            "tokens")
+            raise HTTPError(400, f"tokens[{i}]: token id {token} is outside the vocabulary (size {vocab})", "tokens")
     return tokenizer.decode(ids)
 
 
@@ -353,11 +399,17 @@ def _message_text(m: ChatMessage, index: int) -> str:
     if isinstance(content, list):  # OpenAI content parts: text ones only
         for j, part in enumerate(content):
             if part.type != "text":
-                raise HTTPError(400, f"messages[{index}].content[{j}].type: only \"text\" content parts "
-                                     f"are supported, got {part.type!r}", f"messages[{index}].content[{j}].type")
+                raise HTTPError(
+                    400,
+                    f'messages[{index}].content[{j}].type: only "text" content parts are supported, got {part.type!r}',
+                    f"messages[{index}].content[{j}].type",
+                )
             if part.text is None:
-                raise HTTPError(400, f"messages[{index}].content[{j}].text is required for a text part",
-                                f"messages[{index}].content[{j}].text")
+                raise HTTPError(
+                    400,
+                    f"messages[{index}].content[{j}].text is required for a text part",
+                    f"messages[{index}].content[{j}].text",
+                )
         content = "".join(part.text for part in content)
     check_text(content or "", f"messages[{index}].content")
     return content or ""

@@ -22,8 +22,20 @@ from ridgefill_runtime.sequence import TokenLogprobs
 
 from .errors import error_body
 from .logprobs import CompletionLogprobsBuilder, TokenStrings, chat_content
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatLogprobs,
-                       CompletionChoice, CompletionChunk, CompletionLogprobs, DeltaMessage, Usage, now, usage_of)
+from .protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    DeltaMessage,
+    Usage,
+    now,
+    usage_of,
+)
 
 
 @dataclass
@@ -135,8 +147,14 @@ class CompletionChoiceStream:
         if event.delta_text or event.finished:
             logprobs = self._builder.generated(self._held) if self._builder else None
             self._held = []
-            out.append(CompletionChoice(index=self.index, text=event.delta_text, logprobs=logprobs,
-                                        finish_reason=event.finish_reason if event.finished else None))
+            out.append(
+                CompletionChoice(
+                    index=self.index,
+                    text=event.delta_text,
+                    logprobs=logprobs,
+                    finish_reason=event.finish_reason if event.finished else None,
+                )
+            )
         return out
 
     def _prompt_logprobs(self) -> CompletionLogprobs | None:
@@ -155,17 +173,27 @@ def completion_choice(stream: CompletionChoiceStream, out: Outcome) -> Completio
     logprobs = None
     if stream.logprobs:
         logprobs = sum((p.logprobs for p in pieces[1:]), pieces[0].logprobs)
-    return CompletionChoice(index=stream.index, text="".join(p.text for p in pieces), logprobs=logprobs,
-                            finish_reason=out.finish_reason)
+    return CompletionChoice(
+        index=stream.index, text="".join(p.text for p in pieces), logprobs=logprobs, finish_reason=out.finish_reason
+    )
 
 
-async def stream_completion(engine: AsyncEngine, handles: list[RequestHandle], rid: str, model: str,
-                            include_usage: bool, choices: list[CompletionChoiceStream]) -> AsyncIterator[str]:
+async def stream_completion(
+    engine: AsyncEngine,
+    handles: list[RequestHandle],
+    rid: str,
+    model: str,
+    include_usage: bool,
+    choices: list[CompletionChoiceStream],
+) -> AsyncIterator[str]:
     created = now()
 
     def chunk(choice: CompletionChoice | None, usage: Usage | None = None) -> str:
-        return sse(CompletionChunk(id=rid, created=created, model=model,
-                                   choices=[] if choice is None else [choice], usage=usage))
+        return sse(
+            CompletionChunk(
+                id=rid, created=created, model=model, choices=[] if choice is None else [choice], usage=usage
+            )
+        )
 
     async for line in _choice_lines(engine, handles, choices, chunk, include_usage):
         yield line
@@ -189,11 +217,15 @@ class ChatChoiceStream:
         self._held.extend(event.new_logprobs)
         out = []
         if event.delta_text:
-            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=event.delta_text),
-                                       logprobs=self._take()))
+            out.append(
+                ChatChunkChoice(index=self.index, delta=DeltaMessage(content=event.delta_text), logprobs=self._take())
+            )
         if event.finished:
-            out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(), logprobs=self._take(),
-                                       finish_reason=event.finish_reason))
+            out.append(
+                ChatChunkChoice(
+                    index=self.index, delta=DeltaMessage(), logprobs=self._take(), finish_reason=event.finish_reason
+                )
+            )
         return out
 
     def _take(self) -> ChatLogprobs | None:
@@ -206,18 +238,28 @@ class ChatChoiceStream:
 
 def chat_choice(index: int, strings: TokenStrings | None, out: Outcome) -> ChatChoice:
     logprobs = None if strings is None else ChatLogprobs(content=chat_content(strings, out.logprobs))
-    return ChatChoice(index=index, message=AssistantMessage(content=out.text), logprobs=logprobs,
-                      finish_reason=out.finish_reason)
+    return ChatChoice(
+        index=index, message=AssistantMessage(content=out.text), logprobs=logprobs, finish_reason=out.finish_reason
+    )
 
 
-async def stream_chat(engine: AsyncEngine, handles: list[RequestHandle], rid: str, model: str,
-                      include_usage: bool, strings: TokenStrings | None) -> AsyncIterator[str]:
+async def stream_chat(
+    engine: AsyncEngine,
+    handles: list[RequestHandle],
+    rid: str,
+    model: str,
+    include_usage: bool,
+    strings: TokenStrings | None,
+) -> AsyncIterator[str]:
     created = now()
     choices = [ChatChoiceStream(i, strings) for i in range(len(handles))]
 
     def chunk(choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
-        return sse(ChatCompletionChunk(id=rid, created=created, model=model,
-                                       choices=[] if choice is None else [choice], usage=usage))
+        return sse(
+            ChatCompletionChunk(
+                id=rid, created=created, model=model, choices=[] if choice is None else [choice], usage=usage
+            )
+        )
 
     for choice in choices:
         yield chunk(choice.opening())
@@ -225,8 +267,9 @@ async def stream_chat(engine: AsyncEngine, handles: list[RequestHandle], rid: st
         yield line
 
 
-async def _choice_lines(engine: AsyncEngine, handles: list[RequestHandle], choices, chunk,
-                        include_usage: bool) -> AsyncIterator[str]:
+async def _choice_lines(
+    engine: AsyncEngine, handles: list[RequestHandle], choices, chunk, include_usage: bool
+) -> AsyncIterator[str]:
     """The SSE lines of n choices' pieces as their events arrive, the usage chunk, [DONE]."""
     async with aclosing(choice_events(engine, handles)) as events:
         async for i, event in events:

@@ -5,5 +5,14 @@ from .build import CacheBudget, ModelCaches, build_caches
 from .manager import CacheManager, CacheStats
 from .spec import AttentionCache, CacheSpec, RecurrentCache, spec_of
 
-__all__ = ["AttentionCache", "CacheBudget", "CacheManager", "CacheSpec", "CacheStats", "ModelCaches",
-           "RecurrentCache", "build_caches", "spec_of"]
+__all__ = [
+    "AttentionCache",
+    "CacheBudget",
+    "CacheManager",
+    "CacheSpec",
+    "CacheStats",
+    "ModelCaches",
+    "RecurrentCache",
+    "build_caches",
+    "spec_of",
+]

@@ -47,10 +47,14 @@ class CacheBudget:
             raise ValueError(f"max_positions must be positive, got {self.max_positions}")
 
     @classmethod
-    def for_tokens(cls, num_tokens: int, block_size: int = 16) -> "CacheBudget":
+    def for_tokens(cls, num_tokens: int, block_size: int = 16) -> CacheBudget:
         """Room for one sequence of `num_tokens` positions (the offline drivers)."""
-        return cls(block_size=block_size, num_blocks=max(1, -(-num_tokens // block_size)), state_slots=1,
-                   max_positions=max(1, num_tokens))
+        return cls(
+            block_size=block_size,
+            num_blocks=max(1, -(-num_tokens // block_size)),
+            state_slots=1,
+            max_positions=max(1, num_tokens),
+        )
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,16 @@ class ModelCaches:
             raise ValueError("cache.prefix_caching: " + self.spec.why_not_prefix_cacheable())
         blocks = BlockManager(self.num_blocks, self.block_size)
         pages = None if self.layout is None else WindowPages(self.layout, blocks, self.kv.map_pages, lazy_late_pages)
-        return CacheManager(blocks, self.states.num_slots,
-                            self.spec.stash_bytes_per_row(), on_free_slot=self.states.free_slot,
-                            on_stash_done=self.states.drop_stash, on_rollback=self.states.restore_row,
-                            prefix_caching=prefix_caching, window_pages=pages)
+        return CacheManager(
+            blocks,
+            self.states.num_slots,
+            self.spec.stash_bytes_per_row(),
+            on_free_slot=self.states.free_slot,
+            on_stash_done=self.states.drop_stash,
+            on_rollback=self.states.restore_row,
+            prefix_caching=prefix_caching,
+            window_pages=pages,
+        )
 
 
 def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
@@ -95,8 +105,17 @@ def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | st
     num_blocks = _num_blocks(spec, budget, layout)
     att = spec.attention
     heads, dim = (att.num_kv_heads, att.head_dim) if att is not None else (1, 1)
-    kv = KVPool(spec.paged_keys, num_blocks * budget.block_size, heads, dim, budget.kv_dtype or spec.dtype, device,
-                layout, read_dtype=spec.dtype, scratch_slot=budget.scratch_slot)
+    kv = KVPool(
+        spec.paged_keys,
+        num_blocks * budget.block_size,
+        heads,
+        dim,
+        budget.kv_dtype or spec.dtype,
+        device,
+        layout,
+        read_dtype=spec.dtype,
+        scratch_slot=budget.scratch_slot,
+    )
     states = StatePool(spec, budget.state_slots, device, budget.history_rows)
     return ModelCaches(spec, kv, states, budget.block_size, num_blocks, layout)
 

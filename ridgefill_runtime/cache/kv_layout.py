@@ -81,5 +81,5 @@ def window_layout(spec: CacheSpec, block_size: int, split: int = 0) -> KVLayout 
     groups = []
     for window, late in sorted(by_class):  # NOTE: window 0 first: group 0 is global
         layers = by_class[(window, late)]
-        groups += [(window, tuple(layers[k:k + size])) for k in range(0, len(layers), size)]
+        groups += [(window, tuple(layers[k : k + size])) for k in range(0, len(layers), size)]
     return KVLayout(block_size, tuple(groups), split)

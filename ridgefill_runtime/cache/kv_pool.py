@@ -15,9 +15,18 @@ from .kv_layout import KVLayout
 
 
 class KVPool:
-    def __init__(self, layers: int | Iterable[int], num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, layout: KVLayout | None = None,
-                 read_dtype: torch.dtype | None = None, scratch_slot: bool = False):
+    def __init__(
+        self,
+        layers: int | Iterable[int],
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layout: KVLayout | None = None,
+        read_dtype: torch.dtype | None = None,
+        scratch_slot: bool = False,
+    ):
         """`layers`: the attention layers' indices (an int n means layers 0..n-1). k[i], v[i] are
         layer i's slabs; a layer without attention (a recurrent one) has none. With `layout`,
         num_slots counts the pool's pages times block_size, shared by every group. `dtype`: what
@@ -59,8 +68,9 @@ class KVPool:
         """Group `group` keeps blocks[i]'s positions in pages[i] (-1: in none any more)."""
         self._paged_for = None  # NOTE: tables paged before this are stale
         at = torch.tensor(blocks, dtype=torch.int64)
-        self.page_of[group].index_copy_(0, at.to(self.page_of.device),
-                                        torch.tensor(pages, dtype=torch.int64, device=self.page_of.device))
+        self.page_of[group].index_copy_(
+            0, at.to(self.page_of.device), torch.tensor(pages, dtype=torch.int64, device=self.page_of.device)
+        )
 
     def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The slab slots [N] of block-table slots [N] at `layer`."""

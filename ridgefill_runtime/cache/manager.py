@@ -10,7 +10,7 @@ scheduler lets it go: a preempted sequence's stash does not wait with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from ..stages import Stage
 from .block_manager import BlockManager
@@ -49,10 +49,17 @@ class CacheStats:
 
 
 class CacheManager:
-    def __init__(self, blocks: BlockManager, num_state_slots: int, stash_bytes_per_row: int = 0,
-                 on_free_slot: SlotHook = _ignore, on_stash_done: SlotHook = _ignore,
-                 on_rollback: Callable[[int, int], None] = lambda slot, row: None,
-                 prefix_caching: bool = False, window_pages: WindowPages | None = None):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        num_state_slots: int,
+        stash_bytes_per_row: int = 0,
+        on_free_slot: SlotHook = _ignore,
+        on_stash_done: SlotHook = _ignore,
+        on_rollback: Callable[[int, int], None] = lambda slot, row: None,
+        prefix_caching: bool = False,
+        window_pages: WindowPages | None = None,
+    ):
         """window_pages: a sliding-window model's per-group pages (the blocks then count pages:
         each block of a table takes one per group, and window groups give theirs back as rows
         pass); None: one block holds every layer's K/V."""
@@ -66,8 +73,10 @@ class CacheManager:
         self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
         self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
         if prefix_caching and window_pages is not None:
-            raise ValueError("prefix caching needs every layer's K/V of a cached block; window-bounded K/V lets "
-                             "sliding-window layers' old pages go")
+            raise ValueError(
+                "prefix caching needs every layer's K/V of a cached block; window-bounded K/V lets "
+                "sliding-window layers' old pages go"
+            )
         self.prefix = PrefixCache(blocks) if prefix_caching else None
         self.pages = window_pages
 
@@ -187,7 +196,7 @@ class CacheManager:
         need = self.copies_needed(seq, indices)
         if need > self.blocks.num_free:
             raise RuntimeError(f"KV cache out of blocks: need {need} copies, {self.blocks.num_free} free")
-        seq.block_keys = seq.block_keys[:min(indices)] if indices else seq.block_keys
+        seq.block_keys = seq.block_keys[: min(indices)] if indices else seq.block_keys
         return self.blocks.make_own(seq.block_table, indices)
 
     def publish(self, seq) -> None:
@@ -222,15 +231,18 @@ class CacheManager:
 
     def stats(self) -> CacheStats:
         rows = sum(self._stash_rows.values())
-        return CacheStats(kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free,
-                          kv_blocks_total=self.blocks.num_blocks,
-                          state_slots_used=self.num_state_slots - len(self._free_slots),
-                          state_slots_total=self.num_state_slots, stash_rows=rows,
-                          stash_bytes=rows * self.stash_bytes_per_row,
-                          prefix_cached_blocks=self.blocks.num_cached,
-                          prefix_queried_tokens=self.prefix.queried_tokens if self.prefix else 0,
-                          prefix_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
-                          prefix_evictions=self.blocks.evictions)
+        return CacheStats(
+            kv_blocks_used=self.blocks.num_blocks - self.blocks.num_free,
+            kv_blocks_total=self.blocks.num_blocks,
+            state_slots_used=self.num_state_slots - len(self._free_slots),
+            state_slots_total=self.num_state_slots,
+            stash_rows=rows,
+            stash_bytes=rows * self.stash_bytes_per_row,
+            prefix_cached_blocks=self.blocks.num_cached,
+            prefix_queried_tokens=self.prefix.queried_tokens if self.prefix else 0,
+            prefix_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
+            prefix_evictions=self.blocks.evictions,
+        )
 
 
 def _late_reach(seq) -> int | None:

@@ -44,7 +44,7 @@ class PrefixHit:
         """Cached positions whose late K/V were filled."""
         return self.num_tokens - len(self.exact_rows)
 
-    def cut(self, num_tokens: int) -> "PrefixHit":
+    def cut(self, num_tokens: int) -> PrefixHit:
         """The hit's blocks that end at or before position `num_tokens`."""
         if num_tokens >= self.num_tokens:
             return self
@@ -70,8 +70,9 @@ def history_key(key: bytes, exact: tuple[int, ...]) -> bytes:
     return hashlib.blake2b(key + array("q", exact).tobytes(), digest_size=16).digest()
 
 
-def fill_identity(arm: str, split: int, maps_digest: str, policy: str, prompt: list[int] | None = None,
-                  settings: str = "") -> bytes:
+def fill_identity(
+    arm: str, split: int, maps_digest: str, policy: str, prompt: list[int] | None = None, settings: str = ""
+) -> bytes:
     """A filled request's block identity. `prompt` and `settings` (its exact-row choice, as
     text) enter only under "never", whose blocks serve the byte-identical request alone. The
     policy is one of config.REUSE_POLICIES (FillConfig and Engine.add_request check it)."""
@@ -107,9 +108,10 @@ class PrefixCache:
         ids = (EXACT,) if seq.cache_identity == EXACT else (EXACT, seq.cache_identity)
         blocks, keys, exact, parent, waits = [], [], [], ROOT, False
         for i in range((len(prompt) - 1) // bs):
-            tokens = prompt[i * bs:(i + 1) * bs]
-            found = next((b for b in (self.blocks.lookup(block_key(parent, tokens, x)) for x in ids)
-                          if b is not None), None)
+            tokens = prompt[i * bs : (i + 1) * bs]
+            found = next(
+                (b for b in (self.blocks.lookup(block_key(parent, tokens, x)) for x in ids) if b is not None), None
+            )
             if found is None:
                 # NOTE: another running sequence computes this block now (n > 1, a burst on one
                 # system prompt): waiting a step or two costs less than computing it twice
@@ -130,7 +132,7 @@ class PrefixCache:
             return
         bs, parent, claimed = self.block_size, hit.keys[-1] if hit.keys else ROOT, []
         for i in range(len(hit.blocks), (len(seq.prompt_ids) - 1) // bs):
-            key = block_key(parent, seq.prompt_ids[i * bs:(i + 1) * bs], EXACT)
+            key = block_key(parent, seq.prompt_ids[i * bs : (i + 1) * bs], EXACT)
             if self.blocks.lookup(key) is None and self._computing.setdefault(key, seq.seq_id) == seq.seq_id:
                 claimed.append(key)
             parent = history_key(key, tuple(range(bs)))

@@ -129,7 +129,9 @@ class CacheSpec:
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a cache spec needs at least one layer")
-        geometry = {(c.num_kv_heads, c.head_dim) for c in self.layers if isinstance(c, (AttentionCache, LoopPlanesCache))}
+        geometry = {
+            (c.num_kv_heads, c.head_dim) for c in self.layers if isinstance(c, (AttentionCache, LoopPlanesCache))
+        }
         # NOTE: one K/V slab shape for every attention layer keeps one block table per sequence
         # valid across layers; mixed geometries would need per-group pools (vLLM's KV cache groups).
         if len(geometry) > 1:
@@ -138,14 +140,15 @@ class CacheSpec:
             raise ValueError(f"stash_width must be >= 0, got {self.stash_width}")
 
     @classmethod
-    def dense(cls, config, dtype: torch.dtype) -> "CacheSpec":
+    def dense(cls, config, dtype: torch.dtype) -> CacheSpec:
         """Every layer attends (Llama, Qwen3): what a model without its own cache_spec() keeps."""
         window_of = getattr(config, "window_of", lambda layer: 0)
-        layers = tuple(AttentionCache(config.num_kv_heads, config.head_dim, window_of(i))
-                       for i in range(config.num_layers))
+        layers = tuple(
+            AttentionCache(config.num_kv_heads, config.head_dim, window_of(i)) for i in range(config.num_layers)
+        )
         return cls(layers=layers, dtype=dtype, stash_width=config.hidden_size)
 
-    def first_layers(self, n: int) -> "CacheSpec":
+    def first_layers(self, n: int) -> CacheSpec:
         """The spec of layers 0..n-1 only (a run that stops early needs no later cache)."""
         return CacheSpec(self.layers[:n], self.dtype, self.stash_width)
 
@@ -184,8 +187,9 @@ class CacheSpec:
         return None if found is None else AttentionCache(found.num_kv_heads, found.head_dim)
 
     def kv_bytes_per_token(self) -> int:
-        return sum(c.bytes_per_token(self.dtype) for c in self.layers
-                   if isinstance(c, (AttentionCache, LoopPlanesCache)))
+        return sum(
+            c.bytes_per_token(self.dtype) for c in self.layers if isinstance(c, (AttentionCache, LoopPlanesCache))
+        )
 
     @property
     def rolls_back(self) -> bool:
@@ -201,14 +205,19 @@ class CacheSpec:
         # NOTE: a recurrent state (or a looped model's ring) sums up the whole prefix in one
         # per-sequence tensor; reusing a prefix would need a snapshot per block boundary.
         if self.recurrent_layers:
-            return (f"layers {list(self.recurrent_layers)} keep a recurrent state, which summarizes the "
-                    "prefix without per-block snapshots to resume from; use cache.prefix_caching = \"off\"")
-        return (f"layers {list(self.loop_layers)} are looped (their K/V planes depend on each request's "
-                "loops); use cache.prefix_caching = \"off\"")
+            return (
+                f"layers {list(self.recurrent_layers)} keep a recurrent state, which summarizes the "
+                'prefix without per-block snapshots to resume from; use cache.prefix_caching = "off"'
+            )
+        return (
+            f"layers {list(self.loop_layers)} are looped (their K/V planes depend on each request's "
+            'loops); use cache.prefix_caching = "off"'
+        )
 
     def state_bytes_per_sequence(self) -> int:
-        return sum(c.bytes_per_sequence(self.dtype) for c in self.layers
-                   if isinstance(c, (RecurrentCache, LoopPlanesCache)))
+        return sum(
+            c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, (RecurrentCache, LoopPlanesCache))
+        )
 
     def stash_bytes_per_row(self) -> int:
         return self.stash_width * self.dtype.itemsize

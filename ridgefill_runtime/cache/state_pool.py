@@ -22,34 +22,47 @@ class StatePool:
         # NOTE: zeros, not empty: small (one state per running sequence), and a model may read
         # a fresh slot as "no history" without resetting it first.
         self.states: dict[int, dict[str, torch.Tensor]] = {
-            i: {name: torch.zeros((num_slots, *shape), dtype=c.dtype or spec.dtype, device=device)
-                for name, shape in c.parts}
-            for i, c in enumerate(spec.layers) if isinstance(c, RecurrentCache)
+            i: {
+                name: torch.zeros((num_slots, *shape), dtype=c.dtype or spec.dtype, device=device)
+                for name, shape in c.parts
+            }
+            for i, c in enumerate(spec.layers)
+            if isinstance(c, RecurrentCache)
         }  # layer -> part -> [num_slots, *shape]
         self._stashes: dict[int, SplitStash] = {}  # slot -> stash, only while its prefill runs
         # layer -> {"k", "v"} [num_slots, W, R-1, Hkv, D]: a RIPE loop layer's ring of the window's
         # non-deepest planes (seed 001 Eq. (10))
         self.rings: dict[int, dict[str, torch.Tensor]] = {
             i: {part: torch.zeros((num_slots, *c.ring_shape), dtype=spec.dtype, device=device) for part in ("k", "v")}
-            for i, c in enumerate(spec.layers) if isinstance(c, LoopPlanesCache) and c.ring_shape is not None
+            for i, c in enumerate(spec.layers)
+            if isinstance(c, LoopPlanesCache) and c.ring_shape is not None
         }
         # layer -> {"k", "v"} [num_slots, history_rows, R-1, Hkv, D]: a verification's ring rows,
         # committed to the ring by restore_row once the accepted rows are known (Algorithm 1 line 7)
         self.pending: dict[int, dict[str, torch.Tensor]] = {
-            i: {part: torch.zeros((num_slots, history_rows, *c.ring_shape[1:]), dtype=spec.dtype, device=device)
-                for part in ("k", "v")}
+            i: {
+                part: torch.zeros((num_slots, history_rows, *c.ring_shape[1:]), dtype=spec.dtype, device=device)
+                for part in ("k", "v")
+            }
             for i, c in enumerate(spec.layers)
             if isinstance(c, LoopPlanesCache) and c.ring_shape is not None and history_rows > 0
         }
         self.pending_from: dict[int, int] = {}  # slot -> position of its pending row 0
-        self.ring_width = {i: c.window for i, c in enumerate(spec.layers)
-                           if isinstance(c, LoopPlanesCache) and c.ring_shape is not None}
+        self.ring_width = {
+            i: c.window
+            for i, c in enumerate(spec.layers)
+            if isinstance(c, LoopPlanesCache) and c.ring_shape is not None
+        }
         # layer -> part -> [num_slots, history_rows, *shape]: the state after each row of the
         # slot's last verification, written by the model, read back by restore_row
         self.histories: dict[int, dict[str, torch.Tensor]] = {
-            i: {name: torch.zeros((num_slots, history_rows, *shape), dtype=c.dtype or spec.dtype, device=device)
-                for name, shape in c.parts if name in c.rollback_parts}
-            for i, c in enumerate(spec.layers) if isinstance(c, RecurrentCache) and history_rows > 0
+            i: {
+                name: torch.zeros((num_slots, history_rows, *shape), dtype=c.dtype or spec.dtype, device=device)
+                for name, shape in c.parts
+                if name in c.rollback_parts
+            }
+            for i, c in enumerate(spec.layers)
+            if isinstance(c, RecurrentCache) and history_rows > 0
         }
 
     # -- recurrent states --------------------------------------------------------------------

@@ -7,7 +7,7 @@ each change through `on_map` (its page_of table), as the pools hear of freed sta
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .block_manager import BlockManager
 from .kv_layout import KVLayout
@@ -23,8 +23,9 @@ class WindowPages:
         self.layout = layout
         self.blocks = blocks
         self._on_map = on_map
-        self.lazy = tuple(g for g in range(1, layout.num_groups)
-                          if lazy_late and layout.late(g) and layout.groups[g][0] > 0)
+        self.lazy = tuple(
+            g for g in range(1, layout.num_groups) if lazy_late and layout.late(g) and layout.groups[g][0] > 0
+        )
         self.late_window = max((layout.groups[g][0] for g in self.lazy), default=0)
         self._pages: dict[int, list[int]] = {}  # block id -> its page in each window group (-1: gone)
         # id(table) -> per window group, how many of its first blocks trim() has let go (so a
@@ -68,7 +69,7 @@ class WindowPages:
 
     def _lacking(self, table: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
         bs = self.layout.block_size
-        blocks = table[max(0, lo) // bs:-(-hi // bs)]
+        blocks = table[max(0, lo) // bs : -(-hi // bs)]
         return [(g, b) for g in self.lazy for b in blocks if self._pages[b][g - 1] < 0]
 
     def release(self, blocks: list[int]) -> None:
@@ -94,7 +95,7 @@ class WindowPages:
             if reach_g is None or window == 0:  # NOTE: a global group (one per split side) keeps all
                 continue
             behind = min(len(table), max(0, reach_g - window + 1) // bs)  # blocks no later row sees
-            gone = [b for b in table[done[g - 1]:behind] if self._pages[b][g - 1] >= 0]
+            gone = [b for b in table[done[g - 1] : behind] if self._pages[b][g - 1] >= 0]
             done[g - 1] = max(done[g - 1], behind)
             if not gone:
                 continue

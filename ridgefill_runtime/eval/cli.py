@@ -22,8 +22,11 @@ def add_eval_parser(sub, engine_args) -> None:
     e.add_argument("--split", type=int, default=15)
     e.add_argument("--tail", type=int, default=1024)
     e.add_argument("--maps", default=None, help="map file (default: the shipped maps for --split)")
-    e.add_argument("--arms", default="nofill,identity,ridgefill",
-                   help=f"comma-separated: nofill, identity, ridgefill, {TERMINAL_ARM} (hybrids, maps with ΔM)")
+    e.add_argument(
+        "--arms",
+        default="nofill,identity,ridgefill",
+        help=f"comma-separated: nofill, identity, ridgefill, {TERMINAL_ARM} (hybrids, maps with ΔM)",
+    )
     e.add_argument("--docs", type=int, default=10, help="documents of 4K-8K tokens")
     e.add_argument("--max-doc-tokens", type=int, default=8000)
     e.add_argument("--needles-per-task", type=int, default=4)
@@ -43,9 +46,15 @@ def run_eval(args, llm) -> int:
     arms = []
     for name in args.arms.split(","):
         arm, terminal = ("ridgefill", True) if name == TERMINAL_ARM else (name, False)
-        fill = FillConfig(arm=arm, split=args.split, tail=args.tail, maps=maps_path if arm == "ridgefill" else None,
-                          value_rescale=args.value_rescale and arm != "nofill",
-                          key_rescale=args.key_rescale and arm != "nofill", terminal_state=terminal)
+        fill = FillConfig(
+            arm=arm,
+            split=args.split,
+            tail=args.tail,
+            maps=maps_path if arm == "ridgefill" else None,
+            value_rescale=args.value_rescale and arm != "nofill",
+            key_rescale=args.key_rescale and arm != "nofill",
+            terminal_state=terminal,
+        )
         arms.append(Arm(name, fill, maps if arm == "ridgefill" else None))
     texts = evaluation_docs()
     docs = []
@@ -64,22 +73,35 @@ def run_eval(args, llm) -> int:
         per_doc.append(r)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "documents.partial.json").write_text(json.dumps(per_doc, indent=1))  # NOTE: survives a crash later
-        print(f"eval: doc {i + 1}/{len(docs)} ({len(ids)} tokens, {r['key']} key, {r['novel']} novel) "
-              f"{time.time() - t0:.0f}s", flush=True)
+        print(
+            f"eval: doc {i + 1}/{len(docs)} ({len(ids)} tokens, {r['key']} key, {r['novel']} novel) "
+            f"{time.time() - t0:.0f}s",
+            flush=True,
+        )
     lengths = [int(x) for x in args.needle_lengths.split(",")]
-    haystacks = [d.text for d in texts[len(docs):]]
+    haystacks = [d.text for d in texts[len(docs) :]]
     needles = needle_results(model, tok, arms, haystacks, lengths, args.needles_per_task, args.tail)
     names = [a.name for a in arms] + ([f"{splice_arm}+exact_{w}" for w in splices_for(model)] if splice_arm else [])
     summary = summarize(per_doc, needles, names)
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"split": args.split, "tail": args.tail, "maps": maps_path, "lambda": maps.meta.lam,
-              "value_rescale": args.value_rescale, "key_rescale": args.key_rescale,
-              "documents": per_doc, "needles": needles, "summary": summary}
+    record = {
+        "split": args.split,
+        "tail": args.tail,
+        "maps": maps_path,
+        "lambda": maps.meta.lam,
+        "value_rescale": args.value_rescale,
+        "key_rescale": args.key_rescale,
+        "documents": per_doc,
+        "needles": needles,
+        "summary": summary,
+    }
     (args.out / "eval.json").write_text(json.dumps(record, indent=1))
     table = markdown(summary, names)
-    header = (f"split {args.split}/{model.config.num_layers}, tail {args.tail}, {len(per_doc)} documents, "
-              f"{summary['needles_in_prefix']} needle prompts ({summary['needles_solved_by_exact']} solved by exact); "
-              "mean arm − exact with paired bootstrap 95% intervals\n\n")
+    header = (
+        f"split {args.split}/{model.config.num_layers}, tail {args.tail}, {len(per_doc)} documents, "
+        f"{summary['needles_in_prefix']} needle prompts ({summary['needles_solved_by_exact']} solved by exact); "
+        "mean arm − exact with paired bootstrap 95% intervals\n\n"
+    )
     (args.out / "eval.md").write_text(header + table + "\n")
     print(header + table)
     return 0

@@ -11,9 +11,9 @@ def novel_mask(ids: list[int], n: int = 8) -> torch.Tensor:
     first_start: dict[tuple[int, ...], int] = {}
     repeated = torch.zeros(len(ids), dtype=torch.bool)
     for s in range(len(ids) - n + 1):
-        gram = tuple(ids[s:s + n])
+        gram = tuple(ids[s : s + n])
         if gram in first_start:
-            repeated[s:s + n] = True
+            repeated[s : s + n] = True
         else:
             first_start[gram] = s
     return ~repeated

@@ -10,9 +10,38 @@ import random
 import re
 from dataclasses import dataclass
 
-WORDS = ("amber", "basalt", "cobalt", "dune", "ember", "fjord", "garnet", "harbor", "indigo", "juniper",
-         "kestrel", "lagoon", "meadow", "nickel", "orchid", "pewter", "quartz", "russet", "saffron", "tundra",
-         "umber", "violet", "willow", "yarrow", "zephyr", "alder", "birch", "cedar", "delta", "falcon")
+WORDS = (
+    "amber",
+    "basalt",
+    "cobalt",
+    "dune",
+    "ember",
+    "fjord",
+    "garnet",
+    "harbor",
+    "indigo",
+    "juniper",
+    "kestrel",
+    "lagoon",
+    "meadow",
+    "nickel",
+    "orchid",
+    "pewter",
+    "quartz",
+    "russet",
+    "saffron",
+    "tundra",
+    "umber",
+    "violet",
+    "willow",
+    "yarrow",
+    "zephyr",
+    "alder",
+    "birch",
+    "cedar",
+    "delta",
+    "falcon",
+)
 TASKS = ("single", "multikey", "multivalue", "multiquery")
 
 
@@ -34,8 +63,9 @@ def _sentences(text: str) -> list[str]:
     return [s.strip() + " " for s in re.split(r"(?<=[.!?]) ", flat) if len(s.split()) >= 4]
 
 
-def make_prompt(task: str, tokenizer, haystack_text: str, length: int, rng: random.Random,
-                prefix_limit: int | None = None) -> NeedlePrompt:
+def make_prompt(
+    task: str, tokenizer, haystack_text: str, length: int, rng: random.Random, prefix_limit: int | None = None
+) -> NeedlePrompt:
     """A prompt of about `length` tokens; with prefix_limit, needles start before that token."""
     key_words = rng.sample(WORDS, 8)
     keys = [f"{key_words[2 * i]}-{key_words[2 * i + 1]}" for i in range(4)]
@@ -51,8 +81,11 @@ def make_prompt(task: str, tokenizer, haystack_text: str, length: int, rng: rand
     rng.shuffle(needles)
     answers = tuple(v for k, v in needles if k in asked)
     if len(asked) == 1:
-        question = (f"What are all the special magic numbers for {asked[0]} mentioned in the text above? "
-                    if task == "multivalue" else f"What is the special magic number for {asked[0]} mentioned in the text above? ")
+        question = (
+            f"What are all the special magic numbers for {asked[0]} mentioned in the text above? "
+            if task == "multivalue"
+            else f"What is the special magic number for {asked[0]} mentioned in the text above? "
+        )
     else:
         question = f"What are the special magic numbers for {', '.join(asked[:-1])} and {asked[-1]} mentioned in the text above? "
     question += "Answer with the numbers only."
@@ -82,8 +115,9 @@ def make_prompt(task: str, tokenizer, haystack_text: str, length: int, rng: rand
     for (k, v), at in sorted(zip(needles, slots), key=lambda x: -x[1]):
         body.insert(at, tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. "))
     ids, positions, placed = list(pre_ids), [], []
-    needle_texts = {tuple(tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. ")): (k, v)
-                    for k, v in needles}
+    needle_texts = {
+        tuple(tokenizer.encode(f" One of the special magic numbers for {k} is: {v}. ")): (k, v) for k, v in needles
+    }
     for piece in body:
         if tuple(piece) in needle_texts:
             positions.append(len(ids))

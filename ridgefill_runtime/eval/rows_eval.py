@@ -46,9 +46,11 @@ SELECTOR_SETS = {
 # themselves, so it is not run.
 # NOTE: the two candidate defaults get all three controls; the single-rule selectors get the
 # random control (does the rule beat chance at its own count?) to fit the 2-core time budget.
-DEFAULT_ARMS = ("plain,attention,attention/random,attention/tail,attention/hidden,"
-                "probe@0.33,probe@0.33/random,probe@0.33/tail,probe@0.33/hidden,probe@1,"
-                "lexical,lexical/random,protected,protected/random,digits,digits/random")
+DEFAULT_ARMS = (
+    "plain,attention,attention/random,attention/tail,attention/hidden,"
+    "probe@0.33,probe@0.33/random,probe@0.33/tail,probe@0.33/hidden,probe@1,"
+    "lexical,lexical/random,protected,protected/random,digits,digits/random"
+)
 MAX_NEW = 32
 
 
@@ -63,7 +65,9 @@ def arm_list(names: list[str]) -> list[tuple[str, str, str]]:
 
 def rows_for(base: RowsConfig, spec: str, control: str) -> RowsConfig:
     selectors, _, budget = spec.partition("@")
-    rows = base.replace(selectors=SELECTOR_SETS[selectors], control=control if control in ("random", "tail") else "none")
+    rows = base.replace(
+        selectors=SELECTOR_SETS[selectors], control=control if control in ("random", "tail") else "none"
+    )
     return rows.replace(budget_factor=float(budget)) if budget else rows
 
 
@@ -94,8 +98,9 @@ def needle_row(model, tok, fill, maps, selector, base, arms, prompt, exact: bool
     for name, sel, control in arms:
         key = "hidden" if control == "hidden" else "none"
         if key not in sessions:
-            sessions[key] = PromptSession(model, fill, maps, selector, ids, hide_from=prompt.question_start,
-                                          max_new=MAX_NEW)
+            sessions[key] = PromptSession(
+                model, fill, maps, selector, ids, hide_from=prompt.question_start, max_new=MAX_NEW
+            )
         out = sessions[key].run(rows_for(base, sel, control), max_new=MAX_NEW, done=done)
         row[name] = solved(prompt, text(out.output_ids))
         row[name + ":text"] = text(out.output_ids)
@@ -107,11 +112,11 @@ def needle_row(model, tok, fill, maps, selector, base, arms, prompt, exact: bool
 def document_row(model, fill, maps, selector, base, arms, ids) -> dict:
     n, b = len(ids), len(ids) - fill.tail
     _, exact, _, _ = PromptLogits(model, chunk=2048)(ids, logits_from=b)
-    targets = torch.tensor(ids[b + 1:])
+    targets = torch.tensor(ids[b + 1 :])
     nll_exact = target_nll(exact[:-1], targets)
     _, cut, _, _ = PromptLogits(model, chunk=2048)(ids[b:])
     key = (target_nll(cut[:-1], targets) - nll_exact) > KEY_RISE
-    novel = novel_mask(ids)[b + 1:]
+    novel = novel_mask(ids)[b + 1 :]
     row = {"tokens": n, "key": int(key.sum()), "novel": int(novel.sum()), "prefix": b}
     session = PromptSession(model, fill, maps, selector, ids)
     for name, sel, control in arms:
@@ -119,9 +124,11 @@ def document_row(model, fill, maps, selector, base, arms, ids) -> dict:
             continue  # NOTE: a document has no question to hide
         out = session.run(rows_for(base, sel, control), score=True)
         d = target_nll(out.tail_logits[:-1], targets) - nll_exact
-        row[name] = {"dnll_key": float(d[key].mean()) if key.any() else None,
-                     "dnll_novel": float(d[novel].mean()) if novel.any() else None,
-                     "rows": len(out.exact_rows)}
+        row[name] = {
+            "dnll_key": float(d[key].mean()) if key.any() else None,
+            "dnll_novel": float(d[novel].mean()) if novel.any() else None,
+            "rows": len(out.exact_rows),
+        }
     return row
 
 
@@ -133,10 +140,15 @@ def summarize(needles: list[dict], docs: list[dict], arms) -> dict:
             diffs = [100.0 * (r[name] - r["exact"]) for r in needles]
             mean, lo, hi = paired_bootstrap(diffs)
             n = len(diffs)
-            s["retrieval"] = {"n": n, "accuracy": 100.0 * sum(r[name] for r in needles) / n,
-                              "exact": 100.0 * sum(r["exact"] for r in needles) / n,
-                              "diff": mean, "ci": [lo, hi], "bound": min(lo, binomial_floor(n)),
-                              "row_share": sum(r[name + ":rows"] / r["prefix"] for r in needles) / n}
+            s["retrieval"] = {
+                "n": n,
+                "accuracy": 100.0 * sum(r[name] for r in needles) / n,
+                "exact": 100.0 * sum(r["exact"] for r in needles) / n,
+                "diff": mean,
+                "ci": [lo, hi],
+                "bound": min(lo, binomial_floor(n)),
+                "row_share": sum(r[name + ":rows"] / r["prefix"] for r in needles) / n,
+            }
         vals = [d[name]["dnll_key"] for d in docs if name in d and d[name]["dnll_key"] is not None]
         if vals:
             s["dnll_key"] = paired_bootstrap(vals) + (len(vals),)
@@ -146,8 +158,10 @@ def summarize(needles: list[dict], docs: list[dict], arms) -> dict:
 
 
 def markdown(summary: dict, arms) -> str:
-    lines = ["| arm | exact rows (share of prefix) | retrieval | Δ vs exact, pts [95% CI] (bound) | key ΔNLL [95% CI] | novel ΔNLL |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | exact rows (share of prefix) | retrieval | Δ vs exact, pts [95% CI] (bound) | key ΔNLL [95% CI] | novel ΔNLL |",
+        "|---|---|---|---|---|---|",
+    ]
     f = lambda t: f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}] (n={t[3]})"  # noqa: E731
     for name, _, _ in arms:
         s = summary[name]
@@ -175,10 +189,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--model", default=None, choices=sorted(PACKAGED_MAPS),
-                    help="a packaged model with shipped maps (e.g. gemma3-270m; default: the embedded SmolLM2)")
-    ap.add_argument("--exact-from", type=Path, default=None,
-                    help="a finished run on the same prompts: reuse its exact answers (more arms later)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        choices=sorted(PACKAGED_MAPS),
+        help="a packaged model with shipped maps (e.g. gemma3-270m; default: the embedded SmolLM2)",
+    )
+    ap.add_argument(
+        "--exact-from",
+        type=Path,
+        default=None,
+        help="a finished run on the same prompts: reuse its exact answers (more arms later)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     k, n_shards = (int(x) for x in args.shard.split("/"))
@@ -207,12 +229,16 @@ def main(argv=None) -> int:
             continue
         if earlier and earlier[i]["tokens"] != len(p.ids):
             raise SystemExit(f"--exact-from: prompt {i} differs from the earlier run's")
-        needles.append(needle_row(model, tok, fill, maps, selector, base, arms, p,
-                                  earlier[i]["exact"] if earlier else None))
+        needles.append(
+            needle_row(model, tok, fill, maps, selector, base, arms, p, earlier[i]["exact"] if earlier else None)
+        )
         needles[-1]["index"] = i
         (args.out / f"needles.{k}.json").write_text(json.dumps(needles, indent=1))
-        print(f"rows_eval: prompt {i + 1}/{len(prompts)} {p.task} {len(p.ids)} tokens "
-              f"exact={needles[-1]['exact']} {time.time() - t0:.0f}s", flush=True)
+        print(
+            f"rows_eval: prompt {i + 1}/{len(prompts)} {p.task} {len(p.ids)} tokens "
+            f"exact={needles[-1]['exact']} {time.time() - t0:.0f}s",
+            flush=True,
+        )
     docs = []
     texts = [d for d in evaluation_docs() if len(d.text) > 6 * args.doc_tokens][: args.docs]
     for i, d in enumerate(texts):

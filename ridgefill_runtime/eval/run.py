@@ -35,11 +35,11 @@ def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_
     n, b = len(ids), len(ids) - tail
     _, exact_all, exact_runner, exact_seq = PromptLogits(model, chunk=CHUNK)(ids, logits_from=b)
     exact = exact_all[:-1]  # rows b..n-2 predict tokens b+1..n-1
-    targets = torch.tensor(ids[b + 1:])
+    targets = torch.tensor(ids[b + 1 :])
     nll_exact = target_nll(exact, targets)
     _, cut, _, _ = PromptLogits(model, chunk=CHUNK)(ids[b:])  # the context cut to its last `tail` tokens
     key = (target_nll(cut[:-1], targets) - nll_exact) > KEY_RISE
-    novel = novel_mask(ids)[b + 1:]
+    novel = novel_mask(ids)[b + 1 :]
     out = {"tokens": n, "novel": int(novel.sum()), "key": int(key.sum())}
     runs = [(a.name, a, None) for a in arms]
     if splice_arm:
@@ -48,14 +48,19 @@ def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_
     for name, arm, splice in runs:
         hook = None if splice is None else _splicer(exact_runner, exact_seq, splice, arm.fill.split)
         state = None if splice not in ("state", "all") else _state_splicer(model, ids[:b], arm.fill.split)
-        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK)(ids, after_fill=hook,
-                                                                                at_prefix_end=state)
+        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK)(
+            ids, after_fill=hook, at_prefix_end=state
+        )
         logits = logits[:-1]
         d = target_nll(logits, targets) - nll_exact
         kl, agree = kl_and_agreement(exact, logits)
-        out[name] = {"dnll_novel": float(d[novel].mean()) if novel.any() else None,
-                     "dnll_key": float(d[key].mean()) if key.any() else None,
-                     "dnll_all": float(d.mean()), "kl": float(kl.mean()), "agree": float(agree.double().mean())}
+        out[name] = {
+            "dnll_novel": float(d[novel].mean()) if novel.any() else None,
+            "dnll_key": float(d[key].mean()) if key.any() else None,
+            "dnll_all": float(d.mean()),
+            "kl": float(kl.mean()),
+            "agree": float(agree.double().mean()),
+        }
     return out
 
 
@@ -66,6 +71,7 @@ def splices_for(model) -> tuple[str, ...]:
 
 def _splicer(exact_runner, exact_seq, what: str, split: int):
     """Copy the exact run's late keys and/or values into the filled slots (same positions)."""
+
     def splice(runner, seq):
         src = exact_runner._seq_slots(exact_seq, 0, seq.fill_boundary)
         dst = runner._seq_slots(seq, 0, seq.fill_boundary)
@@ -75,6 +81,7 @@ def _splicer(exact_runner, exact_seq, what: str, split: int):
                 runner.kv.k[layer][to] = exact_runner.kv.k[layer][at]
             if what in ("values", "both", "all"):
                 runner.kv.v[layer][to] = exact_runner.kv.v[layer][at]
+
     return splice
 
 
@@ -86,11 +93,13 @@ def _state_splicer(model, prefix: list[int], split: int):
         for layer in (l for l in runner.caches.spec.recurrent_layers if l >= split):
             for name, t in runner.states.state(layer).items():
                 t[filled_seq.state_slot] = exact.states.state(layer)[name][seq.state_slot]
+
     return splice
 
 
-def needle_results(model, tokenizer, arms: list[Arm], haystacks: list[str], lengths, per_task: int,
-                   tail: int, seed: int = 0) -> list[dict]:
+def needle_results(
+    model, tokenizer, arms: list[Arm], haystacks: list[str], lengths, per_task: int, tail: int, seed: int = 0
+) -> list[dict]:
     """Greedy answers per arm for prompts whose needles all lie in the prefix."""
     rng = random.Random(seed)
     prompts = []
@@ -116,8 +125,11 @@ def needle_results(model, tokenizer, arms: list[Arm], haystacks: list[str], leng
 
 def _engine(model, tokenizer, fill: FillConfig, maps) -> Engine:
     # NOTE: no prefix caching: every arm of an evaluation computes its prompt itself
-    cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=0.5, prefix_caching="off"), fill=fill,
-                       scheduler=SchedulerConfig(max_num_batched_tokens=2048, chunk_size=2048))
+    cfg = EngineConfig(
+        cache=CacheConfig(kv_cache_gib=0.5, prefix_caching="off"),
+        fill=fill,
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, chunk_size=2048),
+    )
     return Engine(model, tokenizer, cfg, maps)
 
 
@@ -133,9 +145,13 @@ def summarize(docs: list[dict], needles: list[dict], names: list[str]) -> dict:
             diffs = [100.0 * (r[name] - r["exact"]) for r in solved_by_exact]
             mean, lo, hi = paired_bootstrap(diffs)
             n = len(diffs)
-            s["retrieval"] = {"n": n, "accuracy": 100.0 * sum(r[name] for r in solved_by_exact) / n if n else None,
-                              "diff_vs_exact": mean, "ci": [lo, hi],
-                              "lower_bound": min(lo, binomial_floor(n)) if n else None}
+            s["retrieval"] = {
+                "n": n,
+                "accuracy": 100.0 * sum(r[name] for r in solved_by_exact) / n if n else None,
+                "diff_vs_exact": mean,
+                "ci": [lo, hi],
+                "lower_bound": min(lo, binomial_floor(n)) if n else None,
+            }
         summary[name] = s
     summary["needles_in_prefix"] = len(needles)
     summary["needles_solved_by_exact"] = sum(r["exact"] for r in needles)
@@ -144,12 +160,20 @@ def summarize(docs: list[dict], needles: list[dict], names: list[str]) -> dict:
 
 def markdown(summary: dict, names: list[str]) -> str:
     f = lambda t: "n/a" if t[0] != t[0] else f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}] (n={t[3]})"  # noqa: E731
-    lines = ["| arm | ΔNLL novel | ΔNLL key | KL(exact‖arm) | top-1 agreement | filled-region retrieval (Δ vs exact) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | ΔNLL novel | ΔNLL key | KL(exact‖arm) | top-1 agreement | filled-region retrieval (Δ vs exact) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in names:
         s = summary[name]
         r = s.get("retrieval")
-        ret = "—" if not r or r["n"] == 0 else (f"{r['accuracy']:.1f}% ({r['diff_vs_exact']:+.1f} pts "
-                                                 f"[{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}], bound {r['lower_bound']:+.1f}, n={r['n']})")
+        ret = (
+            "—"
+            if not r or r["n"] == 0
+            else (
+                f"{r['accuracy']:.1f}% ({r['diff_vs_exact']:+.1f} pts "
+                f"[{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}], bound {r['lower_bound']:+.1f}, n={r['n']})"
+            )
+        )
         lines.append(f"| {name} | {f(s['dnll_novel'])} | {f(s['dnll_key'])} | {f(s['kl'])} | {f(s['agree'])} | {ret} |")
     return "\n".join(lines)

@@ -36,8 +36,17 @@ class Outcome:
 class PromptSession:
     """Lower sweep once (with the lower-layer attention recorded), then any selection."""
 
-    def __init__(self, model, fill: FillConfig, maps, selector: RowSelector, ids: list[int],
-                 hide_from: int | None = None, max_new: int = 0, chunk: int = CHUNK):
+    def __init__(
+        self,
+        model,
+        fill: FillConfig,
+        maps,
+        selector: RowSelector,
+        ids: list[int],
+        hide_from: int | None = None,
+        max_new: int = 0,
+        chunk: int = CHUNK,
+    ):
         self.model, self.fill, self.selector, self.chunk = model, fill, selector, chunk
         cfg, bs = model.config, 16
         caches = build_caches(spec_of(model), CacheBudget.for_tokens(len(ids) + max_new, bs), model.device)

@@ -40,7 +40,7 @@ class RidgeSums:
         self.sy[layer] += y.double().sum(0)
         self.sxy[layer] += _blocked_gram(self._x, y, self.BLOCK)
 
-    def merge(self, other: "RidgeSums") -> None:
+    def merge(self, other: RidgeSums) -> None:
         self.n += other.n
         self.sx += other.sx
         self.sxx += other.sxx
@@ -57,7 +57,7 @@ class RidgeSums:
         save_file(t, str(path), metadata={"split": str(self.split), "d": str(self.d)})
 
     @classmethod
-    def load(cls, path: Path, split: int, late_layers: list[int]) -> "RidgeSums":
+    def load(cls, path: Path, split: int, late_layers: list[int]) -> RidgeSums:
         t = load_file(str(path))
         s = cls(t["sx"].shape[0], split, late_layers)
         s.n, s.sx, s.sxx = int(t["n"][0]), t["sx"], t["sxx"]
@@ -91,5 +91,5 @@ def _blocked_gram(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
     """Σ_t x_t y_tᵀ [d, d] in fp64, from products of `block`-row slices in the rows' dtype."""
     acc = torch.zeros(x.shape[1], y.shape[1], dtype=torch.float64)
     for i in range(0, x.shape[0], block):
-        acc += (x[i:i + block].T @ y[i:i + block]).double()
+        acc += (x[i : i + block].T @ y[i : i + block]).double()
     return acc

@@ -66,8 +66,10 @@ class FitState:
         if prog and prog.get("splits") != splits:
             raise ValueError(f"{out}: holds a fit for splits {prog.get('splits')}, not {splits}; use another --out")
         self.done: list[str] = prog.get("done", [])
-        self.sums = {s: (RidgeSums.load(self._sums_path(s), s, self.late[s]) if self.done
-                         else RidgeSums(d, s, self.late[s])) for s in splits}
+        self.sums = {
+            s: (RidgeSums.load(self._sums_path(s), s, self.late[s]) if self.done else RidgeSums(d, s, self.late[s]))
+            for s in splits
+        }
         self.splits = splits
 
     def _sums_path(self, split: int) -> Path:
@@ -121,8 +123,17 @@ def capture_heldout(model, docs: list[Document], special_ids, rows_per_doc: int 
     return out
 
 
-def fit_maps(model, model_identity: str, calib: list[Document], heldout: list[Document], splits: list[int],
-             out: Path, special_ids: frozenset[int], grid=LAMBDA_GRID, log=print) -> dict:
+def fit_maps(
+    model,
+    model_identity: str,
+    calib: list[Document],
+    heldout: list[Document],
+    splits: list[int],
+    out: Path,
+    special_ids: frozenset[int],
+    grid=LAMBDA_GRID,
+    log=print,
+) -> dict:
     cfg = model.config
     state = FitState(out, cfg.hidden_size, sorted(splits), cfg.num_layers)
     todo = [d for d in calib if d.digest not in state.done]
@@ -133,14 +144,25 @@ def fit_maps(model, model_identity: str, calib: list[Document], heldout: list[Do
         state.commit(doc.digest)
     held = capture_heldout(model, heldout, special_ids)
     calib_hash = hashlib.sha256("".join(sorted(d.digest for d in calib)).encode()).hexdigest()[:16]
-    report = {"calibration_documents": len(calib), "heldout_documents": len(heldout),
-              "calibration_hash": calib_hash, "splits": {}}
+    report = {
+        "calibration_documents": len(calib),
+        "heldout_documents": len(heldout),
+        "calibration_hash": calib_hash,
+        "splits": {},
+    }
     for s, sums in state.sums.items():
         scores = {lam: heldout_score(model, sums, lam, held) for lam in grid}
         best = max(scores, key=scores.get)
-        meta = MapMeta(model_identity=model_identity, architecture=cfg.architecture, num_layers=cfg.num_layers,
-                       hidden_size=cfg.hidden_size, split=s, lam=best, calibration_rows=sums.n,
-                       calibration_hash=calib_hash)
+        meta = MapMeta(
+            model_identity=model_identity,
+            architecture=cfg.architecture,
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            split=s,
+            lam=best,
+            calibration_rows=sums.n,
+            calibration_hash=calib_hash,
+        )
         path = out / f"maps-split{s}.safetensors"
         save_maps(path, meta, {l: (a.float(), b.float()) for l, (a, b) in sums.solve(best).items()})
         report["splits"][s] = {"lambda": best, "rows": sums.n, "heldout_cosine": scores, "maps": path.name}

@@ -30,8 +30,7 @@ def _no_window(layer: int) -> int:
     return 0
 
 
-def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], scale: float,
-              window_of=_no_window):
+def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], scale: float, window_of=_no_window):
     """An on_q(layer, q) hook appending, per request, the attention its keys receive at each of
     its layers ([K] float32) to found[request]; the runner adds them into its accumulators.
     window_of(layer): that layer's sliding window (0: none). None when nothing is requested."""

@@ -41,17 +41,24 @@ class MapMeta:
         return d
 
     @classmethod
-    def from_strings(cls, md: dict[str, str], where: str) -> "MapMeta":
+    def from_strings(cls, md: dict[str, str], where: str) -> MapMeta:
         if md.get("format") != FORMAT:
             raise ModelLoadError(f"{where}: not a ridgefill map file (format={md.get('format')!r})")
         if md.get("format_version") != str(FORMAT_VERSION):
-            raise ModelLoadError(f"{where}: map format version {md.get('format_version')} "
-                                 f"is not the supported {FORMAT_VERSION}")
+            raise ModelLoadError(
+                f"{where}: map format version {md.get('format_version')} is not the supported {FORMAT_VERSION}"
+            )
         try:
-            return cls(model_identity=md["model_identity"], architecture=md["architecture"],
-                       num_layers=int(md["num_layers"]), hidden_size=int(md["hidden_size"]),
-                       split=int(md["split"]), lam=float(md["lam"]),
-                       calibration_rows=int(md["calibration_rows"]), calibration_hash=md["calibration_hash"])
+            return cls(
+                model_identity=md["model_identity"],
+                architecture=md["architecture"],
+                num_layers=int(md["num_layers"]),
+                hidden_size=int(md["hidden_size"]),
+                split=int(md["split"]),
+                lam=float(md["lam"]),
+                calibration_rows=int(md["calibration_rows"]),
+                calibration_hash=md["calibration_hash"],
+            )
         except KeyError as e:
             raise ModelLoadError(f"{where}: map metadata lacks {e.args[0]!r}") from None
 
@@ -81,13 +88,19 @@ def add_terminal_shift(path: str | Path, shifts: dict[int, torch.Tensor], every:
 
 def check_maps_fit(meta: MapMeta, model_identity: str, config, split: int, where: str) -> None:
     """Refuse maps fitted for another model or split, naming what differs."""
-    wants = {"model_identity": model_identity, "architecture": config.architecture,
-             "num_layers": config.num_layers, "hidden_size": config.hidden_size, "split": split}
+    wants = {
+        "model_identity": model_identity,
+        "architecture": config.architecture,
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "split": split,
+    }
     for key, want in wants.items():
         have = getattr(meta, key)
         if have != want:
-            raise ModelLoadError(f"{where}: maps do not fit this model: {key} is {have!r} in the map file, "
-                                 f"{want!r} for the model")
+            raise ModelLoadError(
+                f"{where}: maps do not fit this model: {key} is {have!r} in the map file, {want!r} for the model"
+            )
 
 
 class FillMaps:
@@ -111,8 +124,14 @@ class FillMaps:
             raise ModelLoadError(f"{where}: unreadable map file ({type(e).__name__}: {e})") from None
         self.placement, self.dtype, self.device = placement, dtype, device
         pin = placement == "streamed" and device.type == "cuda"
-        self._host = {l: (raw[f"layers.{l}.qweight"].pin_memory() if pin else raw[f"layers.{l}.qweight"],
-                          raw[f"layers.{l}.scales"], raw[f"layers.{l}.bias"]) for l in self.layers}
+        self._host = {
+            l: (
+                raw[f"layers.{l}.qweight"].pin_memory() if pin else raw[f"layers.{l}.qweight"],
+                raw[f"layers.{l}.scales"],
+                raw[f"layers.{l}.bias"],
+            )
+            for l in self.layers
+        }
         self.path = where
         self.terminal = {int(k.split(".")[1]): t.to(device) for k, t in raw.items() if k.startswith("terminal.")}
         self._resident: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -10,7 +10,7 @@ which start from split states stashed by earlier steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -44,9 +44,19 @@ def needs_fill_step(items) -> bool:
 
 
 class FillPlanner:
-    def __init__(self, config: FillConfig, predict: Predictor | None, slots_of: SlotsOf,
-                 states, model_config, dtype, device, attention_layers=None, terminal_shift=None,
-                 defer_windows: bool = False):
+    def __init__(
+        self,
+        config: FillConfig,
+        predict: Predictor | None,
+        slots_of: SlotsOf,
+        states,
+        model_config,
+        dtype,
+        device,
+        attention_layers=None,
+        terminal_shift=None,
+        defer_windows: bool = False,
+    ):
         """states: the StatePool whose slots hold each sequence's split-state stash;
         attention_layers: the layers with K/V (None: every layer), the only ones attention
         measurements can be taken at. defer_windows: write a filled row's K/V at sliding-window
@@ -60,8 +70,9 @@ class FillPlanner:
         window_of = getattr(model_config, "window_of", lambda layer: 0)
         late = [window_of(i) for i in range(config.split, self.num_layers) if i in self.attention_layers]
         self.late_window = max(late, default=0)  # NOTE: the widest: a narrower layer reads a subset
-        self.defer_windows = (defer_windows and self.late_window > 0 and predict is not None
-                              and not rewrites_filled_rows(config))
+        self.defer_windows = (
+            defer_windows and self.late_window > 0 and predict is not None and not rewrites_filled_rows(config)
+        )
 
     def build(self, items, batch: AttentionBatch) -> PlannedFill:
         """batch: the lower part's layout (one entry per full / lower item, in item order)."""
@@ -81,12 +92,19 @@ class FillPlanner:
                 lower_k += 1
             else:
                 self._late_item(item, acc)
-        return acc.finish(self.config.split, self.predict, self.width, self.dtype, self.device, self.terminal_shift,
-                          self.defer_windows)
+        return acc.finish(
+            self.config.split,
+            self.predict,
+            self.width,
+            self.dtype,
+            self.device,
+            self.terminal_shift,
+            self.defer_windows,
+        )
 
     # -- the three kinds of item ----------------------------------------------------------------
 
-    def _lower_item(self, item, rows, slots, acc: "_Parts") -> None:
+    def _lower_item(self, item, rows, slots, acc: _Parts) -> None:
         seq = item.seq
         if item.start == seq.num_cached:  # a new (or restarted) prefill: a fresh stash
             self.states.new_stash(seq.state_slot, seq.num_tokens, seq.fill_boundary)
@@ -98,7 +116,7 @@ class FillPlanner:
         if seq.rows.lower_attention:
             self._window_mass(item, rows, acc)
 
-    def _window_mass(self, item, rows, acc: "_Parts") -> None:
+    def _window_mass(self, item, rows, acc: _Parts) -> None:
         """The attention selector's scores: what the last `window` rows the selectors may see
         pay to each prefix row in the chosen layers below the split."""
         seq = item.seq
@@ -108,24 +126,34 @@ class FillPlanner:
         if lo >= hi or not layers:
             return
         keys = torch.arange(item.end, device=self.device)
-        pick = rows[lo - item.start:hi - item.start]
-        acc.lower_mass.append(MassRequest(layers, pick, torch.arange(lo, hi, device=self.device),
-                                          self.slots_of(seq, keys), keys))
+        pick = rows[lo - item.start : hi - item.start]
+        acc.lower_mass.append(
+            MassRequest(layers, pick, torch.arange(lo, hi, device=self.device), self.slots_of(seq, keys), keys)
+        )
         acc.lower_into.append(self.states.stash(seq.state_slot).attention)
 
-    def _stay_item(self, item, rows, batch: AttentionBatch, k: int, acc: "_Parts") -> None:
+    def _stay_item(self, item, rows, batch: AttentionBatch, k: int, acc: _Parts) -> None:
         seq = item.seq
         read, key_pos = batch.read_slots[k], None
         if seq.fill_boundary and seq.fill_arm == "nofill":
             # NOTE: no fill: the late layers never see the prefix rows that were not recomputed.
-            key_pos = torch.tensor(seq.exact_rows + list(range(seq.fill_boundary, item.end)),
-                                   dtype=torch.int64, device=self.device)
+            key_pos = torch.tensor(
+                seq.exact_rows + list(range(seq.fill_boundary, item.end)), dtype=torch.int64, device=self.device
+            )
             read = self.slots_of(seq, key_pos)
         acc.stay_rows.append(rows)
-        acc.add_late(item.num_tokens, batch.write_slots[rows], item.end, read, None, key_pos, seq.state_slot,
-                     verifies=bool(item.draft))
+        acc.add_late(
+            item.num_tokens,
+            batch.write_slots[rows],
+            item.end,
+            read,
+            None,
+            key_pos,
+            seq.state_slot,
+            verifies=bool(item.draft),
+        )
 
-    def _late_item(self, item, acc: "_Parts") -> None:
+    def _late_item(self, item, acc: _Parts) -> None:
         seq = item.seq
         stash = self.states.stash(seq.state_slot)
         pos = torch.tensor(item.positions, dtype=torch.int64, device=self.device)
@@ -139,8 +167,17 @@ class FillPlanner:
         acc.late_to.append(torch.arange(start, start + item.num_tokens, device=self.device))
         # NOTE: the probe's first rows start a scratch recurrent state (seed 000 §2.4: thrown away;
         # the late sweep starts afresh at position 0), the late sweep's first rows a real one.
-        acc.add_late(item.num_tokens, self.slots_of(seq, pos), read.shape[0], read, pos, keys, seq.state_slot,
-                     fresh=seq.queue_done == 0, filled=self._filled(item, pos))
+        acc.add_late(
+            item.num_tokens,
+            self.slots_of(seq, pos),
+            read.shape[0],
+            read,
+            pos,
+            keys,
+            seq.state_slot,
+            fresh=seq.queue_done == 0,
+            filled=self._filled(item, pos),
+        )
         if seq.terminal_state and item.kind is Stage.LATE and item.end == seq.fill_boundary:
             acc.prefix_ends.append(len(acc.ctx) - 1)
         rows = torch.arange(start, start + item.num_tokens, device=self.device)
@@ -151,10 +188,16 @@ class FillPlanner:
             acc.late_into.append(stash.probe)
         elif self._rescales(seq) and self._measures_rescale(item):
             c = min(self.config.rescale_rows, item.num_tokens)
-            acc.rescales.append(Rescale(rows=rows[:c], values=self.config.value_rescale, keys=self.config.key_rescale,
-                                        filled_slots=self.slots_of(seq, self._rescaled_positions(seq))))
+            acc.rescales.append(
+                Rescale(
+                    rows=rows[:c],
+                    values=self.config.value_rescale,
+                    keys=self.config.key_rescale,
+                    filled_slots=self.slots_of(seq, self._rescaled_positions(seq)),
+                )
+            )
 
-    def _window_writes(self, seq, stash, pos: torch.Tensor, acc: "_Parts") -> None:
+    def _window_writes(self, seq, stash, pos: torch.Tensor, acc: _Parts) -> None:
         """The filled rows that rows `pos` [n] are the first to reach at the sliding-window late
         layers (less than `window` positions before one of them): written there this step.
         NOTE: queued rows run in position order, so a row's window is written by its own step
@@ -190,7 +233,7 @@ class FillPlanner:
             return torch.tensor(prefix + list(range(seq.queue[0], item.end)), dtype=torch.int64, device=self.device)
         if filled:
             return None
-        done = seq.queue[:seq.queue_done + item.num_tokens]  # exact rows and tail so far, in order
+        done = seq.queue[: seq.queue_done + item.num_tokens]  # exact rows and tail so far, in order
         return torch.tensor(done, dtype=torch.int64, device=self.device)
 
     @staticmethod
@@ -248,23 +291,50 @@ class _Parts:
 
     def finish(self, split, predict, width, dtype, device, terminal_shift=None, defer_windows=False) -> PlannedFill:
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
-        stay_to = [torch.arange(self.starts[k], self.starts[k + 1], device=device)
-                   for k in range(len(self.ctx)) if self.q_pos[k] is None]
-        batch = AttentionBatch(query_starts=self.starts, context_lens=self.ctx, write_slots=cat(self.write),
-                               read_slots=self.read, query_pos=self.q_pos, key_pos=self.k_pos,
-                               state_slots=self.slots, state_fresh=self.fresh,
-                               verifies=self.verifies if any(self.verifies) else None)
+        stay_to = [
+            torch.arange(self.starts[k], self.starts[k + 1], device=device)
+            for k in range(len(self.ctx))
+            if self.q_pos[k] is None
+        ]
+        batch = AttentionBatch(
+            query_starts=self.starts,
+            context_lens=self.ctx,
+            write_slots=cat(self.write),
+            read_slots=self.read,
+            query_pos=self.q_pos,
+            key_pos=self.k_pos,
+            state_slots=self.slots,
+            state_fresh=self.fresh,
+            verifies=self.verifies if any(self.verifies) else None,
+        )
         filled, exact, exact_batch = self._exact_part(batch, device)
         late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
-        step = FillStep(split=split, exit_rows=cat(self.exit_rows), fill_rows=cat(self.fill_rows),
-                        fill_slots=cat(self.fill_slots), predict=predict, stay_rows=cat(self.stay_rows),
-                        stay_to=cat(stay_to), late_x=late_x, late_pos=cat(self.late_pos),
-                        late_to=cat(self.late_to), late_size=self.late_size, late_batch=batch,
-                        lower_mass=self.lower_mass, late_mass=self.late_mass, rescales=self.rescales,
-                        late_filled=filled, late_exact=exact, late_exact_batch=exact_batch,
-                        prefix_ends=self.prefix_ends, terminal_shift=terminal_shift, defer_windows=defer_windows,
-                        window_x=torch.cat(self.window_x) if self.window_x else None,
-                        window_pos=cat(self.window_pos), window_slots=cat(self.window_slots))
+        step = FillStep(
+            split=split,
+            exit_rows=cat(self.exit_rows),
+            fill_rows=cat(self.fill_rows),
+            fill_slots=cat(self.fill_slots),
+            predict=predict,
+            stay_rows=cat(self.stay_rows),
+            stay_to=cat(stay_to),
+            late_x=late_x,
+            late_pos=cat(self.late_pos),
+            late_to=cat(self.late_to),
+            late_size=self.late_size,
+            late_batch=batch,
+            lower_mass=self.lower_mass,
+            late_mass=self.late_mass,
+            rescales=self.rescales,
+            late_filled=filled,
+            late_exact=exact,
+            late_exact_batch=exact_batch,
+            prefix_ends=self.prefix_ends,
+            terminal_shift=terminal_shift,
+            defer_windows=defer_windows,
+            window_x=torch.cat(self.window_x) if self.window_x else None,
+            window_pos=cat(self.window_pos),
+            window_slots=cat(self.window_slots),
+        )
         return PlannedFill(step, self.lower_into, self.late_into)
 
     def _exact_part(self, batch: AttentionBatch, device):
@@ -272,8 +342,10 @@ class _Parts:
         attention layout (sequences left with no such row drop out of it)."""
         if all(f is None or not bool(f.any()) for f in self.filled):
             return None, None, None
-        masks = [f if f is not None else torch.zeros(self.starts[k + 1] - self.starts[k], dtype=torch.bool,
-                                                     device=device) for k, f in enumerate(self.filled)]
+        masks = [
+            f if f is not None else torch.zeros(self.starts[k + 1] - self.starts[k], dtype=torch.bool, device=device)
+            for k, f in enumerate(self.filled)
+        ]
         filled = torch.cat(masks)  # [M]
         starts, ctx, read, q_pos, k_pos, slots = [0], [], [], [], [], []
         for k, mask in enumerate(masks):
@@ -287,6 +359,13 @@ class _Parts:
             k_pos.append(self.k_pos[k])
             slots.append(self.slots[k])
         exact = (~filled).nonzero().flatten()  # [E]
-        exact_batch = AttentionBatch(query_starts=starts, context_lens=ctx, write_slots=batch.write_slots[exact],
-                                     read_slots=read, query_pos=q_pos, key_pos=k_pos, state_slots=slots)
+        exact_batch = AttentionBatch(
+            query_starts=starts,
+            context_lens=ctx,
+            write_slots=batch.write_slots[exact],
+            read_slots=read,
+            query_pos=q_pos,
+            key_pos=k_pos,
+            state_slots=slots,
+        )
         return filled, exact, exact_batch

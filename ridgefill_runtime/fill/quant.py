@@ -31,8 +31,9 @@ def quantize_int8_groupwise(w: torch.Tensor, group: int = GROUP) -> tuple[torch.
     return q.view(d_out, g * group)[:, :d_in].contiguous(), scales
 
 
-def dequantize_int8_groupwise(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
-                              group: int = GROUP) -> torch.Tensor:
+def dequantize_int8_groupwise(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32, group: int = GROUP
+) -> torch.Tensor:
     """(qweight [d_out, d_in], scales [d_out, G]) -> weights [d_out, d_in] in `dtype`."""
     d_out, d_in = q.shape
     per_col = scales.float().repeat_interleave(group, dim=1)[:, :d_in]  # [d_out, d_in]

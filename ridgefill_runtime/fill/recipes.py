@@ -17,8 +17,10 @@ from typing import Any
 
 # recipe -> ({fill key: value}, {fill.rows key: value}), keys as FillConfig / RowsConfig fields
 RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "qwen3.8-27b": ({"mode": "plain", "tail": 4096, "value_rescale": True, "rescale_rows": 512},
-                    {"selectors": ["special", "probe", "lexical"]}),
+    "qwen3.8-27b": (
+        {"mode": "plain", "tail": 4096, "value_rescale": True, "rescale_rows": 512},
+        {"selectors": ["special", "probe", "lexical"]},
+    ),
     "flash-next": ({"mode": "plain", "tail": 2048}, {"selectors": []}),
     "flash-next-quality": ({"mode": "plain", "tail": 2048, "terminal_state": True}, {"selectors": ["protected"]}),
 }

@@ -12,7 +12,7 @@ import re
 from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from .tokens import ELIGIBLE_CLASSES, TokenTable, is_digit_token, token_class
 
@@ -53,6 +53,7 @@ def _share_count(share: float, n: int, round_up: bool) -> int:
 # Always-exact rows
 # ---------------------------------------------------------------------------------------------
 
+
 def special_rows(ids: Sequence[int], table: TokenTable, end: int) -> list[int]:
     """Position 0 (the attention sink) and every special token: their K/V is not predictable."""
     end = _clip(end, ids)
@@ -68,6 +69,7 @@ def digit_rows(ids: Sequence[int], table: TokenTable, end: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # Protected (rare) tokens
 # ---------------------------------------------------------------------------------------------
+
 
 def eligible_rows(ids: Sequence[int], table: TokenTable, end: int) -> list[int]:
     """Rows whose token class may be protected (tokens.ELIGIBLE_CLASSES); never special tokens."""
@@ -86,8 +88,10 @@ def protected_rows(ids: Sequence[int], table: TokenTable, end: int, share: float
     """The rarest `share` of the eligible rows (count rounded up), rarity = add-one calibration
     count of the token id, ties to the earlier position."""
     if table.counts is None:
-        raise ValueError("protected_rows needs calibration unigram counts: the TokenTable has counts=None "
-                         "(load them with tokens.load_counts and TokenTable.with_counts)")
+        raise ValueError(
+            "protected_rows needs calibration unigram counts: the TokenTable has counts=None "
+            "(load them with tokens.load_counts and TokenTable.with_counts)"
+        )
     if not 0.0 <= share <= 1.0:
         raise ValueError(f"share must be in [0, 1], got {share}")
     eligible = eligible_rows(ids, table, end)
@@ -99,6 +103,7 @@ def protected_rows(ids: Sequence[int], table: TokenTable, end: int, share: float
 # ---------------------------------------------------------------------------------------------
 # Chat-template tokens and the content window
 # ---------------------------------------------------------------------------------------------
+
 
 def _has_line_break(piece: str) -> bool:
     return any(ch in LINE_BREAKS for ch in piece)
@@ -144,6 +149,7 @@ def content_window(ids: Sequence[int], table: TokenTable, window_end: int, n: in
 # ---------------------------------------------------------------------------------------------
 # Words and sentences
 # ---------------------------------------------------------------------------------------------
+
 
 def normalize_word(word: str) -> str:
     """ASCII letters lower-cased (others kept as they are); a final s dropped from words of four
@@ -242,6 +248,7 @@ def sentences(ids: Sequence[int], table: TokenTable, end: int) -> list[tuple[int
 # The lexical net
 # ---------------------------------------------------------------------------------------------
 
+
 def _runs(positions: list[int]) -> list[list[int]]:
     """Split ascending positions into runs of adjacent ones."""
     runs: list[list[int]] = []
@@ -259,7 +266,7 @@ def _window_grams(ids: Sequence[int], table: TokenTable, window: list[int], size
     grams: set[tuple[str, ...]] = set()
     for segment in _runs(window):
         seq = [w for w, _, _ in _layout(ids, table, segment).word_tokens()]
-        grams.update(tuple(seq[i:i + size]) for i in range(len(seq) - size + 1))
+        grams.update(tuple(seq[i : i + size]) for i in range(len(seq) - size + 1))
     return grams
 
 
@@ -280,7 +287,7 @@ def _rarest_shared(seq: list[str], grams: set, occurrences: Counter, size: int, 
     any longer shared run is made of shared runs of `size` words, one of them covering the rare word."""
     best = None
     for i in range(len(seq) - size + 1):
-        gram = tuple(seq[i:i + size])
+        gram = tuple(seq[i : i + size])
         if gram not in grams:
             continue
         rare = [occurrences[w] for w in gram if occurrences[w] <= max_occurrences]
@@ -289,9 +296,17 @@ def _rarest_shared(seq: list[str], grams: set, occurrences: Counter, size: int, 
     return best
 
 
-def lexical_rows(ids: Sequence[int], table: TokenTable, end: int, window_end: int, window: int = 64,
-                 min_run: int = 4, max_occurrences: int = 2, sentence_rows: int = 80,
-                 cap_share: float = 0.05) -> list[int]:
+def lexical_rows(
+    ids: Sequence[int],
+    table: TokenTable,
+    end: int,
+    window_end: int,
+    window: int = 64,
+    min_run: int = 4,
+    max_occurrences: int = 2,
+    sentence_rows: int = 80,
+    cap_share: float = 0.05,
+) -> list[int]:
     """Rows of the prefix sentences that share a run of >= min_run words, holding a word that
     occurs <= max_occurrences times in the prefix, with the last `window` content tokens before
     window_end. At most the first `sentence_rows` rows of a sentence, `cap_share` of the prefix

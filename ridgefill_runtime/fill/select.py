@@ -45,8 +45,17 @@ class RowSelector:
         view_end = seq.hide_from if seq.hide_from is not None else len(ids)
         lexical = set()
         if "lexical" in cfg.selectors:
-            lexical = set(rules.lexical_rows(ids, self.table, b, view_end, window=cfg.window,
-                                             sentence_rows=cfg.lexical_sentence_rows, cap_share=cfg.lexical_cap))
+            lexical = set(
+                rules.lexical_rows(
+                    ids,
+                    self.table,
+                    b,
+                    view_end,
+                    window=cfg.window,
+                    sentence_rows=cfg.lexical_sentence_rows,
+                    cap_share=cfg.lexical_cap,
+                )
+            )
         if "probe" in cfg.selectors:
             budget = round(cfg.budget_factor * len(self._base_rows(seq, cfg) - special))
             rest = max(0, budget - len(lexical - special))

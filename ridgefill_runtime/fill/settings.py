@@ -137,8 +137,9 @@ def new_fill_values() -> dict[str, dict[str, Any]]:
     return {"fill": {}, "rows": {}}
 
 
-def put_fill_value(values: dict[str, dict[str, Any]], origin: dict[str, str], dotted: str, value: Any,
-                   source: str) -> None:
+def put_fill_value(
+    values: dict[str, dict[str, Any]], origin: dict[str, str], dotted: str, value: Any, source: str
+) -> None:
     """Check one [fill] key ("fill.split", "fill.rows.window", ...) and collect its value;
     `origin` records where each came from, for errors found later. Raises ConfigError."""
     if dotted in _RENAMED:
@@ -147,13 +148,16 @@ def put_fill_value(values: dict[str, dict[str, Any]], origin: dict[str, str], do
     if dotted == "fill.rows.selectors":
         for item in value:
             if item not in SELECTORS:
-                raise ConfigError(f"{source}: key 'fill.rows.selectors': unknown selector {item!r} "
-                                  f"(known: {', '.join(SELECTORS)})")
+                raise ConfigError(
+                    f"{source}: key 'fill.rows.selectors': unknown selector {item!r} (known: {', '.join(SELECTORS)})"
+                )
     if dotted == "fill.corrections":
         for item in value:
             if item not in CORRECTIONS:
-                raise ConfigError(f"{source}: key 'fill.corrections': unknown correction {item!r} "
-                                  f"(known: {', '.join(CORRECTIONS)}; rescale_rows needs the table form)")
+                raise ConfigError(
+                    f"{source}: key 'fill.corrections': unknown correction {item!r} "
+                    f"(known: {', '.join(CORRECTIONS)}; rescale_rows needs the table form)"
+                )
             values["fill"][item] = True
             origin[f"fill.{item}"] = source
         return
@@ -163,8 +167,9 @@ def put_fill_value(values: dict[str, dict[str, Any]], origin: dict[str, str], do
 # -- From what was given to a FillConfig -----------------------------------------------------------
 
 
-def resolve_fill(values: dict[str, dict[str, Any]], origin: dict[str, str], *, model: str | None,
-                 source: str) -> tuple[FillSettings, FillConfig]:
+def resolve_fill(
+    values: dict[str, dict[str, Any]], origin: dict[str, str], *, model: str | None, source: str
+) -> tuple[FillSettings, FillConfig]:
     """The mode and FillConfig of the collected values. `model` None is the embedded default
     model: only it gets the shipped maps and unigram counts when none are given. `source` names
     the file (or "command line") in errors no single key explains."""
@@ -200,8 +205,10 @@ def _maps_path(model: str | None, given: dict, origin: dict[str, str]) -> str:
     if model in PACKAGED_MAPS:
         return str(shipped_maps(given.get("split", FillConfig().split), model))
     if model is not None:
-        raise ConfigError(f"{origin['fill.mode']}: key 'fill.maps' is required when fill.mode = \"plain\" "
-                          f"and model.path is set (the shipped maps fit only the embedded default model)")
+        raise ConfigError(
+            f"{origin['fill.mode']}: key 'fill.maps' is required when fill.mode = \"plain\" "
+            f"and model.path is set (the shipped maps fit only the embedded default model)"
+        )
     return str(shipped_maps(given.get("split", FillConfig().split)))
 
 
@@ -210,8 +217,9 @@ def rows_origin(origin: dict[str, str], source: str) -> str:
     return next((origin[k] for k in origin if k.startswith("fill.rows.")), origin.get("fill.mode", source))
 
 
-def _rows(model: str | None, settings: FillSettings, given: dict[str, Any], origin: dict[str, str],
-          source: str) -> RowsConfig:
+def _rows(
+    model: str | None, settings: FillSettings, given: dict[str, Any], origin: dict[str, str], source: str
+) -> RowsConfig:
     """The exact-row selection: the [fill.rows] keys given (others take RowsConfig's defaults),
     else SHIPPED_ROWS when the fill is on. With the fill on and no fill.rows.unigram, the
     embedded default model gets the shipped counts; another model must name its own when a
@@ -232,15 +240,17 @@ def _rows(model: str | None, settings: FillSettings, given: dict[str, Any], orig
         raise ConfigError(
             f"{where}: key 'fill.rows.unigram' is required when fill.rows.selectors include "
             f"{' or '.join(wanted)} and model.path is set (the shipped counts fit only the embedded "
-            f"default model; or choose selectors without {' or '.join(NEEDS_COUNTS)})")
+            f"default model; or choose selectors without {' or '.join(NEEDS_COUNTS)})"
+        )
     return config
 
 
 # -- --fill-config (generate, score) ---------------------------------------------------------------
 
 
-def fill_for_arm(arm: str | None, config_file: Path | None, *, model: str | None = None,
-                 selectors: Sequence[str] | None = None) -> FillConfig:
+def fill_for_arm(
+    arm: str | None, config_file: Path | None, *, model: str | None = None, selectors: Sequence[str] | None = None
+) -> FillConfig:
     """The FillConfig of `--fill-config`'s [fill] table (the keys of the server's [fill]; the
     file's other tables are not read), with `arm` (--arm, when given) replacing fill.mode and
     `selectors` (--selectors) replacing fill.rows.selectors. `model` None is the embedded

@@ -22,12 +22,16 @@ class SplitStash:
     window_written: torch.Tensor | None = None
 
     @classmethod
-    def new(cls, num_rows: int, width: int, boundary: int, dtype, device) -> "SplitStash":
+    def new(cls, num_rows: int, width: int, boundary: int, dtype, device) -> SplitStash:
         # NOTE: x is N x d (9 MB at 4K tokens for SmolLM2; 256 MB at 32K for d = 4096 in bf16),
         # held only while the sequence is in its prefill.
         zeros = lambda: torch.zeros(boundary, dtype=torch.float32, device=device)  # noqa: E731
-        return cls(torch.empty(num_rows, width, dtype=dtype, device=device), zeros(), zeros(),
-                   torch.zeros(boundary, dtype=torch.bool, device=device))
+        return cls(
+            torch.empty(num_rows, width, dtype=dtype, device=device),
+            zeros(),
+            zeros(),
+            torch.zeros(boundary, dtype=torch.bool, device=device),
+        )
 
     def nbytes(self) -> int:
         parts = (self.x, self.attention, self.probe, self.window_written)

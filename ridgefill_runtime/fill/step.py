@@ -4,7 +4,7 @@ join the late layers from the stash, and what attention to record. Built by the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

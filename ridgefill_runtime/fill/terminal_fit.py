@@ -14,7 +14,9 @@ from .capture import run_layer_inputs
 
 
 @torch.inference_mode()
-def fit_terminal_shift(model, maps, docs: list[list[int]], split: int, every: int = 2048) -> tuple[dict[int, torch.Tensor], int]:
+def fit_terminal_shift(
+    model, maps, docs: list[list[int]], split: int, every: int = 2048
+) -> tuple[dict[int, torch.Tensor], int]:
     """ΔM per late GDN layer: the mean, over every `every`-th position t of every document, of
     S_exact(t) − S_filled(t) (docs: token ids), the layer's state after t rows of true input and after t rows of
     x̂ = maps.predict(l, x_S) (a fully filled prefix, what ΔM stands for in Appendix H).
@@ -51,10 +53,22 @@ def _states_every(model, layer: int, x: torch.Tensor, every: int) -> torch.Tenso
     state = {name: torch.zeros((1, *shape), dtype=torch.float32, device=x.device) for name, shape in parts}
     out = []
     for start in range(0, len(x) - every + 1, every):
-        rows = x[start:start + every]
-        batch = AttentionBatch(query_starts=[0, every], context_lens=[start + every], write_slots=rows.new_empty(0),
-                               read_slots=[None], state_slots=[0], state_fresh=[start == 0])
-        gdn_mixer(zero_centred_rms_norm(rows, w.input_norm, cfg.rms_norm_eps), w.mixer, cfg.hybrid, batch, state,
-                  cfg.rms_norm_eps)
+        rows = x[start : start + every]
+        batch = AttentionBatch(
+            query_starts=[0, every],
+            context_lens=[start + every],
+            write_slots=rows.new_empty(0),
+            read_slots=[None],
+            state_slots=[0],
+            state_fresh=[start == 0],
+        )
+        gdn_mixer(
+            zero_centred_rms_norm(rows, w.input_norm, cfg.rms_norm_eps),
+            w.mixer,
+            cfg.hybrid,
+            batch,
+            state,
+            cfg.rms_norm_eps,
+        )
         out.append(state["ssm"][0].double().clone())
     return torch.stack(out)

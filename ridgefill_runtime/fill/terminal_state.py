@@ -37,4 +37,3 @@ def filled_share(share: torch.Tensor) -> torch.Tensor:
 def correct_state(state: torch.Tensor, rho: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """state [Hv, Dk, Dv] + ρ [Hv] · ΔM [Hv, Dk, Dv]."""
     return state + rho[:, None, None].to(state.dtype) * shift.to(state.dtype)
-

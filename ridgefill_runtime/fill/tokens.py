@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 # Token types (as `Tokenizer.token_type` names them) whose rows are always computed exactly and
 # that end a sentence: they carry no text of the document.
@@ -44,7 +44,7 @@ class TokenTable:
             raise ValueError(f"counts has {len(self.counts)} entries but the vocabulary has {len(self.pieces)} ids")
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, counts: Sequence[int] | None = None) -> "TokenTable":
+    def from_tokenizer(cls, tokenizer, counts: Sequence[int] | None = None) -> TokenTable:
         n = tokenizer.vocab_size
         # One decode per id: ~0.05 s for a 49K vocabulary, and it gives exactly the text the
         # tokenizer would produce for that id alone (decode_batch gives the same, no faster).
@@ -55,13 +55,14 @@ class TokenTable:
         special |= {i for i in getattr(tokenizer, "special_ids", ()) if 0 <= i < n}
         return cls(pieces, frozenset(special), None if counts is None else tuple(int(c) for c in counts))
 
-    def with_counts(self, counts: Sequence[int] | None) -> "TokenTable":
+    def with_counts(self, counts: Sequence[int] | None) -> TokenTable:
         return TokenTable(self.pieces, self.special, None if counts is None else tuple(int(c) for c in counts))
 
 
 # ---------------------------------------------------------------------------------------------
 # Token classes
 # ---------------------------------------------------------------------------------------------
+
 
 def _is_letter(ch: str) -> bool:
     return ch.isalpha()  # Unicode categories L*
@@ -112,11 +113,16 @@ def token_class(piece: str, prev_piece: str | None) -> str:
 # Calibration unigram counts
 # ---------------------------------------------------------------------------------------------
 
+
 def save_counts(path: str | Path, counts: Sequence[int], meta: Mapping) -> Path:
     """Write counts as JSON: a dense list (a 49K vocabulary takes ~150 KB), with `meta` beside it."""
     path = Path(path)
-    document = {"format": COUNTS_FORMAT, "meta": dict(meta), "vocab_size": len(counts),
-                "counts": [int(c) for c in counts]}
+    document = {
+        "format": COUNTS_FORMAT,
+        "meta": dict(meta),
+        "vocab_size": len(counts),
+        "counts": [int(c) for c in counts],
+    }
     path.write_text(json.dumps(document, separators=(",", ":")) + "\n")
     return path
 

@@ -48,7 +48,7 @@ class AttentionBatch:
     block_size: int = 0
     # The batched kernel's rows, given rather than built from the lists above: a replayed decode
     # graph (decode_graphs.py) keeps them in its static buffers, as no host list may feed a graph.
-    paged_given: "PagedRows | None" = None
+    paged_given: PagedRows | None = None
     # (sequence, window) -> what _seen_by found for it: every windowed layer of the step asks the same
     _seen: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -61,7 +61,7 @@ class AttentionBatch:
         return self._seen[key]
 
     @cached_property
-    def paged(self) -> "PagedRows | None":
+    def paged(self) -> PagedRows | None:
         """Which rows the batched paged kernel serves this step, built once and read by every layer."""
         return self.paged_given if self.paged_given is not None else paged_rows(self)
 
@@ -90,7 +90,6 @@ class AttentionBatch:
             return self.query_pos[i]
         lo, hi = self.query_starts[i], self.query_starts[i + 1]
         return torch.arange(self.context_lens[i] - (hi - lo), self.context_lens[i], device=device)
-
 
 
 class ContextSlots:
@@ -148,14 +147,22 @@ def paged_rows(batch: AttentionBatch) -> PagedRows | None:
         chunk = device.type == "cpu" and hi - lo > CPU_PAGED_MAX_ROWS
         served.append(batch.reads_cache(i) and not custom_keys and not chunk)
         owner.append(torch.full((hi - lo,), i, dtype=torch.int32))
-        pos.append(batch.query_pos[i].cpu() if batch.scattered(i) else
-                   torch.arange(batch.context_lens[i] - (hi - lo), batch.context_lens[i]))
+        pos.append(
+            batch.query_pos[i].cpu()
+            if batch.scattered(i)
+            else torch.arange(batch.context_lens[i] - (hi - lo), batch.context_lens[i])
+        )
     if not any(served):
         return None
     cat = lambda xs, dtype: torch.cat(xs).to(device) if xs else torch.empty(0, dtype=dtype, device=device)  # noqa: E731
-    return PagedRows(owner=cat(owner, torch.int32), pos=cat(pos, torch.int64), served=torch.tensor(served, device=device),
-                     served_seqs=tuple(served), all_served=all(served),
-                     context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device))
+    return PagedRows(
+        owner=cat(owner, torch.int32),
+        pos=cat(pos, torch.int64),
+        served=torch.tensor(served, device=device),
+        served_seqs=tuple(served),
+        all_served=all(served),
+        context_lens=torch.tensor(batch.context_lens, dtype=torch.int32, device=device),
+    )
 
 
 def _batched_for(q: torch.Tensor, batch: AttentionBatch) -> bool:
@@ -164,8 +171,9 @@ def _batched_for(q: torch.Tensor, batch: AttentionBatch) -> bool:
     return q.dtype != torch.float64 and batch.paged is not None
 
 
-def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: AttentionBatch, scale: float,
-             window: int = 0):
+def _batched(
+    q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: AttentionBatch, scale: float, window: int = 0
+):
     """The batched kernel over step rows `rows` [R] (None: all N); q holds those rows [R, H, D].
     Returns (out [R', H*D] for the served ones, their indices into q [R'] or None when all)."""
     paged = batch.paged
@@ -178,8 +186,9 @@ def _batched(q: torch.Tensor, rows: torch.Tensor | None, kv, layer: int, batch: 
     # NOTE: a window-bounded pool pages a sliding-window layer apart (cache/kv_layout.py)
     tables = kv.block_tables(layer, batch.block_tables)  # [B, max_blocks] int32
     # NOTE: a narrower K/V cache (cache.kv_dtype) is read as stored; float32 queries stay float32
-    out, _ = scattered_rows_attention(q, owner, pos, kv.k[layer], kv.v[layer], tables,
-                                      paged.context_lens, batch.block_size, scale, window=window)
+    out, _ = scattered_rows_attention(
+        q, owner, pos, kv.k[layer], kv.v[layer], tables, paged.context_lens, batch.block_size, scale, window=window
+    )
     return out.reshape(q.shape[0], -1), pick
 
 
@@ -190,8 +199,15 @@ def causal_offset_mask(q_len: int, k_len: int, device: torch.device) -> torch.Te
     return k_pos <= q_pos
 
 
-def attend_at(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              scale: float, k_pos: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+def attend_at(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    k_pos: torch.Tensor | None = None,
+    window: int = 0,
+) -> torch.Tensor:
     """Chosen query rows q [R, H, D] at positions q_pos [R] over k/v [Lk, Hkv, D] whose
     positions are k_pos [Lk] (None: 0..Lk-1); a row sees keys at positions <= its own (and,
     with a window, > its own - window)."""
@@ -263,8 +279,16 @@ def _seen_by(q_pos: torch.Tensor, window: int, ctx: int) -> torch.Tensor:
     return edges[:ctx].cumsum(0) > 0
 
 
-def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                    kv, layer: int, batch: AttentionBatch, scale: float, window: int = 0) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    kv,
+    layer: int,
+    batch: AttentionBatch,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend per sequence.
 
     q [N, H, D], k_new/v_new [N, Hkv, D] -> [N, H*D]. window > 0: a row sees only the keys
@@ -283,8 +307,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         lo, hi = batch.query_starts[i], batch.query_starts[i + 1]
         k, v, k_pos = _context(k_new, v_new, kv, layer, batch, i, window)
         if batch.scattered(i) or k_pos is not None:
-            outs.append((lo, attend_at(q[lo:hi], batch.row_positions(i, q.device), k, v, scale,
-                                       k_pos, window)))
+            outs.append((lo, attend_at(q[lo:hi], batch.row_positions(i, q.device), k, v, scale, k_pos, window)))
         else:
             outs.append((lo, attend(q[lo:hi], k, v, scale, window)))
     if served is None:
@@ -292,12 +315,21 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     full = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])  # [N, H*D]
     full[pick] = out
     for lo, o in outs:
-        full[lo:lo + o.shape[0]] = o
+        full[lo : lo + o.shape[0]] = o
     return full
 
 
-def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                         kv, layer: int, batch: AttentionBatch, scale: float, window: int = 0) -> torch.Tensor:
+def paged_attention_rows(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    kv,
+    layer: int,
+    batch: AttentionBatch,
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:
     """Like paged_attention, but only the sorted batch rows `rows` [R] attend; all rows' K/V
     are written. q [R, H, D] holds those rows' queries -> [R, H*D]."""
     kv.write(layer, batch.write_slots, k_new, v_new)
@@ -321,8 +353,15 @@ def paged_attention_rows(q: torch.Tensor, rows: torch.Tensor, k_new: torch.Tenso
     return out
 
 
-def key_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch.Tensor,
-             scale: float, rows_per_block: int = 64, window: int = 0) -> torch.Tensor:
+def key_mass(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    k: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    rows_per_block: int = 64,
+    window: int = 0,
+) -> torch.Tensor:
     """Attention each key receives: q [R, H, D] at q_pos [R] over k [Lk, Hkv, D] at k_pos [Lk]
     -> float32 [Lk], the softmax probabilities summed over rows and heads (causal by position).
 
@@ -333,7 +372,7 @@ def key_mass(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, k_pos: torch
     kf = k.float().repeat_interleave(group, dim=1)  # [Lk, H, D]
     mass = torch.zeros(k.shape[0], dtype=torch.float32, device=q.device)
     for lo in range(0, q.shape[0], rows_per_block):
-        qb, pb = q[lo:lo + rows_per_block].float(), q_pos[lo:lo + rows_per_block]
+        qb, pb = q[lo : lo + rows_per_block].float(), q_pos[lo : lo + rows_per_block]
         scores = torch.einsum("rhd,lhd->rhl", qb, kf) * scale  # [r, H, Lk]
         visible = k_pos[None, :] <= pb[:, None]  # [r, Lk]
         if window:

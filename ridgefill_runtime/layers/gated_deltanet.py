@@ -40,14 +40,24 @@ class GDNWeights:
 def state_shapes(cfg: HybridConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """What a GDN layer keeps per sequence: the conv's last K - 1 inputs, S, and (during a
     two-sweep prefill) the running gate-product sums the terminal-state correction's ρ reads."""
-    return (("conv", (cfg.conv_kernel - 1, cfg.conv_channels)),
-            ("ssm", (cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim)),
-            ("share", (2, cfg.value_heads)))
+    return (
+        ("conv", (cfg.conv_kernel - 1, cfg.conv_channels)),
+        ("ssm", (cfg.value_heads, cfg.key_head_dim, cfg.value_head_dim)),
+        ("share", (2, cfg.value_heads)),
+    )
 
 
-def gdn_mixer(x: torch.Tensor, w: GDNWeights, cfg: HybridConfig, batch: AttentionBatch,
-              state: dict[str, torch.Tensor], eps: float, out_rows: torch.Tensor | None = None,
-              filled: torch.Tensor | None = None, history: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+def gdn_mixer(
+    x: torch.Tensor,
+    w: GDNWeights,
+    cfg: HybridConfig,
+    batch: AttentionBatch,
+    state: dict[str, torch.Tensor],
+    eps: float,
+    out_rows: torch.Tensor | None = None,
+    filled: torch.Tensor | None = None,
+    history: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Normed layer input [N, d] -> mixer output [N, d] (or [R, d] for `out_rows`: the other rows
     only update the state); writes each sequence's new conv state and S into `state`
     (conv [slots, K-1, C], ssm [slots, Hv, Dk, Dv] float32). With `filled` [N] bool (a
@@ -118,22 +128,22 @@ def _verify_rows(slot, lo, hi, mixed, g, beta, w, cfg, state, core, history) -> 
     conv_state, ssm = state["conv"], state["ssm"]
     width = conv_state.shape[1]  # K - 1
     conv_in = torch.cat([conv_state[slot].to(mixed.dtype), mixed[lo:hi]])  # [K-1+n, C]
-    s = ssm[slot:slot + 1]
+    s = ssm[slot : slot + 1]
     for j in range(hi - lo):
-        window = conv_in[j:j + width + 1]  # [K, C]: the row and its K-1 predecessors
+        window = conv_in[j : j + width + 1]  # [K, C]: the row and its K-1 predecessors
         q, k, v = _split_qkv(F.silu((window * w.conv.T).sum(0))[None], cfg)
-        o, s = gdn_step(q, k, v, g[lo + j:lo + j + 1], beta[lo + j:lo + j + 1], s, use_qk_l2norm=True)
+        o, s = gdn_step(q, k, v, g[lo + j : lo + j + 1], beta[lo + j : lo + j + 1], s, use_qk_l2norm=True)
         core[lo + j] = o[0]
         history["conv"][slot, j] = window[1:]
         history["ssm"][slot, j] = s[0]
-    conv_state[slot] = conv_in[conv_in.shape[0] - width:]
+    conv_state[slot] = conv_in[conv_in.shape[0] - width :]
     ssm[slot] = s[0]
 
 
 def _carry_share(share: torch.Tensor, g: torch.Tensor, filled: torch.Tensor, steps, runs) -> None:
     """share [slots, 2, Hv] after this step's rows (see fill/terminal_state.py)."""
     for slot, row in steps:
-        share[slot] = share_update(share[slot], g[row:row + 1], filled[row:row + 1])
+        share[slot] = share_update(share[slot], g[row : row + 1], filled[row : row + 1])
     for _, slot, lo, hi, fresh in runs:
         share[slot] = share_update(torch.zeros_like(share[slot]) if fresh else share[slot], g[lo:hi], filled[lo:hi])
 
@@ -143,20 +153,30 @@ def _split_qkv(y: torch.Tensor, cfg: HybridConfig):
     kd = cfg.key_heads * cfg.key_head_dim
     q, k, v = y.split([kd, kd, cfg.value_heads * cfg.value_head_dim], dim=-1)
     lead = y.shape[:-1]
-    return (q.reshape(*lead, cfg.key_heads, cfg.key_head_dim), k.reshape(*lead, cfg.key_heads, cfg.key_head_dim),
-            v.reshape(*lead, cfg.value_heads, cfg.value_head_dim))
+    return (
+        q.reshape(*lead, cfg.key_heads, cfg.key_head_dim),
+        k.reshape(*lead, cfg.key_heads, cfg.key_head_dim),
+        v.reshape(*lead, cfg.value_heads, cfg.value_head_dim),
+    )
 
 
 def _prefill_rows(slot, lo, hi, fresh, mixed, g, beta, w, cfg, state, core) -> None:
     conv_state, ssm = state["conv"], state["ssm"]
     history = mixed.new_zeros(conv_state.shape[1:]) if fresh else conv_state[slot].to(mixed.dtype)
     conv_in = torch.cat([history, mixed[lo:hi]])  # [K-1+n, C]
-    conv_state[slot] = conv_in[conv_in.shape[0] - conv_state.shape[1]:]
+    conv_state[slot] = conv_in[conv_in.shape[0] - conv_state.shape[1] :]
     # depthwise conv over time: [1, C, K-1+n] -> [1, C, n]
     y = F.silu(F.conv1d(conv_in.T[None], w.conv[:, None, :], groups=w.conv.shape[0]))[0].T  # [n, C]
     q, k, v = _split_qkv(y, cfg)
-    o, s = gdn_chunk(q[None], k[None], v[None], g[None, lo:hi], beta[None, lo:hi],
-                     None if fresh else ssm[slot:slot + 1], use_qk_l2norm=True)
+    o, s = gdn_chunk(
+        q[None],
+        k[None],
+        v[None],
+        g[None, lo:hi],
+        beta[None, lo:hi],
+        None if fresh else ssm[slot : slot + 1],
+        use_qk_l2norm=True,
+    )
     ssm[slot] = s[0]
     core[lo:hi] = o[0]
 

@@ -51,8 +51,15 @@ def default_reads(storage: LoopPlanesCache, num_seqs: int, loops: int | None = N
 class LoopAttention:
     """One forward's loop attention: binds the batch, its reads and the caches; call per (layer, loop)."""
 
-    def __init__(self, storage: LoopPlanesCache, caches, batch, reads: tuple[LoopRead, ...], scale: float,
-                 use_op: bool | None = None):
+    def __init__(
+        self,
+        storage: LoopPlanesCache,
+        caches,
+        batch,
+        reads: tuple[LoopRead, ...],
+        scale: float,
+        use_op: bool | None = None,
+    ):
         """use_op: run the compiled ripe_attention op (None: on CUDA where it is built; the
         tests force it on CPU, where it is its reference, to check the layout it is given)."""
         self.storage, self.kv, self.states = storage, caches.kv, caches.states
@@ -61,15 +68,18 @@ class LoopAttention:
         self.row_starts = batch.query_starts
         self._deep: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, seq) -> far K/V, reused by every loop
 
-    def __call__(self, layer: int, r: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 seqs: list[int], starts: list[int]) -> torch.Tensor:
+    def __call__(
+        self, layer: int, r: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: list[int], starts: list[int]
+    ) -> torch.Tensor:
         """Rows of `seqs` (laid out by `starts`): q [n, H, D], k/v [n, Hkv, D] at loop r -> [n, H*D]."""
         self._write_paged(layer, r, k, v, seqs, starts)
         if self.use_op if self.use_op is not None else on_ripe_kernel(q):
             out = self._attend_op(layer, r, q, k, v, seqs, starts)
         else:
-            outs = [self._attend_one(layer, r, q[lo:hi], k[lo:hi], v[lo:hi], i)
-                    for i, lo, hi in zip(seqs, starts, starts[1:])]
+            outs = [
+                self._attend_one(layer, r, q[lo:hi], k[lo:hi], v[lo:hi], i)
+                for i, lo, hi in zip(seqs, starts, starts[1:])
+            ]
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         self._write_ring(layer, r, k, v, seqs, starts)
         return out
@@ -121,8 +131,8 @@ class LoopAttention:
                 continue
             keep = min(n, width)  # NOTE: only the window's positions stay
             at = torch.arange(t0 + n - keep, t0 + n, device=k.device) % width
-            ring["k"][slot, at, r - 1] = k[hi - keep:hi]
-            ring["v"][slot, at, r - 1] = v[hi - keep:hi]
+            ring["k"][slot, at, r - 1] = k[hi - keep : hi]
+            ring["v"][slot, at, r - 1] = v[hi - keep : hi]
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -154,8 +164,9 @@ class LoopAttention:
             v = torch.cat([far_v, near_v, v_new])
         if n == 1:  # NOTE: one row: the far plane only beyond the window, no mask
             if window is not None and near:
-                keep = torch.cat([torch.arange(t0 - near, device=q.device),
-                                  torch.arange(t0, t0 + near + 1, device=q.device)])
+                keep = torch.cat(
+                    [torch.arange(t0 - near, device=q.device), torch.arange(t0, t0 + near + 1, device=q.device)]
+                )
                 k, v = k[keep], v[keep]
             return _sdpa(q, k, v, None, self.scale)
         return _sdpa(q, k, v, _mask(n, t0, near, window, q.device), self.scale)
@@ -169,8 +180,17 @@ class LoopAttention:
         for a, i in enumerate(seqs):
             by_window.setdefault(self.window_of(r, i), []).append(a)
         for window, members in by_window.items():
-            self._attend_op_group(layer, r, q, k, v, [seqs[a] for a in members],
-                                  [(starts[a], starts[a + 1]) for a in members], window, out)
+            self._attend_op_group(
+                layer,
+                r,
+                q,
+                k,
+                v,
+                [seqs[a] for a in members],
+                [(starts[a], starts[a + 1]) for a in members],
+                window,
+                out,
+            )
         return out
 
     def _attend_op_group(self, layer, r, q, k, v, seqs, spans, window, out) -> None:
@@ -191,11 +211,20 @@ class LoopAttention:
         tq, t_max = max(lens), max(1, max(t0s))
         c_max = max(1, window or 0, max(n[0].shape[0] for n in near))  # NOTE: the op wants C >= W
         qb, kb, vb = (_pad_stack([x[lo:hi] for lo, hi in spans], tq) for x in (q, k, v))  # [B, Tq, *, D]
-        res = ripe_attention(qb, kb, vb, _pad_stack([f[0] for f in far], t_max), _pad_stack([f[1] for f in far], t_max),
-                             _pad_stack([n[0] for n in near], c_max), _pad_stack([n[1] for n in near], c_max),
-                             torch.tensor(t0s, dtype=torch.int32, device=q.device), window or 0, self.scale)
+        res = ripe_attention(
+            qb,
+            kb,
+            vb,
+            _pad_stack([f[0] for f in far], t_max),
+            _pad_stack([f[1] for f in far], t_max),
+            _pad_stack([n[0] for n in near], c_max),
+            _pad_stack([n[1] for n in near], c_max),
+            torch.tensor(t0s, dtype=torch.int32, device=q.device),
+            window or 0,
+            self.scale,
+        )
         for b, (lo, hi) in enumerate(spans):
-            out[lo:hi] = res[b, :hi - lo].reshape(hi - lo, -1)
+            out[lo:hi] = res[b, : hi - lo].reshape(hi - lo, -1)
 
     def _ring_view(self, layer, r, i, t0, window, far_k):
         """Plane r of the window's positions as a ring [C >= W, Hkv, D], slot j % C."""
@@ -222,7 +251,7 @@ class LoopAttention:
         if near == 0:
             return _no_rows(self.kv.k[self.deep_key(layer, i)][:0].to(self.kv.read_dtype))
         if self.storage.kind == "full":
-            return self.kv.read((layer, r), self.batch.read_slots[i][t0 - near:t0])
+            return self.kv.read((layer, r), self.batch.read_slots[i][t0 - near : t0])
         ring, slot = self.states.rings[layer], self.batch.state_slots[i]
         at = torch.arange(t0 - near, t0, device=ring["k"].device) % self.storage.window
         return ring["k"][slot, at, r - 1], ring["v"][slot, at, r - 1]
@@ -238,7 +267,7 @@ def _pad_stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     """[len(rows), length, *] with each row's entries first and zeros after."""
     out = rows[0].new_zeros(len(rows), length, *rows[0].shape[1:])
     for b, x in enumerate(rows):
-        out[b, :x.shape[0]] = x
+        out[b, : x.shape[0]] = x
     return out
 
 

@@ -46,8 +46,8 @@ def sparse_moe(x: torch.Tensor, w: MoEWeights, top_k: int, norm_topk_prob: bool)
     for e, count in enumerate(counts):
         if count == 0:
             continue
-        pick = order[start:start + count]
-        rows = tokens[start:start + count]
+        pick = order[start : start + count]
+        rows = tokens[start : start + count]
         y = swiglu_mlp(x[rows], w.gate_up[e], w.down[e])  # [count, d]
         out.index_add_(0, rows, y * weights.flatten()[pick, None])
         start += count

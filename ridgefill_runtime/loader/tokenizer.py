@@ -21,7 +21,8 @@ from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -36,7 +37,13 @@ SERIALIZED_FILE_NAME = "ridgefill_tokenizer.json"
 
 # Token types, named as llama.cpp's `tokenizer.ggml.token_type` codes (0 = undefined reads as normal).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = (
-    "normal", "unknown", "control", "user_defined", "unused", "byte")
+    "normal",
+    "unknown",
+    "control",
+    "user_defined",
+    "unused",
+    "byte",
+)
 _GGUF_TOKEN_TYPE_NAMES = {0: NORMAL, 1: NORMAL, 2: UNKNOWN, 3: CONTROL, 4: USER_DEFINED, 5: UNUSED, 6: BYTE}
 
 # Pre-tokenizer split patterns, one per family of `tokenizer.ggml.pre` names. The merges of a
@@ -51,9 +58,12 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_TOKENIZER_FAMILIES = {
-    "gpt2": "gpt2", "default": "gpt2",
+    "gpt2": "gpt2",
+    "default": "gpt2",
     "smollm": "smollm",
-    "llama-bpe": "llama3", "llama3": "llama3", "llama-v3": "llama3",
+    "llama-bpe": "llama3",
+    "llama3": "llama3",
+    "llama-v3": "llama3",
     "qwen2": "qwen2",
 }
 
@@ -61,6 +71,7 @@ _PRE_TOKENIZER_FAMILIES = {
 # ---------------------------------------------------------------------------------------------
 # The byte alphabet of byte-level BPE
 # ---------------------------------------------------------------------------------------------
+
 
 @lru_cache(maxsize=1)
 def byte_to_unicode_table() -> Mapping[int, str]:
@@ -92,6 +103,7 @@ def spell_in_byte_alphabet(text: str) -> str:
 # Chat templates
 # ---------------------------------------------------------------------------------------------
 
+
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
@@ -111,8 +123,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     Templates come from downloaded files, so they are untrusted code: the immutable sandbox stops
     attribute tricks and in-place mutation of the data passed in.
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -125,6 +136,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
 # ---------------------------------------------------------------------------------------------
 # The tokenizer
 # ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class TokenizerInfo:
@@ -148,7 +160,7 @@ class TokenizerInfo:
         return data
 
     @classmethod
-    def from_json_dict(cls, data: Mapping[str, Any]) -> "TokenizerInfo":
+    def from_json_dict(cls, data: Mapping[str, Any]) -> TokenizerInfo:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - fields
         if unknown:
@@ -166,7 +178,8 @@ class Tokenizer:
     def __init__(self, backend: tokenizers.Tokenizer, info: TokenizerInfo):
         if len(info.token_types) != info.vocab_size:
             raise ModelLoadError(
-                f"tokenizer: {len(info.token_types)} token types for a vocabulary of {info.vocab_size}")
+                f"tokenizer: {len(info.token_types)} token types for a vocabulary of {info.vocab_size}"
+            )
         self._backend = backend
         self._info = info
         self._compiled_template: jinja2.Template | None = None
@@ -174,31 +187,35 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_folder(cls, path: str | Path) -> "Tokenizer":
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
         return _tokenizer_from_hf_folder(Path(path))
 
     @classmethod
-    def from_gguf_metadata(cls, reader_or_fields) -> "Tokenizer":
+    def from_gguf_metadata(cls, reader_or_fields) -> Tokenizer:
         return _tokenizer_from_gguf(_GgufValues(reader_or_fields))
 
     @classmethod
-    def from_json_str(cls, text: str) -> "Tokenizer":
+    def from_json_str(cls, text: str) -> Tokenizer:
         try:
             document = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"tokenizer document is not JSON: {exc}") from exc
         if document.get("format") != SERIALIZED_FORMAT:
             raise ModelLoadError(
-                f"tokenizer document has format {document.get('format')!r}, expected {SERIALIZED_FORMAT!r}")
+                f"tokenizer document has format {document.get('format')!r}, expected {SERIALIZED_FORMAT!r}"
+            )
         backend = tokenizers.Tokenizer.from_str(json.dumps(document["backend"]))
         return cls(backend, TokenizerInfo.from_json_dict(document["info"]))
 
     def to_json_str(self) -> str:
-        return json.dumps({
-            "format": SERIALIZED_FORMAT,
-            "backend": json.loads(self._backend.to_str()),
-            "info": self._info.to_json_dict(),
-        }, ensure_ascii=False)
+        return json.dumps(
+            {
+                "format": SERIALIZED_FORMAT,
+                "backend": json.loads(self._backend.to_str()),
+                "info": self._info.to_json_dict(),
+            },
+            ensure_ascii=False,
+        )
 
     def save(self, directory: str | Path) -> Path:
         target = Path(directory) / SERIALIZED_FILE_NAME
@@ -207,7 +224,7 @@ class Tokenizer:
         return target
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Tokenizer":
+    def load(cls, directory: str | Path) -> Tokenizer:
         source = Path(directory) / SERIALIZED_FILE_NAME
         try:
             text = source.read_text(encoding="utf-8")
@@ -287,8 +304,7 @@ class Tokenizer:
 
     # -- chat ---------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **template_kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
         """Render a conversation to the prompt text the model was trained on."""
         if self._info.chat_template is None:
             raise InputError("this model has no chat template; send a plain prompt instead")
@@ -300,7 +316,8 @@ class Tokenizer:
         variables = {"tools": None, "documents": None, **self._info.template_tokens, **template_kwargs}
         try:
             return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
         except jinja2.exceptions.TemplateError as exc:
             # raise_exception() in a template reports a conversation it cannot render.
             raise InputError(f"chat template refused the conversation: {exc}") from exc
@@ -309,6 +326,7 @@ class Tokenizer:
 # ---------------------------------------------------------------------------------------------
 # Streaming detokenization
 # ---------------------------------------------------------------------------------------------
+
 
 class DetokenizerState:
     """Turns a growing list of generated ids into text deltas for streaming.
@@ -347,8 +365,8 @@ class DetokenizerState:
 
     def _emit(self, force: bool) -> str:
         decode = self._tokenizer.decode
-        window_before = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special)
-        window_after = decode(self._ids[self._prefix_offset:], self._skip_special)
+        window_before = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
+        window_after = decode(self._ids[self._prefix_offset :], self._skip_special)
         held = len(self._ids) - self._read_offset
         incomplete = window_after.endswith("\ufffd") and held <= self.MAX_HELD_TOKENS
         if held == 0 or (incomplete and not force):
@@ -357,7 +375,7 @@ class DetokenizerState:
         self._read_offset = len(self._ids)
         # The window before is complete text (it never ends in a held character), so the window
         # after starts with it and the rest is new.
-        return window_after[len(window_before):]
+        return window_after[len(window_before) :]
 
 
 def detokenize_incrementally(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
@@ -371,6 +389,7 @@ def detokenize_incrementally(tokenizer: Tokenizer, ids: Sequence[int]) -> list[s
 # ---------------------------------------------------------------------------------------------
 # Building from a Hugging Face folder
 # ---------------------------------------------------------------------------------------------
+
 
 def _read_json_if_present(path: Path) -> dict:
     if not path.is_file():
@@ -413,6 +432,7 @@ def _as_id_list(value) -> list[int]:
 
 def _bos_eos_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None):
     """A post-processor that wraps a text as [BOS] text [EOS], either part optional."""
+
     def template(sequence: str, type_id: int) -> str:
         parts = [f"{bos[0]}:{type_id}"] if bos else []
         parts.append(f"{sequence}:{type_id}")
@@ -421,7 +441,8 @@ def _bos_eos_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | 
 
     special = list(dict.fromkeys(t for t in (bos, eos) if t is not None))
     return processors.TemplateProcessing(
-        single=template("$A", 0), pair=template("$A", 0) + " " + template("$B", 1), special_tokens=special)
+        single=template("$A", 0), pair=template("$A", 0) + " " + template("$B", 1), special_tokens=special
+    )
 
 
 def _hf_token_types(backend: tokenizers.Tokenizer, vocab_size: int, unk_id: int | None) -> tuple[str, ...]:
@@ -465,12 +486,14 @@ def _tokenizer_from_hf_folder(folder: Path) -> Tokenizer:
     # Like transformers: an explicit add_bos_token/add_eos_token (or no post-processor at all)
     # means the flags decide; otherwise tokenizer.json's own post-processor does.
     if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+
         def wrapping(name: str, flag: str) -> tuple[str, int] | None:
             wanted = config.get(flag) and ids[name] is not None
             return (template_tokens[name], ids[name]) if wanted else None
 
         backend.post_processor = _bos_eos_post_processor(
-            wrapping("bos_token", "add_bos_token"), wrapping("eos_token", "add_eos_token"))
+            wrapping("bos_token", "add_bos_token"), wrapping("eos_token", "add_eos_token")
+        )
 
     # generation_config decides when generation stops; the tokenizer's eos is added if missing.
     eos_ids = _as_id_list(generation.get("eos_token_id")) + _as_id_list(ids["eos_token"])
@@ -493,6 +516,7 @@ def _tokenizer_from_hf_folder(folder: Path) -> Tokenizer:
 # ---------------------------------------------------------------------------------------------
 # Building from GGUF metadata
 # ---------------------------------------------------------------------------------------------
+
 
 class _GgufValues:
     """Plain Python values for GGUF metadata keys, from a GGUFReader, its `fields`, or a dict of
@@ -521,22 +545,26 @@ def _byte_level_pre_tokenizer(pre: str):
     family = _PRE_TOKENIZER_FAMILIES.get(pre)
     if family is None:
         raise UnsupportedError(
-            f"GGUF pre-tokenizer {pre!r} is not supported "
-            f"(supported: {', '.join(sorted(_PRE_TOKENIZER_FAMILIES))})")
+            f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_PRE_TOKENIZER_FAMILIES))})"
+        )
     if family == "gpt2":
         return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if family == "smollm":
         # SmolLM's own tokenizer.json (and llama.cpp's "smollm") isolate every digit before the
         # GPT-2 split; without it "   1" would become "  " + " 1" instead of "   " + "1".
-        return None, pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return None, pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     pattern = _LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT
-    split = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    split = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     # Qwen2's tokenizer.json normalizes to NFC before splitting.
     normalizer = normalizers.NFC() if family == "qwen2" else None
     return normalizer, split
@@ -616,8 +644,11 @@ def _tokenizer_from_gguf(meta: _GgufValues) -> Tokenizer:
         backend = _sentencepiece_backend(meta, tokens, types)
         # llama.cpp's defaults for a SentencePiece vocabulary without these keys.
         add_bos_default = True
-        default_ids = {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-                       "tokenizer.ggml.unknown_token_id": 0}
+        default_ids = {
+            "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0,
+        }
     return _finish_gguf_tokenizer(meta, backend, tokens, types, add_bos_default, default_ids)
 
 
@@ -626,8 +657,9 @@ def _byte_level_backend(meta: _GgufValues, pre: str, tokens: list[str], types: l
     merges = [tuple(m.split(" ", 1)) for m in meta.require("tokenizer.ggml.merges")]
     # llama3's tokenizer looks a whole piece up in the vocabulary before merging.
     try:
-        bpe = tokenizers.models.BPE(vocab=_gguf_vocabulary(tokens, types), merges=merges,
-                                    ignore_merges=_PRE_TOKENIZER_FAMILIES[pre] == "llama3")
+        bpe = tokenizers.models.BPE(
+            vocab=_gguf_vocabulary(tokens, types), merges=merges, ignore_merges=_PRE_TOKENIZER_FAMILIES[pre] == "llama3"
+        )
     except Exception as exc:  # e.g. a merge whose result is not in the vocabulary
         raise ModelLoadError(f"GGUF tokenizer is inconsistent: {exc}") from exc
     backend = tokenizers.Tokenizer(bpe)
@@ -638,8 +670,9 @@ def _byte_level_backend(meta: _GgufValues, pre: str, tokens: list[str], types: l
     return backend
 
 
-def _sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[str],
-                          vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+def _sentencepiece_merges(
+    tokens: Sequence[str], scores: Sequence[float], types: Sequence[str], vocab: Mapping[str, int]
+) -> list[tuple[str, str]]:
     """A BPE merge list that reproduces SentencePiece's BPE from its scored vocabulary.
 
     SentencePiece (and llama.cpp after it) keeps no merge list: starting from single characters,
@@ -648,8 +681,11 @@ def _sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float], types:
     the whole piece's score. Control and byte tokens are never built by merging (control tokens
     are matched whole, byte tokens only stand in for characters the vocabulary lacks).
     """
-    buildable = [i for i, kind in enumerate(types)
-                 if kind not in (CONTROL, BYTE) and len(tokens[i]) > 1 and vocab.get(tokens[i]) == i]
+    buildable = [
+        i
+        for i, kind in enumerate(types)
+        if kind not in (CONTROL, BYTE) and len(tokens[i]) > 1 and vocab.get(tokens[i]) == i
+    ]
     buildable.sort(key=lambda i: (-scores[i], i))
     merges = []
     for i in buildable:
@@ -676,7 +712,8 @@ def _sentencepiece_backend(meta: _GgufValues, tokens: list[str], types: list[str
         if scores is None:
             raise UnsupportedError(
                 "GGUF tokenizer model 'llama' (SentencePiece) without tokenizer.ggml.scores is not "
-                "supported: its merge order comes from the scores")
+                "supported: its merge order comes from the scores"
+            )
         if len(scores) != len(tokens):
             raise ModelLoadError(f"GGUF tokenizer: {len(scores)} scores for {len(tokens)} tokens")
         merges = _sentencepiece_merges(tokens, [float(s) for s in scores], types, vocab)
@@ -694,31 +731,50 @@ def _sentencepiece_backend(meta: _GgufValues, tokens: list[str], types: list[str
     add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     steps = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])
-    backend.decoder = decoders.Sequence([
-        decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse(),
-        *([decoders.Strip(" ", 1, 0)] if add_space_prefix else []),
-    ])
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(_SPM_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            *([decoders.Strip(" ", 1, 0)] if add_space_prefix else []),
+        ]
+    )
     return backend
 
 
-def _finish_gguf_tokenizer(meta: _GgufValues, backend: tokenizers.Tokenizer, tokens: list[str],
-                           types: list[str], add_bos_default: bool, default_ids: Mapping[str, int]) -> Tokenizer:
+def _finish_gguf_tokenizer(
+    meta: _GgufValues,
+    backend: tokenizers.Tokenizer,
+    tokens: list[str],
+    types: list[str],
+    add_bos_default: bool,
+    default_ids: Mapping[str, int],
+) -> Tokenizer:
     """What both GGUF kinds share: special tokens, BOS/EOS, the chat template."""
     # Control tokens are matched whole in the text and are special (skipped on request);
     # user-defined ones (like <think>, or Gemma's runs of spaces and newlines) are matched whole
     # but are ordinary text. Both are matched in the text as written, before any normalizer.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind in zip(tokens, types) if kind == CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, kind in zip(tokens, types) if kind == CONTROL]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types) if kind == USER_DEFINED]
+    )
 
     def token_id(key: str) -> int | None:
         value = meta.get(key, default_ids.get(key))
         return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
     bos_id = token_id("tokenizer.ggml.bos_token_id")
-    eos_ids = [i for i in (token_id("tokenizer.ggml.eos_token_id"), token_id("tokenizer.ggml.eot_token_id"),
-                           token_id("tokenizer.ggml.eom_token_id")) if i is not None]
+    eos_ids = [
+        i
+        for i in (
+            token_id("tokenizer.ggml.eos_token_id"),
+            token_id("tokenizer.ggml.eot_token_id"),
+            token_id("tokenizer.ggml.eom_token_id"),
+        )
+        if i is not None
+    ]
     chat_template = meta.get("tokenizer.chat_template")
     turn_ids = [backend.token_to_id(t) for t in _GEMMA_TURN_TOKENS]
     if None not in turn_ids:
@@ -733,9 +789,12 @@ def _finish_gguf_tokenizer(meta: _GgufValues, backend: tokenizers.Tokenizer, tok
     eos = (tokens[eos_ids[0]], eos_ids[0]) if add_eos and eos_ids else None
     backend.post_processor = _bos_eos_post_processor(bos, eos)
 
-    ids = {"bos_token": bos_id, "eos_token": eos_ids[0] if eos_ids else None,
-           "unk_token": token_id("tokenizer.ggml.unknown_token_id"),
-           "pad_token": token_id("tokenizer.ggml.padding_token_id")}
+    ids = {
+        "bos_token": bos_id,
+        "eos_token": eos_ids[0] if eos_ids else None,
+        "unk_token": token_id("tokenizer.ggml.unknown_token_id"),
+        "pad_token": token_id("tokenizer.ggml.padding_token_id"),
+    }
     info = TokenizerInfo(
         vocab_size=len(tokens),
         token_types=tuple(types),

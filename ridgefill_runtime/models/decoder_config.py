@@ -80,8 +80,17 @@ def as_id_tuple(x) -> tuple[int, ...]:
 
 # -- Weight names ------------------------------------------------------------------------------
 
-_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LAYER_PARTS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 _QK_NORM_PARTS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
@@ -117,8 +126,9 @@ GGUF_QK_NORM_PART_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "se
 # -- GGUF metadata -----------------------------------------------------------------------------
 
 
-def config_from_gguf(family: ModelFamily, metadata: MetadataLookup, tensors: dict, tokenizer,
-                     rope_freqs: torch.Tensor | None) -> ModelConfig:
+def config_from_gguf(
+    family: ModelFamily, metadata: MetadataLookup, tensors: dict, tokenizer, rope_freqs: torch.Tensor | None
+) -> ModelConfig:
     """ModelConfig from a GGUF file's `{architecture}.*` metadata and its tensors (by GGUF name)."""
     prefix = family.gguf.architecture
 
@@ -147,7 +157,8 @@ def config_from_gguf(family: ModelFamily, metadata: MetadataLookup, tensors: dic
     vocab_size = int(embed.shape[1])
     if tokenizer.vocab_size > vocab_size:
         raise ModelLoadError(
-            f"GGUF tokenizer has {tokenizer.vocab_size} tokens but the embedding only {vocab_size} rows")
+            f"GGUF tokenizer has {tokenizer.vocab_size} tokens but the embedding only {vocab_size} rows"
+        )
 
     return ModelConfig(
         architecture=family.name,
@@ -196,8 +207,12 @@ def llama3_frequency_divisors(scaling: RopeScaling, head_dim: int, theta: float)
 def infer_llama3_scaling(rope_freqs: torch.Tensor, head_dim: int, theta: float, original: int) -> RopeScaling:
     """GGUF keeps llama3 scaling only as the resulting divisors; recover the parameters by
     trying Meta's published low/high factors (1 and 4) and checking they reproduce the tensor."""
-    candidate = RopeScaling(factor=float(rope_freqs.max()), low_freq_factor=1.0, high_freq_factor=4.0,
-                            original_max_position_embeddings=original)
+    candidate = RopeScaling(
+        factor=float(rope_freqs.max()),
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=original,
+    )
     expected = llama3_frequency_divisors(candidate, head_dim, theta)
     if rope_freqs.shape != expected.shape or not torch.allclose(rope_freqs.double(), expected, rtol=1e-4):
         raise UnsupportedError("GGUF rope_freqs.weight does not match llama3 scaling; not supported")

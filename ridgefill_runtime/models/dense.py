@@ -25,14 +25,19 @@ from .weights import DenseWeights, build_weights
 
 
 class DenseLM:
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.weights: DenseWeights = build_weights(config, tensors, dtype, self.device)
         self.rotary = RotaryTable(config, self.device)
-        self.scale = config.attention_scale or config.head_dim ** -0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
 
     def cache_spec(self) -> CacheSpec:
         """Every layer keeps paged K/V; the fill's stash keeps hidden-size split states."""
@@ -64,15 +69,15 @@ class DenseLM:
         qkv = linear(x, w.qkv, w.qkv_bias)  # [N, (H + 2Hkv) * D]
         n, hd = h.shape[0], cfg.head_dim
         q_dim, kv_dim = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        v = qkv[:, q_dim + kv_dim:].view(n, cfg.num_kv_heads, hd)
+        v = qkv[:, q_dim + kv_dim :].view(n, cfg.num_kv_heads, hd)
         cos, sin = self.layer_rope(layer, rope)
         if cfg.qk_norm:
             q = rms_norm(qkv[:, :q_dim].view(n, cfg.num_heads, hd), w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(qkv[:, q_dim:q_dim + kv_dim].view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps)
+            k = rms_norm(qkv[:, q_dim : q_dim + kv_dim].view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps)
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
         # NOTE: q and k lie side by side in the fused output: one rotation covers both heads' sets
-        qk = apply_rotary(qkv[:, :q_dim + kv_dim].view(n, cfg.num_heads + cfg.num_kv_heads, hd), cos, sin)
-        return qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v
+        qk = apply_rotary(qkv[:, : q_dim + kv_dim].view(n, cfg.num_heads + cfg.num_kv_heads, hd), cos, sin)
+        return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
 
     def kv_only(self, layer: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """What a filled row writes: layer input [F, d] -> k, v [F, Hkv, D] (norm, K/V
@@ -88,9 +93,17 @@ class DenseLM:
         cos, sin = self.layer_rope(layer, rope)
         return apply_rotary(k, cos, sin), v
 
-    def layer(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-              batch: AttentionBatch, kv, rows: torch.Tensor | None = None, on_kv=None,
-              on_q=None) -> torch.Tensor:
+    def layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        batch: AttentionBatch,
+        kv,
+        rows: torch.Tensor | None = None,
+        on_kv=None,
+        on_q=None,
+    ) -> torch.Tensor:
         """One decoder layer: hidden [N, d] -> [N, d] (or [R, d] for `rows`), writing all
         N rows' K/V to the cache.
 
@@ -133,14 +146,22 @@ class DenseLM:
         """The runner's entry (models/forward.py): the exact forward, or one step of the two-sweep
         prefill. Writes K/V into the given caches and nothing else the runner owns."""
         if batch.fill is None:
-            return ForwardOutput(self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches,
-                                              batch.logit_rows))
-        return self._two_sweep(batch.input_ids, batch.positions, batch.attention, kv_pool_of(batch.caches),
-                               batch.logit_rows, batch.fill)
+            return ForwardOutput(
+                self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
+            )
+        return self._two_sweep(
+            batch.input_ids, batch.positions, batch.attention, kv_pool_of(batch.caches), batch.logit_rows, batch.fill
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The exact model: rows [N] -> logits [R, V] for the sorted `logit_rows` (all rows when
         None). `kv`: the runner's ModelCaches, or a bare KVPool."""
         kv = kv_pool_of(kv)

@@ -50,5 +50,6 @@ def run_model(model, batch: ForwardBatch) -> ForwardOutput:
         return run(batch)
     if batch.fill is not None:
         raise ValueError(f"{type(model).__name__} has no two-sweep prefill")
-    return ForwardOutput(model.forward(batch.input_ids, batch.positions, batch.attention, batch.caches,
-                                       batch.logit_rows))
+    return ForwardOutput(
+        model.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
+    )

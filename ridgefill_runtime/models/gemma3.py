@@ -27,6 +27,7 @@ _FF_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 # -- config ------------------------------------------------------------------------------------
 
+
 def _local_layers(kinds, layers: int, pattern: int) -> tuple[int, ...]:
     if kinds is None:
         return tuple(i for i in range(layers) if (i + 1) % pattern)
@@ -54,28 +55,36 @@ def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str)
         pattern = int(raw.get("sliding_window_pattern", _PATTERN))
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
         return ModelConfig(
-            architecture=family.name, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]), num_layers=layers, num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads), head_dim=head_dim,
+            architecture=family.name,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(full.get("rope_theta", raw.get("rope_theta", 1e6))),
             max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), qk_norm=True,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            qk_norm=True,
             attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=decoder_config.as_id_tuple(eos),
             sliding=SlidingWindow(
                 window=int(raw["sliding_window"]),
                 local_layers=_local_layers(raw.get("layer_types"), layers, pattern),
-                local_rope_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", _LOCAL_THETA)))),
+                local_rope_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", _LOCAL_THETA))),
+            ),
             attention_scale=float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: missing key {e.args[0]!r}") from None
 
 
-def config_from_gguf(family: ModelFamily, metadata: MetadataLookup, tensors: dict, tokenizer,
-                     rope_freqs) -> ModelConfig:
+def config_from_gguf(
+    family: ModelFamily, metadata: MetadataLookup, tensors: dict, tokenizer, rope_freqs
+) -> ModelConfig:
     base = decoder_config.config_from_gguf(family, metadata, tensors, tokenizer, rope_freqs)
     window = metadata("gemma3.attention.sliding_window", None)
     if window is None:
@@ -83,18 +92,24 @@ def config_from_gguf(family: ModelFamily, metadata: MetadataLookup, tensors: dic
     # NOTE: llama.cpp scales queries by 1/sqrt(head_dim) for every Gemma 3 size but 27B, whose
     # query_pre_attn_scalar is d / heads; the GGUF keeps neither, so the rule is repeated here.
     scalar = base.head_dim if base.num_layers != 62 else base.hidden_size // base.num_heads
-    return base.replace(sliding=SlidingWindow(window=int(window),
-                                              local_layers=_local_layers(None, base.num_layers, _PATTERN),
-                                              local_rope_theta=_LOCAL_THETA),
-                        attention_scale=scalar ** -0.5)
+    return base.replace(
+        sliding=SlidingWindow(
+            window=int(window),
+            local_layers=_local_layers(None, base.num_layers, _PATTERN),
+            local_rope_theta=_LOCAL_THETA,
+        ),
+        attention_scale=scalar**-0.5,
+    )
 
 
 def weight_names(config: ModelConfig) -> list[str]:
     return decoder_config.weight_names(config) + [
-        f"model.layers.{i}.{part}.weight" for i in range(config.num_layers) for part in _FF_NORMS]
+        f"model.layers.{i}.{part}.weight" for i in range(config.num_layers) for part in _FF_NORMS
+    ]
 
 
 # -- the model ---------------------------------------------------------------------------------
+
 
 def _one_plus(tensors: dict, name: str, dtype, device) -> torch.Tensor:
     """Gemma's norm weight as applied, 1 + w, formed in float32 before the cast (as transformers)."""
@@ -102,8 +117,13 @@ def _one_plus(tensors: dict, name: str, dtype, device) -> torch.Tensor:
 
 
 class Gemma3LM(DenseLM):
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         super().__init__(config, tensors, dtype, device)
         if config.sliding is None:
             raise ModelLoadError("gemma3 needs its sliding-window layers in the config")
@@ -112,13 +132,15 @@ class Gemma3LM(DenseLM):
             p = f"model.layers.{i}."
             w.input_norm, w.post_norm = plus(p + "input_layernorm.weight"), plus(p + "post_attention_layernorm.weight")
             w.q_norm, w.k_norm = plus(p + "self_attn.q_norm.weight"), plus(p + "self_attn.k_norm.weight")
-        self.ff_norms = [tuple(plus(f"model.layers.{i}.{part}.weight") for part in _FF_NORMS)
-                         for i in range(config.num_layers)]  # per layer (pre, post) [d] each
+        self.ff_norms = [
+            tuple(plus(f"model.layers.{i}.{part}.weight") for part in _FF_NORMS) for i in range(config.num_layers)
+        ]  # per layer (pre, post) [d] each
         self.weights.final_norm = plus("model.norm.weight")
-        self.local_rotary = RotaryTable(config.replace(rope_theta=config.sliding.local_rope_theta,
-                                                       rope_scaling=None), self.device)
+        self.local_rotary = RotaryTable(
+            config.replace(rope_theta=config.sliding.local_rope_theta, rope_scaling=None), self.device
+        )
         # transformers multiplies by sqrt(d) rounded to the run dtype
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item()
+        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype).item()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return weight_rows(self.weights.embed, input_ids, self.dtype) * self.embed_scale  # [N, d]
@@ -151,7 +173,8 @@ GEMMA3 = ModelFamily(
         parse_config=config_from_gguf,
         top_level_names=decoder_config.GGUF_TOP_LEVEL_NAMES,
         layer_part_names={
-            **decoder_config.GGUF_LAYER_PART_NAMES, **decoder_config.GGUF_QK_NORM_PART_NAMES,
+            **decoder_config.GGUF_LAYER_PART_NAMES,
+            **decoder_config.GGUF_QK_NORM_PART_NAMES,
             "post_attention_norm": "post_attention_layernorm",
             "ffn_norm": "pre_feedforward_layernorm",
             "post_ffw_norm": "post_feedforward_layernorm",

@@ -18,25 +18,36 @@ from .family import ModelFamily
 from .looped import LoopedLM
 from .looped_weights import BLOCK_PARTS, block_prefix
 
+
 def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str) -> ModelConfig:
     if raw.get("injection_type", "linear") != "linear":
-        raise UnsupportedError(f"{where}: injection_type {raw['injection_type']!r} is not supported (only \"linear\")")
+        raise UnsupportedError(f'{where}: injection_type {raw["injection_type"]!r} is not supported (only "linear")')
     if raw.get("state_init", "like-init") not in ("like-init", "zero"):
         raise UnsupportedError(f"{where}: state_init {raw['state_init']!r} is not supported (like-init, zero)")
     try:
         d = int(raw["n_embd"])
         heads = int(raw.get("n_heads") or raw["num_attention_heads"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
-        prelude, core, coda = (int(raw[k]) for k in ("n_layers_in_prelude", "n_layers_in_recurrent_block",
-                                                     "n_layers_in_coda"))
+        prelude, core, coda = (
+            int(raw[k]) for k in ("n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda")
+        )
         init = dict(raw.get("init_values") or {})
         std = 0.0 if raw.get("state_init") == "zero" else float(init.get("std", math.sqrt(2 / (5 * d))))
-        looped = LoopedConfig(prelude=prelude, core=core, coda=coda, mean_recurrence=int(raw["mean_recurrence"]),
-                              embed_scale=float(init.get("embed_scale", math.sqrt(d))), init_std=std,
-                              adapter_bias=bool(raw.get("bias", False)), qk_bias=bool(raw.get("qk_bias", False)))
+        looped = LoopedConfig(
+            prelude=prelude,
+            core=core,
+            coda=coda,
+            mean_recurrence=int(raw["mean_recurrence"]),
+            embed_scale=float(init.get("embed_scale", math.sqrt(d))),
+            init_std=std,
+            adapter_bias=bool(raw.get("bias", False)),
+            qk_bias=bool(raw.get("qk_bias", False)),
+        )
         if looped.qk_bias and kv_heads != heads:
-            raise UnsupportedError(f"{where}: qk_bias with grouped K/V heads ({kv_heads} of {heads}) has no "
-                                   f"defined layout (Huginn's bias is per query head)")
+            raise UnsupportedError(
+                f"{where}: qk_bias with grouped K/V heads ({kv_heads} of {heads}) has no "
+                f"defined layout (Huginn's bias is per query head)"
+            )
         eos = generation.get("eos_token_id", raw.get("eos_token_id"))
         return ModelConfig(
             architecture=family.name,
@@ -74,5 +85,6 @@ def huginn_weight_names(config: ModelConfig) -> list[str]:
     return names
 
 
-HUGINN_RAVEN = ModelFamily(name="huginn_raven", model_class=LoopedLM, parse_hf_config=config_from_hf,
-                           weight_names=huginn_weight_names)
+HUGINN_RAVEN = ModelFamily(
+    name="huginn_raven", model_class=LoopedLM, parse_hf_config=config_from_hf, weight_names=huginn_weight_names
+)

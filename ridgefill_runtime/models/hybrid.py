@@ -29,15 +29,20 @@ from .hybrid_weights import AttentionWeights, HybridWeights, build_hybrid_weight
 
 
 class HybridLM:
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         if config.hybrid is None:
             raise ValueError(f"{type(self).__name__} needs a hybrid model config")
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.weights: HybridWeights = build_hybrid_weights(config, tensors, dtype, self.device)
         self.rotary_dim = int(config.head_dim * config.hybrid.partial_rotary_factor)
         self.rotary = RotaryTable(config.replace(head_dim=self.rotary_dim), self.device)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
 
     def cache_spec(self) -> CacheSpec:
         """GDN layers keep a conv + recurrent state per sequence (float32); attention layers paged K/V;
@@ -45,19 +50,29 @@ class HybridLM:
         cfg = self.config
         gdn = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32, rollback_parts=("conv", "ssm"))
         att = AttentionCache(cfg.num_kv_heads, cfg.head_dim)
-        return CacheSpec(tuple(gdn if cfg.hybrid.is_linear(i) else att for i in range(cfg.num_layers)), self.dtype,
-                         stash_width=cfg.hidden_size)
+        return CacheSpec(
+            tuple(gdn if cfg.hybrid.is_linear(i) else att for i in range(cfg.num_layers)),
+            self.dtype,
+            stash_width=cfg.hidden_size,
+        )
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         if batch.fill is not None:
             return two_sweep(self, batch)
-        return ForwardOutput(self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches,
-                                          batch.logit_rows))
+        return ForwardOutput(
+            self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, caches,
-                logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        caches,
+        logit_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Rows [N] -> float32 logits [R, V] for the sorted `logit_rows` (every row when None)."""
         h = self.embed(input_ids)  # [N, d]
         rope = self.rope(positions)
@@ -94,19 +109,27 @@ class HybridLM:
         cfg, w = self.config, self.weights.layers[layer]
         n, hd, kv_heads = x.shape[0], cfg.head_dim, cfg.num_kv_heads
         xn = zero_centred_rms_norm(x, w.input_norm, cfg.rms_norm_eps)
-        k, v = F.linear(xn, w.mixer.qkv[2 * cfg.num_heads * hd:]).view(n, 2, kv_heads, hd).unbind(1)
+        k, v = F.linear(xn, w.mixer.qkv[2 * cfg.num_heads * hd :]).view(n, 2, kv_heads, hd).unbind(1)
         return self._rotate(zero_centred_rms_norm(k, w.mixer.k_norm, cfg.rms_norm_eps), rope), v
 
-    def layer(self, i: int, h: torch.Tensor, rope, batch: AttentionBatch, caches,
-              rows: torch.Tensor | None = None, on_q=None) -> torch.Tensor:
+    def layer(
+        self, i: int, h: torch.Tensor, rope, batch: AttentionBatch, caches, rows: torch.Tensor | None = None, on_q=None
+    ) -> torch.Tensor:
         """hidden [N, d] -> [N, d] ([R, d] for `rows`: only those rows go on past the mixer).
         on_q(layer, q) sees an attention layer's queries once the cache holds its K/V."""
         cfg, w = self.config, self.weights.layers[i]
         x = zero_centred_rms_norm(h, w.input_norm, cfg.rms_norm_eps)
         if cfg.hybrid.is_linear(i):
             states = caches.states
-            mixed = gdn_mixer(x, w.mixer, cfg.hybrid, batch, states.state(i), cfg.rms_norm_eps,
-                              history=states.histories.get(i) if batch.verifies is not None else None)
+            mixed = gdn_mixer(
+                x,
+                w.mixer,
+                cfg.hybrid,
+                batch,
+                states.state(i),
+                cfg.rms_norm_eps,
+                history=states.histories.get(i) if batch.verifies is not None else None,
+            )
             if rows is not None:
                 mixed, h = mixed[rows], h[rows]
         else:
@@ -115,8 +138,9 @@ class HybridLM:
                 h = h[rows]
         return self.mlp(i, h + mixed)
 
-    def attention(self, layer: int, x: torch.Tensor, rope, batch: AttentionBatch, kv,
-                  rows: torch.Tensor | None = None, on_q=None) -> torch.Tensor:
+    def attention(
+        self, layer: int, x: torch.Tensor, rope, batch: AttentionBatch, kv, rows: torch.Tensor | None = None, on_q=None
+    ) -> torch.Tensor:
         """Gated attention on normed rows x [N, d] -> [N, d] ([R, d] for `rows`), writing all N rows' K/V."""
         w: AttentionWeights = self.weights.layers[layer].mixer
         cfg = self.config
@@ -140,5 +164,4 @@ class HybridLM:
         """RoPE on the first rotary_dim dims of each head [N, heads, D]; the rest pass through."""
         if self.rotary_dim == x.shape[-1]:
             return apply_rotary(x, *rope)
-        return torch.cat([apply_rotary(x[..., :self.rotary_dim], *rope), x[..., self.rotary_dim:]], dim=-1)
-
+        return torch.cat([apply_rotary(x[..., : self.rotary_dim], *rope), x[..., self.rotary_dim :]], dim=-1)

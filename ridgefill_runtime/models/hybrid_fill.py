@@ -77,8 +77,17 @@ def _late_layers(model, h: torch.Tensor, rope, fill: FillStep, caches, kv, on_q)
             xn = _norm(x_in, w.input_norm, cfg)
             state = caches.states.state(i)
             history = caches.states.histories.get(i) if fill.late_batch.verifies is not None else None
-            mixed = gdn_mixer(xn, w.mixer, cfg.hybrid, fill.late_batch, state, cfg.rms_norm_eps,
-                              out_rows=exact, filled=carried, history=history)
+            mixed = gdn_mixer(
+                xn,
+                w.mixer,
+                cfg.hybrid,
+                fill.late_batch,
+                state,
+                cfg.rms_norm_eps,
+                out_rows=exact,
+                filled=carried,
+                history=history,
+            )
             _terminal_correction(i, fill, state)
             h_exact = (x_in if exact is None else x_in[exact]) + mixed
         elif exact is not None and exact.numel() == 0:
@@ -86,8 +95,9 @@ def _late_layers(model, h: torch.Tensor, rope, fill: FillStep, caches, kv, on_q)
         else:
             _rescale(model, i, h, rope, fill, rescale_x, kv)
             h_exact = h if exact is None else h[exact]
-            h_exact = h_exact + model.attention(i, _norm(h_exact, w.input_norm, cfg), rope_exact, exact_batch, kv,
-                                                on_q=q_hook)
+            h_exact = h_exact + model.attention(
+                i, _norm(h_exact, w.input_norm, cfg), rope_exact, exact_batch, kv, on_q=q_hook
+            )
         if h_exact.shape[0]:
             h_exact = model.mlp(i, h_exact)
         if exact is None:
@@ -131,6 +141,7 @@ def _norm(x, weight_plus_one, cfg):
 
 def _scattered_hook(on_q, exact: torch.Tensor, size: int):
     """The mass requests index the whole late part: hand them queries at those indices."""
+
     def hook(layer: int, q: torch.Tensor) -> None:
         full = q.new_zeros((size,) + tuple(q.shape[1:]))
         full[exact] = q

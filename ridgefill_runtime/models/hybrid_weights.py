@@ -64,11 +64,18 @@ def build_hybrid_weights(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, de
     layers = []
     for i in range(cfg.num_layers):
         p = f"{root}layers.{i}."
-        mixer = (_gdn(f, p + "linear_attn.", cfg) if hy.is_linear(i)
-                 else _attention(f, p + "self_attn.", cfg, zero_centred))
+        mixer = (
+            _gdn(f, p + "linear_attn.", cfg) if hy.is_linear(i) else _attention(f, p + "self_attn.", cfg, zero_centred)
+        )
         mlp = _moe(f, p + "mlp.", cfg) if hy.moe is not None and hy.moe.sparse_at(i) else _dense_mlp(f, p + "mlp.", cfg)
-        layers.append(HybridLayerWeights(zero_centred(p + "input_layernorm.weight", d),
-                                         zero_centred(p + "post_attention_layernorm.weight", d), mixer, mlp))
+        layers.append(
+            HybridLayerWeights(
+                zero_centred(p + "input_layernorm.weight", d),
+                zero_centred(p + "post_attention_layernorm.weight", d),
+                mixer,
+                mlp,
+            )
+        )
     embed = f.get(root + "embed_tokens.weight", (cfg.vocab_size, d))
     lm_head = embed if cfg.tie_word_embeddings else f.get("lm_head.weight", (cfg.vocab_size, d))
     return HybridWeights(embed, layers, zero_centred(root + "norm.weight", d), lm_head)
@@ -76,20 +83,37 @@ def build_hybrid_weights(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, de
 
 def _attention(f: _Fetcher, p: str, cfg: ModelConfig, zero_centred) -> AttentionWeights:
     d, hd = cfg.hidden_size, cfg.head_dim
-    qkv = torch.cat([f.get(p + "q_proj.weight", (2 * cfg.num_heads * hd, d)),
-                     f.get(p + "k_proj.weight", (cfg.num_kv_heads * hd, d)),
-                     f.get(p + "v_proj.weight", (cfg.num_kv_heads * hd, d))])
-    return AttentionWeights(qkv.contiguous(), f.get(p + "o_proj.weight", (d, cfg.num_heads * hd)),
-                            zero_centred(p + "q_norm.weight", hd), zero_centred(p + "k_norm.weight", hd))
+    qkv = torch.cat(
+        [
+            f.get(p + "q_proj.weight", (2 * cfg.num_heads * hd, d)),
+            f.get(p + "k_proj.weight", (cfg.num_kv_heads * hd, d)),
+            f.get(p + "v_proj.weight", (cfg.num_kv_heads * hd, d)),
+        ]
+    )
+    return AttentionWeights(
+        qkv.contiguous(),
+        f.get(p + "o_proj.weight", (d, cfg.num_heads * hd)),
+        zero_centred(p + "q_norm.weight", hd),
+        zero_centred(p + "k_norm.weight", hd),
+    )
 
 
 def _gdn(f: _Fetcher, p: str, cfg: ModelConfig) -> GDNWeights:
     hy, d = cfg.hybrid, cfg.hidden_size
     fused = f.has(p + "in_proj_qkvz.weight")  # Qwen3-Next's layout
     hv, vd = hy.value_heads, hy.value_heads * hy.value_head_dim
-    in_proj = _fused_in_proj(f, p, hy, d) if fused else torch.cat([
-        f.get(p + "in_proj_qkv.weight", (hy.conv_channels, d)), f.get(p + "in_proj_b.weight", (hv, d)),
-        f.get(p + "in_proj_a.weight", (hv, d)), f.get(p + "in_proj_z.weight", (vd, d))])
+    in_proj = (
+        _fused_in_proj(f, p, hy, d)
+        if fused
+        else torch.cat(
+            [
+                f.get(p + "in_proj_qkv.weight", (hy.conv_channels, d)),
+                f.get(p + "in_proj_b.weight", (hv, d)),
+                f.get(p + "in_proj_a.weight", (hv, d)),
+                f.get(p + "in_proj_z.weight", (vd, d)),
+            ]
+        )
+    )
     f32 = _Fetcher(f.tensors, torch.float32, f.device)
     return GDNWeights(
         in_proj=in_proj.contiguous(),
@@ -122,10 +146,14 @@ def _moe(f: _Fetcher, p: str, cfg: ModelConfig) -> MoEWeights:
     inter, shared = moe.expert_intermediate_size, moe.shared_intermediate_size
     experts = [_dense_mlp_sized(f, f"{p}experts.{e}.", d, inter) for e in range(moe.num_experts)]
     shared_mlp = _dense_mlp_sized(f, p + "shared_expert.", d, shared)
-    return MoEWeights(router=f.get(p + "gate.weight", (moe.num_experts, d)),
-                      gate_up=torch.stack([e.gate_up for e in experts]), down=torch.stack([e.down for e in experts]),
-                      shared_gate_up=shared_mlp.gate_up, shared_down=shared_mlp.down,
-                      shared_gate=f.get(p + "shared_expert_gate.weight", (1, d)))
+    return MoEWeights(
+        router=f.get(p + "gate.weight", (moe.num_experts, d)),
+        gate_up=torch.stack([e.gate_up for e in experts]),
+        down=torch.stack([e.down for e in experts]),
+        shared_gate_up=shared_mlp.gate_up,
+        shared_down=shared_mlp.down,
+        shared_gate=f.get(p + "shared_expert_gate.weight", (1, d)),
+    )
 
 
 def _dense_mlp_sized(f: _Fetcher, p: str, d: int, inter: int) -> DenseMLPWeights:
@@ -136,9 +164,11 @@ def _dense_mlp_sized(f: _Fetcher, p: str, d: int, inter: int) -> DenseMLPWeights
 def hybrid_weight_names(cfg: ModelConfig, fused_gdn: bool) -> list[str]:
     """The Hugging Face tensor names a complete text checkpoint of `cfg` holds."""
     names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
-    gdn = (("in_proj_qkvz", "in_proj_ba") if fused_gdn else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    gdn = ("in_proj_qkvz", "in_proj_ba") if fused_gdn else ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
     gdn = tuple(f"linear_attn.{n}.weight" for n in gdn + ("conv1d", "norm", "out_proj")) + (
-        "linear_attn.A_log", "linear_attn.dt_bias")
+        "linear_attn.A_log",
+        "linear_attn.dt_bias",
+    )
     attn = tuple(f"self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -146,8 +176,11 @@ def hybrid_weight_names(cfg: ModelConfig, fused_gdn: bool) -> list[str]:
         names += [p + n for n in (gdn if cfg.hybrid.is_linear(i) else attn)]
         moe = cfg.hybrid.moe
         if moe is not None and moe.sparse_at(i):
-            names += [f"{p}mlp.experts.{e}.{m}.weight" for e in range(moe.num_experts)
-                      for m in ("gate_proj", "up_proj", "down_proj")]
+            names += [
+                f"{p}mlp.experts.{e}.{m}.weight"
+                for e in range(moe.num_experts)
+                for m in ("gate_proj", "up_proj", "down_proj")
+            ]
             names += [f"{p}mlp.shared_expert.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
             names += [p + "mlp.gate.weight", p + "mlp.shared_expert_gate.weight"]
         else:

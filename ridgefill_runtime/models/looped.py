@@ -28,14 +28,19 @@ from .looped_weights import LoopedWeights, SandwichWeights, build_looped_weights
 
 
 class LoopedLM:
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         if config.looped is None:
             raise ValueError(f"{type(self).__name__} needs a looped model config")
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.weights: LoopedWeights = build_looped_weights(config, tensors, dtype, self.device)
         self.rotary = RotaryTable(config, self.device)
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         lc = config.looped
         self.prelude = range(lc.prelude)
         self.core = range(lc.prelude, lc.prelude + lc.core)
@@ -49,12 +54,20 @@ class LoopedLM:
     def run(self, batch: ForwardBatch) -> ForwardOutput:
         if batch.fill is not None:
             raise ValueError(f"{type(self).__name__} has no two-sweep prefill")
-        return ForwardOutput(self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches,
-                                          batch.logit_rows, batch.loops))
+        return ForwardOutput(
+            self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows, batch.loops)
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, caches,
-                logit_rows: torch.Tensor | None = None, reads: tuple[LoopRead, ...] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        caches,
+        logit_rows: torch.Tensor | None = None,
+        reads: tuple[LoopRead, ...] | None = None,
+    ) -> torch.Tensor:
         """Rows [N] -> float32 logits [R, V] for the sorted `logit_rows` (every row when None).
         `reads`: per sequence its loops and cache policy (None: the storage's own)."""
         storage: LoopPlanesCache = caches.spec.layers[self.core[0]]
@@ -63,7 +76,9 @@ class LoopedLM:
         h = self.weights.embed[input_ids] * self.config.looped.embed_scale  # [N, d]
         for layer in self.prelude:
             h = self.block(layer, h, rope, self._paged(layer, batch, caches))
-        s = self.loop(h, positions, rope, LoopAttention(storage, caches, batch, reads, self.scale, self.use_ripe_op), reads)
+        s = self.loop(
+            h, positions, rope, LoopAttention(storage, caches, batch, reads, self.scale, self.use_ripe_op), reads
+        )
         h = self.norm(s)
         for layer in self.coda:
             h = self.block(layer, h, rope, self._paged(layer, batch, caches))
@@ -74,12 +89,17 @@ class LoopedLM:
 
     # -- pieces --------------------------------------------------------------------------------
 
-    def loop(self, e: torch.Tensor, positions: torch.Tensor, rope, attention: LoopAttention,
-             reads: tuple[LoopRead, ...]) -> torch.Tensor:
+    def loop(
+        self, e: torch.Tensor, positions: torch.Tensor, rope, attention: LoopAttention, reads: tuple[LoopRead, ...]
+    ) -> torch.Tensor:
         """The core block R times over every row's state; a sequence with fewer loops stops early."""
         starts = attention.row_starts
-        row_seeds = torch.cat([torch.full((hi - lo,), reads[i].seed, dtype=torch.int64)
-                               for i, (lo, hi) in enumerate(zip(starts, starts[1:]))])
+        row_seeds = torch.cat(
+            [
+                torch.full((hi - lo,), reads[i].seed, dtype=torch.int64)
+                for i, (lo, hi) in enumerate(zip(starts, starts[1:]))
+            ]
+        )
         s = initial_states(row_seeds, positions.cpu(), self.config).to(self.device, self.dtype)  # [N, d]
         for r in range(1, max(read.loops for read in reads) + 1):
             seqs = [i for i, read in enumerate(reads) if read.loops >= r]
@@ -89,7 +109,9 @@ class LoopedLM:
             ra = rope if rows is None else tuple(t[rows] for t in rope)
             x = F.linear(torch.cat([x, ea], dim=-1), self.weights.adapter, self.weights.adapter_bias)
             for layer in self.core:
-                x = self.block(layer, x, ra, lambda q, k, v, layer=layer: attention(layer, r, q, k, v, seqs, sub_starts))
+                x = self.block(
+                    layer, x, ra, lambda q, k, v, layer=layer: attention(layer, r, q, k, v, seqs, sub_starts)
+                )
             if rows is None:
                 s = x
             else:
@@ -115,7 +137,9 @@ class LoopedLM:
         if self.dtype != torch.float64:
             return self.rotary.lookup(positions, torch.float32)
         hd = self.config.head_dim
-        inv_freq = self.config.rope_theta ** (-torch.arange(0, hd, 2, dtype=torch.float64, device=positions.device) / hd)
+        inv_freq = self.config.rope_theta ** (
+            -torch.arange(0, hd, 2, dtype=torch.float64, device=positions.device) / hd
+        )
         angles = positions.double()[:, None, None] * inv_freq
         return angles.cos(), angles.sin()
 
@@ -167,8 +191,10 @@ def initial_state(seed: int, position: int, width: int, std: float, scale: float
 def initial_states(seeds: torch.Tensor, positions: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """[N, d] float32, one initial state per row (seeds [N], positions [N])."""
     lc = config.looped
-    rows = [initial_state(int(s), int(p), config.hidden_size, lc.init_std, lc.embed_scale)
-            for s, p in zip(seeds.tolist(), positions.tolist())]
+    rows = [
+        initial_state(int(s), int(p), config.hidden_size, lc.init_std, lc.embed_scale)
+        for s, p in zip(seeds.tolist(), positions.tolist())
+    ]
     return torch.stack(rows) if rows else torch.zeros(0, config.hidden_size)
 
 

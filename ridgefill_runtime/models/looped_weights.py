@@ -9,8 +9,16 @@ import torch
 from ..config import ModelConfig
 from .weights import _Fetcher
 
-BLOCK_PARTS = ("norm_1.weight", "attn.Wqkv.weight", "attn.proj.weight", "norm_2.weight", "mlp.fc.weight",
-               "mlp.proj.weight", "norm_3.weight", "norm_4.weight")
+BLOCK_PARTS = (
+    "norm_1.weight",
+    "attn.Wqkv.weight",
+    "attn.proj.weight",
+    "norm_2.weight",
+    "mlp.fc.weight",
+    "mlp.proj.weight",
+    "norm_3.weight",
+    "norm_4.weight",
+)
 
 
 @dataclass
@@ -49,8 +57,9 @@ def block_prefix(config: ModelConfig, layer: int) -> str:
     return f"transformer.coda.{layer - lc.prelude - lc.core}."
 
 
-def build_looped_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                         device) -> LoopedWeights:
+def build_looped_weights(
+    cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device
+) -> LoopedWeights:
     f = _Fetcher(tensors, dtype, device)
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -60,19 +69,27 @@ def build_looped_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dty
         q_bias = k_bias = None
         if cfg.looped.qk_bias:
             q_bias, k_bias = f.get(p + "attn.qk_bias", (2, 1, heads, hd))[:, 0].unbind(0)  # [H, D] each
-        blocks.append(SandwichWeights(
-            norm_1=f.get(p + "norm_1.weight", (d,)),
-            qkv=f.get(p + "attn.Wqkv.weight", ((heads + 2 * kv_heads) * hd, d)),
-            q_bias=q_bias, k_bias=k_bias,
-            proj=f.get(p + "attn.proj.weight", (d, heads * hd)),
-            norm_2=f.get(p + "norm_2.weight", (d,)),
-            gate_up=f.get(p + "mlp.fc.weight", (2 * inter, d)),
-            down=f.get(p + "mlp.proj.weight", (d, inter)),
-            norm_3=f.get(p + "norm_3.weight", (d,)),
-            norm_4=f.get(p + "norm_4.weight", (d,)),
-        ))
+        blocks.append(
+            SandwichWeights(
+                norm_1=f.get(p + "norm_1.weight", (d,)),
+                qkv=f.get(p + "attn.Wqkv.weight", ((heads + 2 * kv_heads) * hd, d)),
+                q_bias=q_bias,
+                k_bias=k_bias,
+                proj=f.get(p + "attn.proj.weight", (d, heads * hd)),
+                norm_2=f.get(p + "norm_2.weight", (d,)),
+                gate_up=f.get(p + "mlp.fc.weight", (2 * inter, d)),
+                down=f.get(p + "mlp.proj.weight", (d, inter)),
+                norm_3=f.get(p + "norm_3.weight", (d,)),
+                norm_4=f.get(p + "norm_4.weight", (d,)),
+            )
+        )
     embed = f.get("transformer.wte.weight", (cfg.vocab_size, d))
     lm_head = embed if cfg.tie_word_embeddings else f.get("lm_head.weight", (cfg.vocab_size, d))
-    return LoopedWeights(embed=embed, blocks=blocks, adapter=f.get("transformer.adapter.weight", (d, 2 * d)),
-                         adapter_bias=f.get("transformer.adapter.bias", (d,)) if cfg.looped.adapter_bias else None,
-                         final_norm=f.get("transformer.ln_f.weight", (d,)), lm_head=lm_head)
+    return LoopedWeights(
+        embed=embed,
+        blocks=blocks,
+        adapter=f.get("transformer.adapter.weight", (d, 2 * d)),
+        adapter_bias=f.get("transformer.adapter.bias", (d,)) if cfg.looped.adapter_bias else None,
+        final_norm=f.get("transformer.ln_f.weight", (d,)),
+        lm_head=lm_head,
+    )

@@ -8,7 +8,17 @@ from .family import ModelFamily
 from .hybrid import HybridLM
 from .hybrid_weights import hybrid_weight_names
 
-QWEN3_5_TEXT = ModelFamily(name="qwen3_5_text", model_class=HybridLM, parse_hf_config=hybrid_config.config_from_hf,
-                           weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False), qk_norm=True)
-QWEN3_5 = ModelFamily(name="qwen3_5", model_class=HybridLM, parse_hf_config=hybrid_config.config_from_hf,
-                      weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False), qk_norm=True)
+QWEN3_5_TEXT = ModelFamily(
+    name="qwen3_5_text",
+    model_class=HybridLM,
+    parse_hf_config=hybrid_config.config_from_hf,
+    weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False),
+    qk_norm=True,
+)
+QWEN3_5 = ModelFamily(
+    name="qwen3_5",
+    model_class=HybridLM,
+    parse_hf_config=hybrid_config.config_from_hf,
+    weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False),
+    qk_norm=True,
+)

@@ -8,5 +8,10 @@ from .family import ModelFamily
 from .hybrid import HybridLM
 from .hybrid_weights import hybrid_weight_names
 
-QWEN3_NEXT = ModelFamily(name="qwen3_next", model_class=HybridLM, parse_hf_config=hybrid_config.config_from_hf,
-                         weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=True), qk_norm=True)
+QWEN3_NEXT = ModelFamily(
+    name="qwen3_next",
+    model_class=HybridLM,
+    parse_hf_config=hybrid_config.config_from_hf,
+    weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=True),
+    qk_norm=True,
+)

@@ -71,8 +71,9 @@ def family_for_model_type(model_type, where: str) -> ModelFamily:
     """The family of a config.json's `model_type`; `where` names the file in the refusal."""
     found = _FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if found is None:
-        raise UnsupportedError(f"{where}: unsupported architecture model_type={model_type!r} "
-                               f"(supported: {', '.join(supported())})")
+        raise UnsupportedError(
+            f"{where}: unsupported architecture model_type={model_type!r} (supported: {', '.join(supported())})"
+        )
     return found
 
 
@@ -81,8 +82,9 @@ def family_for_gguf(architecture: str, where: str) -> ModelFamily:
     for candidate in _FAMILIES.values():
         if candidate.gguf is not None and candidate.gguf.architecture == architecture:
             return candidate
-    raise UnsupportedError(f"{where}: GGUF architecture {architecture!r} is not supported "
-                           f"(supported: {', '.join(gguf_architectures())})")
+    raise UnsupportedError(
+        f"{where}: GGUF architecture {architecture!r} is not supported (supported: {', '.join(gguf_architectures())})"
+    )
 
 
 for _family in BUILT_IN:

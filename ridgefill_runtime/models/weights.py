@@ -73,32 +73,39 @@ class _Fetcher:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
 
 
-def build_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                  device) -> DenseWeights:
+def build_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device) -> DenseWeights:
     f = _Fetcher(tensors, dtype, device)
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = f.linear([p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
-                       [(q_out, d), (kv_out, d), (kv_out, d)])
+        qkv = f.linear(
+            [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight"],
+            [(q_out, d), (kv_out, d), (kv_out, d)],
+        )
         bias = None
         if cfg.attention_bias:
-            bias = torch.cat([f.get(p + "self_attn.q_proj.bias", (q_out,)),
-                              f.get(p + "self_attn.k_proj.bias", (kv_out,)),
-                              f.get(p + "self_attn.v_proj.bias", (kv_out,))])
-        layers.append(LayerWeights(
-            input_norm=f.get(p + "input_layernorm.weight", (d,)),
-            qkv=qkv,
-            qkv_bias=bias,
-            o=f.linear([p + "self_attn.o_proj.weight"], [(d, q_out)]),
-            q_norm=f.get(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
-            k_norm=f.get(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
-            post_norm=f.get(p + "post_attention_layernorm.weight", (d,)),
-            gate_up=f.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, d), (inter, d)]),
-            down=f.linear([p + "mlp.down_proj.weight"], [(d, inter)]),
-        ))
+            bias = torch.cat(
+                [
+                    f.get(p + "self_attn.q_proj.bias", (q_out,)),
+                    f.get(p + "self_attn.k_proj.bias", (kv_out,)),
+                    f.get(p + "self_attn.v_proj.bias", (kv_out,)),
+                ]
+            )
+        layers.append(
+            LayerWeights(
+                input_norm=f.get(p + "input_layernorm.weight", (d,)),
+                qkv=qkv,
+                qkv_bias=bias,
+                o=f.linear([p + "self_attn.o_proj.weight"], [(d, q_out)]),
+                q_norm=f.get(p + "self_attn.q_norm.weight", (hd,)) if cfg.qk_norm else None,
+                k_norm=f.get(p + "self_attn.k_norm.weight", (hd,)) if cfg.qk_norm else None,
+                post_norm=f.get(p + "post_attention_layernorm.weight", (d,)),
+                gate_up=f.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], [(inter, d), (inter, d)]),
+                down=f.linear([p + "mlp.down_proj.weight"], [(d, inter)]),
+            )
+        )
     # NOTE: a tied table is packed (it is the head, read whole every step); an untied one only
     # serves lookups, so it is dense and the head alone is packed.
     if cfg.tie_word_embeddings:
@@ -106,5 +113,4 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: tor
     else:
         embed = f.get("model.embed_tokens.weight", (cfg.vocab_size, d))
         lm_head = f.linear(["lm_head.weight"], [(cfg.vocab_size, d)])
-    return DenseWeights(embed=embed, layers=layers,
-                        final_norm=f.get("model.norm.weight", (d,)), lm_head=lm_head)
+    return DenseWeights(embed=embed, layers=layers, final_norm=f.get("model.norm.weight", (d,)), lm_head=lm_head)

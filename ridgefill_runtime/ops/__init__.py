@@ -29,8 +29,7 @@ def _load_extension() -> str | None:
         # (undefined symbols). Worth a warning: it silently costs speed.
         reason = f"failed to load: {exc}"
         warnings.warn(
-            f"{_EXTENSION_MODULE} {reason}; using torch reference ops. "
-            "Rebuild with scripts/install.sh.",
+            f"{_EXTENSION_MODULE} {reason}; using torch reference ops. Rebuild with scripts/install.sh.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -55,8 +54,12 @@ def op_available(name: str) -> bool:
 
     if hasattr(torch.ops.ridgefill, name):
         return True
-    warnings.warn(f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
-                  "reference. Rebuild with scripts/install.sh.", RuntimeWarning, stacklevel=2)
+    warnings.warn(
+        f"ridgefill_runtime._C has no ridgefill::{name} (built from older sources?); using the torch "
+        "reference. Rebuild with scripts/install.sh.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return False
 
 

@@ -42,7 +42,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_CHUNK = 64
 
 
-
 def _check_seq_args(name, q, k, v, g, beta, state) -> None:
     """Contract of the sequence-form ops (q may be None for the state-only op)."""
     if k.dim() != 4 or v.dim() != 4:
@@ -59,10 +58,14 @@ def _check_seq_args(name, q, k, v, g, beta, state) -> None:
         raise ValueError(f"{name}: key head dim must be in [1, 256], got {k_dim}")
     for t, what in ((g, "g"), (beta, "beta")):
         if tuple(t.shape) != (batch, seq_len, v_heads) or not t.dtype.is_floating_point:
-            raise ValueError(f"{name}: {what} must be a float [B, T, Hv] = {(batch, seq_len, v_heads)}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: {what} must be a float [B, T, Hv] = {(batch, seq_len, v_heads)}, got {tuple(t.shape)}"
+            )
     if state is not None and (state.dtype != torch.float32 or tuple(state.shape) != (batch, v_heads, k_dim, v_dim)):
-        raise ValueError(f"{name}: the state must be float32 [B, Hv, Dk, Dv] = {(batch, v_heads, k_dim, v_dim)}, "
-                         f"got {state.dtype} {tuple(state.shape)}")
+        raise ValueError(
+            f"{name}: the state must be float32 [B, Hv, Dk, Dv] = {(batch, v_heads, k_dim, v_dim)}, "
+            f"got {state.dtype} {tuple(state.shape)}"
+        )
 
 
 def _prepare(q, k, v, g, beta, use_qk_l2norm):

@@ -38,8 +38,9 @@ class GroupedInts:
             raise ValueError(f"group {self.group} does not divide the row length {cols}")
         groups = (rows, cols // self.group)
         if self.scale.dtype not in (torch.float16, torch.float32) or tuple(self.scale.shape) != groups:
-            raise ValueError(f"scale must be float16/float32 {groups}, "
-                             f"got {self.scale.dtype} {tuple(self.scale.shape)}")
+            raise ValueError(
+                f"scale must be float16/float32 {groups}, got {self.scale.dtype} {tuple(self.scale.shape)}"
+            )
         if self.min is not None and (self.min.dtype != self.scale.dtype or tuple(self.min.shape) != groups):
             raise ValueError(f"min must be {self.scale.dtype} {groups}, got {self.min.dtype} {tuple(self.min.shape)}")
 

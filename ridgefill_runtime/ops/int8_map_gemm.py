@@ -31,7 +31,6 @@ GROUP = 128  # format constant; the kernel is compiled for it
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
 def _check_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
     """The contract the CUDA kernel enforces, applied on every path alike."""
     if x.dtype not in _X_DTYPES:
@@ -41,8 +40,9 @@ def _check_args(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
     if scales.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         raise TypeError("int8_map_gemm: scales and bias must be bfloat16")
     if x.dim() != 2 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1]:
-        raise ValueError(f"int8_map_gemm: need x [M, d_in] and qweight [d_out, d_in]; got {tuple(x.shape)}, "
-                         f"{tuple(qweight.shape)}")
+        raise ValueError(
+            f"int8_map_gemm: need x [M, d_in] and qweight [d_out, d_in]; got {tuple(x.shape)}, {tuple(qweight.shape)}"
+        )
     d_out, d_in = qweight.shape
     if d_in % GROUP:
         raise ValueError(f"int8_map_gemm: d_in must be a multiple of {GROUP}, got {d_in}")
@@ -85,8 +85,9 @@ def quantize_int8_groupwise(w: torch.Tensor, group: int = GROUP) -> tuple[torch.
     return q, scale
 
 
-def int8_map_gemm_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                            bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_map_gemm_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """y = (x @ dequantize(qweight, scales).T + bias) in fp32, rounded once to x's dtype. x [M, d_in] -> [M, d_out]."""
     _check_args(x, qweight, scales, bias)
     y = x.to(torch.float32) @ dequantize_int8_groupwise(qweight, scales).T  # [M, d_out]
@@ -111,8 +112,9 @@ else:
     _cuda_impl = int8_map_gemm_reference
 
 
-def int8_map_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_map_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Apply an int8 map to x [..., d_in] -> [..., d_out] (leading dims are flattened for the kernel)."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, d_in]

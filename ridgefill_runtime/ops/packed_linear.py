@@ -36,9 +36,12 @@ _DEQUANTIZE_T = torch.ops.ridgefill.packed_dequantize_t.default if op_available(
 # fewer bytes.
 BLAS_MIN_ROWS = 128
 # csrc/packed_linear.cu; a _C built without CUDA (or before that file existed) has only the CPU kernel.
-_CUDA_KERNEL = (_KERNEL is not None and _DEQUANTIZE_T is not None
-                and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::packed_linear", "CUDA")
-                and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::packed_dequantize_t", "CUDA"))
+_CUDA_KERNEL = (
+    _KERNEL is not None
+    and _DEQUANTIZE_T is not None
+    and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::packed_linear", "CUDA")
+    and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::packed_dequantize_t", "CUDA")
+)
 # NOTE: unmeasured until a GPU is lent. From this many rows on CUDA, packed_dequantize_t and a cuBLAS
 # float32 GEMM instead of the in-register kernel, which runs its float32 FMAs on CUDA cores in tiles
 # of 4 rows and so stops being memory bound after a few rows, while the GEMM pays one float32 write
@@ -74,17 +77,24 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
 
-    def to(self, device) -> "PackedWeight":
-        return PackedWeight(self.data.to(device), self.scale.to(device), self.min.to(device), self.bits,
-                            self.group, self.n)
+    def to(self, device) -> PackedWeight:
+        return PackedWeight(
+            self.data.to(device), self.scale.to(device), self.min.to(device), self.bits, self.group, self.n
+        )
 
-    def rows(self, lo: int, hi: int) -> "PackedWeight":
+    def rows(self, lo: int, hi: int) -> PackedWeight:
         """Output rows lo..hi-1 (a fused projection's part); lo must start a panel."""
         if lo % PANEL:
             raise ValueError(f"packed rows must start at a multiple of {PANEL}, got {lo}")
         p0, p1 = lo // PANEL, -(-hi // PANEL)
-        return PackedWeight(self.data[p0:p1], self.scale[p0:p1], self.min[p0:p1] if self.min.numel() else self.min,
-                            self.bits, self.group, hi - lo)
+        return PackedWeight(
+            self.data[p0:p1],
+            self.scale[p0:p1],
+            self.min[p0:p1] if self.min.numel() else self.min,
+            self.bits,
+            self.group,
+            hi - lo,
+        )
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, bits: int, group: int) -> PackedWeight:
@@ -119,12 +129,12 @@ def unpack_ints(w: PackedWeight) -> torch.Tensor:
         q = torch.stack([d & 15, d >> 4], dim=2).flatten(1, 2)  # [P, K, 16]
     else:
         q = w.data.to(torch.int16)
-    return q.transpose(1, 2).reshape(-1, q.shape[1])[:w.n]
+    return q.transpose(1, 2).reshape(-1, q.shape[1])[: w.n]
 
 
 def _per_k(t: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """[P, K // group, 16] -> [n, K] float32, each group's value repeated over its k."""
-    rows = t.transpose(1, 2).reshape(-1, t.shape[1])[:w.n].float()  # [n, K // group]
+    rows = t.transpose(1, 2).reshape(-1, t.shape[1])[: w.n].float()  # [n, K // group]
     return rows.repeat_interleave(w.group, dim=1)
 
 
@@ -156,12 +166,12 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
         x2 = x2.float()
     if _KERNEL and x.device.type == "cpu":
         if x2.shape[0] >= BLAS_MIN_ROWS and _DEQUANTIZE_T is not None:
-            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, :w.n]  # [M, K] @ [K, n]
+            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n]  # [M, K] @ [K, n]
         else:
             y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     elif _CUDA_KERNEL and x.device.type == "cuda":
         if x2.shape[0] >= CUDA_BLAS_MIN_ROWS:
-            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, :w.n]  # cuBLAS
+            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n]  # cuBLAS
         else:
             y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     else:  # NOTE: no kernel for this device (the engine refuses packed there): dequantize per call

@@ -56,8 +56,15 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def _check_args(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window) -> None:
     """Shape/dtype contract shared by every path (the data-dependent T >= t0 lives in the reference)."""
-    floats = {"q": q, "block_k": block_k, "block_v": block_v, "deep_k": deep_k, "deep_v": deep_v,
-              "ring_k": ring_k, "ring_v": ring_v}
+    floats = {
+        "q": q,
+        "block_k": block_k,
+        "block_v": block_v,
+        "deep_k": deep_k,
+        "deep_v": deep_v,
+        "ring_k": ring_k,
+        "ring_v": ring_v,
+    }
     if q.dtype not in _DTYPES:
         raise TypeError(f"ripe_attention: q must be float32, bfloat16 or float16, got {q.dtype}")
     wrong = {name: t.dtype for name, t in floats.items() if t.dtype != q.dtype}
@@ -67,24 +74,33 @@ def _check_args(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens,
         raise TypeError(f"ripe_attention: cache_lens must be int32, got {cache_lens.dtype}")
     bad_rank = [name for name, t in floats.items() if t.dim() != 4]
     if bad_rank:
-        raise ValueError(f"ripe_attention: {', '.join(bad_rank)} must be 4-D: q [B, Tq, H, D], block_k/v "
-                         "[B, Tq, Hkv, D], deep_k/v [B, T, Hkv, D], ring_k/v [B, C, Hkv, D]")
+        raise ValueError(
+            f"ripe_attention: {', '.join(bad_rank)} must be 4-D: q [B, Tq, H, D], block_k/v "
+            "[B, Tq, Hkv, D], deep_k/v [B, T, Hkv, D], ring_k/v [B, C, Hkv, D]"
+        )
     for k_name, v_name in (("block_k", "block_v"), ("deep_k", "deep_v"), ("ring_k", "ring_v")):
         if floats[k_name].shape != floats[v_name].shape:
-            raise ValueError(f"ripe_attention: {k_name} {tuple(floats[k_name].shape)} and {v_name} "
-                             f"{tuple(floats[v_name].shape)} differ in shape")
+            raise ValueError(
+                f"ripe_attention: {k_name} {tuple(floats[k_name].shape)} and {v_name} "
+                f"{tuple(floats[v_name].shape)} differ in shape"
+            )
     batch, block_len, heads, head_dim = q.shape
     kv_heads = block_k.shape[2]
     capacity = ring_k.shape[1]
     if cache_lens.dim() != 1 or any(t.shape[0] != batch for t in (block_k, deep_k, ring_k, cache_lens)):
-        raise ValueError(f"ripe_attention: batch sizes differ: q {batch}, block {block_k.shape[0]}, deep "
-                         f"{deep_k.shape[0]}, ring {ring_k.shape[0]}, cache_lens {tuple(cache_lens.shape)}")
+        raise ValueError(
+            f"ripe_attention: batch sizes differ: q {batch}, block {block_k.shape[0]}, deep "
+            f"{deep_k.shape[0]}, ring {ring_k.shape[0]}, cache_lens {tuple(cache_lens.shape)}"
+        )
     if block_k.shape[1] != block_len:
         raise ValueError(f"ripe_attention: block_k/v hold {block_k.shape[1]} tokens, q has Tq={block_len}")
     if any(t.shape[2] != kv_heads for t in (deep_k, ring_k)) or any(
-            t.shape[3] != head_dim for t in (block_k, deep_k, ring_k)):
-        raise ValueError(f"ripe_attention: [Hkv, D] of block {tuple(block_k.shape[2:])}, deep "
-                         f"{tuple(deep_k.shape[2:])}, ring {tuple(ring_k.shape[2:])} and q's D={head_dim} differ")
+        t.shape[3] != head_dim for t in (block_k, deep_k, ring_k)
+    ):
+        raise ValueError(
+            f"ripe_attention: [Hkv, D] of block {tuple(block_k.shape[2:])}, deep "
+            f"{tuple(deep_k.shape[2:])}, ring {tuple(ring_k.shape[2:])} and q's D={head_dim} differ"
+        )
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"ripe_attention: H={heads} must be a multiple of Hkv={kv_heads}")
     if not 1 <= head_dim <= 256:
@@ -94,12 +110,15 @@ def _check_args(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens,
     if capacity < 1:
         raise ValueError("ripe_attention: ring_k/v need at least one slot (C >= 1), even when W == 0")
     if window > 0 and capacity < window:
-        raise ValueError(f"ripe_attention: ring capacity C={capacity} < window W={window}: positions t0-W..t0-1 "
-                         "must occupy distinct slots (need C >= W)")
+        raise ValueError(
+            f"ripe_attention: ring capacity C={capacity} < window W={window}: positions t0-W..t0-1 "
+            "must occupy distinct slots (need C >= W)"
+        )
 
 
-def ripe_attention_reference(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window: int,
-                             scale: float) -> torch.Tensor:
+def ripe_attention_reference(
+    q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window: int, scale: float
+) -> torch.Tensor:
     """Pure torch, one sequence at a time; fp32 scores/softmax. Returns [B, Tq, H, D] in q's dtype."""
     _check_args(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window)
     batch, block_len, heads, head_dim = q.shape
@@ -109,8 +128,10 @@ def ripe_attention_reference(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v
     for b in range(batch):
         t0 = int(cache_lens[b])
         if not 0 <= t0 <= deep_len:
-            raise ValueError(f"ripe_attention: sequence {b} has t0={t0} cached positions; deep_k/v hold T={deep_len} "
-                             "(need 0 <= t0 <= T)")
+            raise ValueError(
+                f"ripe_attention: sequence {b} has t0={t0} cached positions; deep_k/v hold T={deep_len} "
+                "(need 0 <= t0 <= T)"
+            )
         if block_len == 0:
             continue
         t = torch.arange(t0, t0 + block_len, device=q.device)  # [Tq] query positions
@@ -145,17 +166,25 @@ if op_available("ripe_attention"):
 
     @torch.library.register_kernel(_OP_NAME, "cpu")
     def _cpu(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale):
-        return ripe_attention_reference(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window,
-                                        scale)
+        return ripe_attention_reference(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale)
 
     _cuda_impl = torch.ops.ridgefill.ripe_attention.default
 else:
     _cuda_impl = ripe_attention_reference
 
 
-def ripe_attention(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor, deep_k: torch.Tensor,
-                   deep_v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, cache_lens: torch.Tensor,
-                   window: int, scale: float) -> torch.Tensor:
+def ripe_attention(
+    q: torch.Tensor,
+    block_k: torch.Tensor,
+    block_v: torch.Tensor,
+    deep_k: torch.Tensor,
+    deep_v: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    cache_lens: torch.Tensor,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
     """One loop's attention for a block of Tq query tokens per sequence; see the module docstring."""
     if q.is_cuda:
         return _cuda_impl(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale)

@@ -42,25 +42,30 @@ _OP_NAME = "ridgefill::scattered_rows_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
 def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window) -> None:
     """Shape/dtype contract shared by every path (data-dependent checks live in the reference)."""
     mixed = q.dtype == torch.float32 and k_slab.dtype in _DTYPES
     if q.dtype not in _DTYPES or (k_slab.dtype != q.dtype and not mixed) or v_slab.dtype != k_slab.dtype:
-        raise TypeError(f"scattered_rows_attention: q, k_slab, v_slab must share a float dtype (or q be float32 "
-                        f"over bfloat16/float16 slabs); got {q.dtype}, {k_slab.dtype}, {v_slab.dtype}")
+        raise TypeError(
+            f"scattered_rows_attention: q, k_slab, v_slab must share a float dtype (or q be float32 "
+            f"over bfloat16/float16 slabs); got {q.dtype}, {k_slab.dtype}, {v_slab.dtype}"
+        )
     if q_seq.dtype != torch.int32 or q_pos.dtype != torch.int64:
         raise TypeError("scattered_rows_attention: q_seq must be int32 and q_pos int64")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise TypeError("scattered_rows_attention: block_tables and context_lens must be int32")
     if q.dim() != 3 or k_slab.dim() != 3 or k_slab.shape != v_slab.shape:
-        raise ValueError(f"scattered_rows_attention: need q [R, H, D], k_slab = v_slab [S, Hkv, D]; got "
-                         f"{tuple(q.shape)}, {tuple(k_slab.shape)}, {tuple(v_slab.shape)}")
+        raise ValueError(
+            f"scattered_rows_attention: need q [R, H, D], k_slab = v_slab [S, Hkv, D]; got "
+            f"{tuple(q.shape)}, {tuple(k_slab.shape)}, {tuple(v_slab.shape)}"
+        )
     rows, heads, head_dim = q.shape
     kv_heads = k_slab.shape[1]
     if k_slab.shape[2] != head_dim or kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"scattered_rows_attention: H={heads} must be a multiple of Hkv={kv_heads} and head dims "
-                         f"must match ({head_dim} vs {k_slab.shape[2]})")
+        raise ValueError(
+            f"scattered_rows_attention: H={heads} must be a multiple of Hkv={kv_heads} and head dims "
+            f"must match ({head_dim} vs {k_slab.shape[2]})"
+        )
     if not 1 <= head_dim <= 256:
         raise ValueError(f"scattered_rows_attention: head dim must be in [1, 256], got {head_dim}")
     if tuple(q_seq.shape) != (rows,) or tuple(q_pos.shape) != (rows,):
@@ -71,15 +76,26 @@ def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, blo
         raise ValueError("scattered_rows_attention: block_size must be positive")
     # bool is an int subclass, but window=True is surely a mix-up with return_key_mass.
     if isinstance(window, bool) or not isinstance(window, (int, torch.SymInt)):
-        raise TypeError(f"scattered_rows_attention: window must be an int (0 = no sliding window), got "
-                        f"{type(window).__name__}")
+        raise TypeError(
+            f"scattered_rows_attention: window must be an int (0 = no sliding window), got {type(window).__name__}"
+        )
     if window < 0:
         raise ValueError(f"scattered_rows_attention: window must be >= 0 (0 = no sliding window), got {window}")
 
 
-def scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
-                                       block_size: int, scale: float, return_key_mass: bool = False,
-                                       window: int = 0):
+def scattered_rows_attention_reference(
+    q,
+    q_seq,
+    q_pos,
+    k_slab,
+    v_slab,
+    block_tables,
+    context_lens,
+    block_size: int,
+    scale: float,
+    return_key_mass: bool = False,
+    window: int = 0,
+):
     """Pure torch; one sequence at a time, fp32 scores/softmax/weighted sum. Returns (out, key_mass).
 
     Each sequence gathers only the keys some row of it can see (the union of the rows' windows): a key no row
@@ -91,8 +107,11 @@ def scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_ta
     group = heads // kv_heads
     max_ctx = max_blocks * block_size
     out = torch.zeros(rows, heads, head_dim, dtype=torch.float32, device=q.device)  # [R, H, D]
-    key_mass = (torch.zeros(batch, max_ctx, dtype=torch.float32, device=q.device) if return_key_mass
-                else torch.empty(0, dtype=torch.float32, device=q.device))
+    key_mass = (
+        torch.zeros(batch, max_ctx, dtype=torch.float32, device=q.device)
+        if return_key_mass
+        else torch.empty(0, dtype=torch.float32, device=q.device)
+    )
     if rows == 0:
         return out.to(q.dtype), key_mass
     lens = context_lens.long()
@@ -129,8 +148,9 @@ def scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_ta
 if op_available("scattered_rows_attention"):
 
     @torch.library.register_fake(_OP_NAME)
-    def _fake(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass,
-              window=0):
+    def _fake(
+        q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window=0
+    ):
         _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window)
         out = q.new_empty(q.shape)
         if return_key_mass:
@@ -152,22 +172,44 @@ def compiled_for(device: torch.device) -> bool:
     return _compiled is not scattered_rows_attention_reference and (device.type == "cuda" or _CPU_KERNEL)
 
 
-def scattered_rows_attention(q: torch.Tensor, q_seq: torch.Tensor, q_pos: torch.Tensor, k_slab: torch.Tensor,
-                             v_slab: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                             block_size: int, scale: float,
-                             return_key_mass: bool = False, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def scattered_rows_attention(
+    q: torch.Tensor,
+    q_seq: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_slab: torch.Tensor,
+    v_slab: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    return_key_mass: bool = False,
+    window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [R, H, D], key_mass [B, max_blocks*block_size] or empty); see the module docstring."""
     if q.is_cuda and q.dtype != k_slab.dtype:
         # NOTE: the CUDA kernel takes one dtype: the queries are rounded to the slabs' (the CPU kernel
         # reads float32 queries over a narrower cache as they are)
-        out, mass = scattered_rows_attention(q.to(k_slab.dtype), q_seq, q_pos, k_slab, v_slab, block_tables,
-                                             context_lens, block_size, scale, return_key_mass, window)
+        out, mass = scattered_rows_attention(
+            q.to(k_slab.dtype),
+            q_seq,
+            q_pos,
+            k_slab,
+            v_slab,
+            block_tables,
+            context_lens,
+            block_size,
+            scale,
+            return_key_mass,
+            window,
+        )
         return out.to(q.dtype), mass
     if q.is_cuda or (_CPU_KERNEL and q.device.type == "cpu"):
         # The kernels check window >= 0 too; checking here names the argument the same way on every path.
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window)
-        return _compiled(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale,
-                         return_key_mass, window)
-    return scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens,
-                                              block_size, scale, return_key_mass, window)
+        return _compiled(
+            q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window
+        )
+    return scattered_rows_attention_reference(
+        q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window
+    )

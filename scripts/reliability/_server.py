@@ -43,13 +43,31 @@ class Server:
         self.log: list[str] = []
         limit = None
         if open_files is not None:
+
             def limit():  # the child's open-files limit, soft and hard, as the tester's machine had
                 resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--threads", "1", *args],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=ROOT, preexec_fn=limit,
-            env={**os.environ, "RIDGEFILL_CACHE_DIR": os.environ.get("RIDGEFILL_CACHE_DIR", "/tmp/ridgefill-cache")})
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                *args,
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            preexec_fn=limit,
+            env={**os.environ, "RIDGEFILL_CACHE_DIR": os.environ.get("RIDGEFILL_CACHE_DIR", "/tmp/ridgefill-cache")},
+        )
         threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
         if not self._wait_ready(ready_timeout):
             self.stop()
@@ -91,8 +109,11 @@ def metric(text: str, name: str) -> float:
 def idle_state(url: str) -> tuple[float, float, float]:
     """(KV usage ratio, running, waiting) as /metrics reports them now."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    return (metric(text, "ridgefill_kv_cache_usage_ratio"), metric(text, "ridgefill_num_requests_running"),
-            metric(text, "ridgefill_num_requests_waiting"))
+    return (
+        metric(text, "ridgefill_kv_cache_usage_ratio"),
+        metric(text, "ridgefill_num_requests_running"),
+        metric(text, "ridgefill_num_requests_waiting"),
+    )
 
 
 def wait_idle(url: str, timeout: float) -> float | None:

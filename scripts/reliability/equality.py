@@ -42,8 +42,10 @@ def main() -> None:
     extra = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     if args.fill == "plain":
         extra += ["--fill", "plain", "--fill-tail", str(args.fill_tail)]
-    bodies = [{"prompt": prompt(i, args.words), "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-              for i in range(args.streams)]
+    bodies = [
+        {"prompt": prompt(i, args.words), "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+        for i in range(args.streams)
+    ]
     with serve("--threads", str(args.threads), "--max-num-seqs", str(args.streams), *extra) as srv:
         alone = run(answers(srv.url, bodies, together=False))
         t0 = time.monotonic()
@@ -57,9 +59,11 @@ def main() -> None:
         idle = idle_state(srv.url)
     mismatches = sum(a != b for a, b in zip(alone, together))
     ok = mismatches == 0 and all(alone) and idle == (0.0, 0.0, 0.0)
-    print(f"equality: fill={args.fill} streams={args.streams} num_blocks={args.num_blocks or 'default'} "
-          f"together in {took:.1f} s; mismatches={mismatches}; preemptions={preempted:.0f}; "
-          f"idle after (kv, running, waiting)={idle} -> {'PASS' if ok else 'FAIL'}")
+    print(
+        f"equality: fill={args.fill} streams={args.streams} num_blocks={args.num_blocks or 'default'} "
+        f"together in {took:.1f} s; mismatches={mismatches}; preemptions={preempted:.0f}; "
+        f"idle after (kv, running, waiting)={idle} -> {'PASS' if ok else 'FAIL'}"
+    )
     raise SystemExit(0 if ok else 1)
 
 

@@ -86,6 +86,7 @@ def fuzz(schema, base_url: str, tally: Tally, per_run: int, seed: int) -> None:
     for path, method in OPERATIONS:
         operation = schema[path][method]
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
             @hypothesis_seed(seed)
             @settings(max_examples=per_run, deadline=None, database=None, suppress_health_check=list(HealthCheck))
             @given(case=operation.as_strategy(generation_mode=mode))
@@ -132,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         print(failure, file=sys.stderr)
     fivexx = sum(n for status, n in tally.statuses.items() if status >= 500)
     histogram = " ".join(f"{status}:{n}" for status, n in sorted(tally.statuses.items()))
-    print(f"fuzz_server: {tally.cases} cases ({tally.skipped} skipped past the budget), statuses {histogram}, "
-          f"5xx {fivexx}, bad error bodies {len(tally.failures) - fivexx}, {seconds:.0f} s")
+    print(
+        f"fuzz_server: {tally.cases} cases ({tally.skipped} skipped past the budget), statuses {histogram}, "
+        f"5xx {fivexx}, bad error bodies {len(tally.failures) - fivexx}, {seconds:.0f} s"
+    )
     return 1 if tally.failures else 0
 
 

@@ -25,8 +25,12 @@ from _server import Server  # noqa: E402
 
 
 def stream(url: str, max_tokens: int, started: threading.Event, outcome: list) -> None:
-    body = {"prompt": "Write a long story about a lighthouse.", "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "prompt": "Write a long story about a lighthouse.",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
     tokens, end = 0, "cut (no [DONE])"
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
@@ -69,8 +73,10 @@ def main() -> int:
         for _, started in threads:
             started.wait(120)
         stalled = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 1000\r\n\r\n{\"prompt\":")
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt":'
+        )
         time.sleep(0.5)
         lines_before = len(srv.log)
         t0 = time.monotonic()
@@ -90,14 +96,18 @@ def main() -> int:
         stalled.close()
     finally:
         srv.stop()
-    print(f"SIGTERM with {args.streams} streams ({args.max_tokens} tokens each) and a stalled request: "
-          f"exit status {rc} after {drain_s:.1f} s (grace {args.grace:g} s)")
+    print(
+        f"SIGTERM with {args.streams} streams ({args.max_tokens} tokens each) and a stalled request: "
+        f"exit status {rc} after {drain_s:.1f} s (grace {args.grace:g} s)"
+    )
     for tokens, end in sorted(outcomes):
         print(f"  stream: {tokens} chunks, then {end}")
     print(f"  stalled request: {answer}")
     log = srv.non_access_lines(lines_before)
-    print(f"server log after SIGTERM: {len(log)} lines besides access lines, "
-          f"{sum('Traceback' in line for line in log)} tracebacks")
+    print(
+        f"server log after SIGTERM: {len(log)} lines besides access lines, "
+        f"{sum('Traceback' in line for line in log)} tracebacks"
+    )
     for line in log[:12]:
         print("  log:", line.rstrip()[:160])
     return 0

@@ -21,8 +21,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _server import Server, raise_own_open_files  # noqa: E402
 
-HALF_SENT = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-             b"Content-Length: 1000\r\n\r\n{\"prompt\":")
+HALF_SENT = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b'Content-Length: 1000\r\n\r\n{"prompt":'
+)
 
 
 def open_connections(port: int, count: int, first_bytes: bytes) -> list[socket.socket]:
@@ -46,8 +48,10 @@ def watch_closes(groups: dict[str, list[socket.socket]], until: float) -> dict[s
             sel.register(s, selectors.EVENT_READ, name)
             got[s] = bytearray()
     start = time.monotonic()
-    out = {name: {"opened": len(socks), "closed": 0, "answered_408": 0, "last_close_s": 0.0, "closes_s": []}
-           for name, socks in groups.items()}
+    out = {
+        name: {"opened": len(socks), "closed": 0, "answered_408": 0, "last_close_s": 0.0, "closes_s": []}
+        for name, socks in groups.items()
+    }
     while sel.get_map() and time.monotonic() < until:
         for key, _ in sel.select(timeout=0.5):
             s, name = key.fileobj, key.data
@@ -90,8 +94,17 @@ def main() -> int:
     p.add_argument("--body-timeout-s", type=float, default=10)
     args = p.parse_args()
     raise_own_open_files()
-    srv = Server("--num-blocks", "64", "--max-num-seqs", "4", "--header-timeout-s", str(args.header_timeout_s),
-                 "--body-timeout-s", str(args.body_timeout_s), open_files=args.open_files)
+    srv = Server(
+        "--num-blocks",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--header-timeout-s",
+        str(args.header_timeout_s),
+        "--body-timeout-s",
+        str(args.body_timeout_s),
+        open_files=args.open_files,
+    )
     lines_before = len(srv.log)
     stop, health = threading.Event(), []
     prober = threading.Thread(target=probe_health, args=(srv.url, stop, health), daemon=True)
@@ -109,22 +122,33 @@ def main() -> int:
     finally:
         stop.set()
         rc = srv.stop()
-    print(f"opened {args.half_sent} half-sent bodies and {args.idle} idle connections in {opened_s:.1f} s "
-          f"(server open-files limit {args.open_files})")
+    print(
+        f"opened {args.half_sent} half-sent bodies and {args.idle} idle connections in {opened_s:.1f} s "
+        f"(server open-files limit {args.open_files})"
+    )
     for name, c in closes.items():
         early = sum(t < min(args.header_timeout_s, args.body_timeout_s) - 0.5 for t in c["closes_s"])
-        extra = f", {c['answered_408']} answered 408 first" if name.startswith("half") else \
-            f", {early} of them at once (closed as the oldest idle at the connection cap)"
-        print(f"{name}: {c['closed']}/{c['opened']} closed by the server, the last after "
-              f"{max(c['closes_s'], default=0):.1f} s{extra}")
+        extra = (
+            f", {c['answered_408']} answered 408 first"
+            if name.startswith("half")
+            else f", {early} of them at once (closed as the oldest idle at the connection cap)"
+        )
+        print(
+            f"{name}: {c['closed']}/{c['opened']} closed by the server, the last after "
+            f"{max(c['closes_s'], default=0):.1f} s{extra}"
+        )
     ok = sum(status == 200 for status, _ in health)
-    print(f"/health during the flood: {ok}/{len(health)} answered 200, slowest {max((s for _, s in health), default=0):.2f} s; "
-          f"others: {sorted({str(status) for status, _ in health if status != 200}) or 'none'}")
+    print(
+        f"/health during the flood: {ok}/{len(health)} answered 200, slowest {max((s for _, s in health), default=0):.2f} s; "
+        f"others: {sorted({str(status) for status, _ in health if status != 200}) or 'none'}"
+    )
     log = srv.non_access_lines(lines_before)
     access = len(srv.log) - lines_before - len(log)
-    print(f"server log during the run: {access} access lines (one per request), {len(log)} other lines, "
-          f"{sum('Traceback' in line for line in log)} tracebacks; /health after: {alive_after}; "
-          f"exit status after SIGTERM: {rc}")
+    print(
+        f"server log during the run: {access} access lines (one per request), {len(log)} other lines, "
+        f"{sum('Traceback' in line for line in log)} tracebacks; /health after: {alive_after}; "
+        f"exit status after SIGTERM: {rc}"
+    )
     for line in log[:8]:
         print("  log:", line.rstrip()[:160])
     return 0

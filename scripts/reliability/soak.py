@@ -23,24 +23,38 @@ async def user(client: httpx.AsyncClient, rng: random.Random, until: float, stat
         n = rng.randint(5, 40)
         try:
             if kind in ("stream", "cut"):
-                await stream_text(client, {"prompt": f"Tell me about item {n}:", "max_tokens": 32,
-                                           "temperature": 0.7, "seed": n},
-                                  cut_after=rng.randint(1, 6) if kind == "cut" else None)
+                await stream_text(
+                    client,
+                    {"prompt": f"Tell me about item {n}:", "max_tokens": 32, "temperature": 0.7, "seed": n},
+                    cut_after=rng.randint(1, 6) if kind == "cut" else None,
+                )
                 statuses[f"{kind} 200"] += 1
                 continue
             if kind == "complete":
                 r = await client.post("/v1/completions", json={"prompt": f"Count to {n}:", "max_tokens": 16})
             elif kind == "long":
-                r = await client.post("/v1/completions", json={"prompt": "The mill turned. " * (40 * n),
-                                                               "max_tokens": 4})
+                r = await client.post(
+                    "/v1/completions", json={"prompt": "The mill turned. " * (40 * n), "max_tokens": 4}
+                )
             elif kind == "chat":
-                r = await client.post("/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": f"Name {n % 5 + 1} colours."}], "max_tokens": 16})
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": f"Name {n % 5 + 1} colours."}], "max_tokens": 16},
+                )
             elif kind == "tokenize":
                 r = await client.post("/tokenize", json={"prompt": "word " * (n * 50)})
             else:
-                r = await client.post("/v1/completions", json=rng.choice([
-                    {"prompt": "hi", "temperature": -1}, {"prompt": ""}, {"messages": []}, {"prompt": "hi", "n": 3}]))
+                r = await client.post(
+                    "/v1/completions",
+                    json=rng.choice(
+                        [
+                            {"prompt": "hi", "temperature": -1},
+                            {"prompt": ""},
+                            {"messages": []},
+                            {"prompt": "hi", "n": 3},
+                        ]
+                    ),
+                )
             statuses[f"{kind} {r.status_code}"] += 1
         except httpx.HTTPError as e:
             statuses[f"{kind} {type(e).__name__}"] += 1
@@ -81,9 +95,11 @@ def main() -> None:
     total = sum(statuses.values())
     fivexx = sum(c for k, c in statuses.items() if k.split()[-1].startswith("5"))
     errors = sum(c for k, c in statuses.items() if not k.split()[-1].isdigit())
-    print(f"soak: {args.minutes:g} min, {args.users} users, {total} requests, 5xx={fivexx}, client errors={errors}; "
-          f"RSS after {args.warmup_minutes:g} min warm-up {first:.0f} MiB -> end {last:.0f} MiB "
-          f"(growth {last - first:+.1f} MiB, peak {peak:.0f}); idle after: {idle is not None}")
+    print(
+        f"soak: {args.minutes:g} min, {args.users} users, {total} requests, 5xx={fivexx}, client errors={errors}; "
+        f"RSS after {args.warmup_minutes:g} min warm-up {first:.0f} MiB -> end {last:.0f} MiB "
+        f"(growth {last - first:+.1f} MiB, peak {peak:.0f}); idle after: {idle is not None}"
+    )
     print("soak: statuses " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())))
     per_minute = {}
     for t, rss in samples:

@@ -26,16 +26,22 @@ async def storm(url: str, streams: int, words: int, seed: int) -> tuple[int, int
     rng = random.Random(seed)
     cut = completed = 0
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=streams)) as client:
+
         async def one(i: int) -> None:
             nonlocal cut, completed
             await asyncio.sleep(rng.random() * 2)  # arrivals spread over two seconds
-            body = {"prompt": long_prompt(i, rng.randint(5, words)), "max_tokens": rng.randint(4, 64),
-                    "temperature": rng.choice([0, 0.8]), "ignore_eos": True}
+            body = {
+                "prompt": long_prompt(i, rng.randint(5, words)),
+                "max_tokens": rng.randint(4, 64),
+                "temperature": rng.choice([0, 0.8]),
+                "ignore_eos": True,
+            }
             out = await stream_text(client, body, cut_after=rng.randint(0, 8) or None)
             if out is None:
                 cut += 1
             else:
                 completed += 1
+
         await asyncio.gather(*(one(i) for i in range(streams)))
     return cut, completed
 
@@ -59,10 +65,12 @@ def main() -> None:
         idle_after = wait_idle(srv.url, 30)
         after = run(stream_text(httpx.AsyncClient(base_url=srv.url, timeout=120), REFERENCE))
     ok = idle_after is not None and idle_after <= 3 and after == before
-    print(f"storm: fill={args.fill} streams={args.streams} cut={cut} completed={completed} in {took:.1f} s; "
-          f"KV pool and running/waiting back to 0 in "
-          f"{'never (30 s)' if idle_after is None else f'{idle_after:.2f} s'}; "
-          f"reference answer unchanged: {after == before} -> {'PASS' if ok else 'FAIL'}")
+    print(
+        f"storm: fill={args.fill} streams={args.streams} cut={cut} completed={completed} in {took:.1f} s; "
+        f"KV pool and running/waiting back to 0 in "
+        f"{'never (30 s)' if idle_after is None else f'{idle_after:.2f} s'}; "
+        f"reference answer unchanged: {after == before} -> {'PASS' if ok else 'FAIL'}"
+    )
     raise SystemExit(0 if ok else 1)
 
 

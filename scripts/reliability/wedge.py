@@ -25,12 +25,22 @@ CASES = {  # name -> (requests, prompt tokens, max_tokens, server flags)
 
 async def complete_all(url: str, n: int, tokens: int, max_tokens: int, timeout: float) -> list[str]:
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=n)) as client:
+
         async def one(i: int) -> str:
-            ids = (await client.post("/tokenize", json={"prompt": f"Document {i}. " + "The mill turned slowly. " * tokens,
-                                                        "add_special_tokens": False})).json()["tokens"][:tokens]
-            r = await client.post("/v1/completions", json={"prompt": ids, "max_tokens": max_tokens,
-                                                           "temperature": 0, "ignore_eos": True})
+            ids = (
+                await client.post(
+                    "/tokenize",
+                    json={
+                        "prompt": f"Document {i}. " + "The mill turned slowly. " * tokens,
+                        "add_special_tokens": False,
+                    },
+                )
+            ).json()["tokens"][:tokens]
+            r = await client.post(
+                "/v1/completions", json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+            )
             return r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else f"HTTP {r.status_code}"
+
         return list(await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), timeout))
 
 
@@ -45,15 +55,17 @@ def main() -> None:
         t0 = time.monotonic()
         try:
             reasons = run(complete_all(srv.url, n, tokens, max_tokens, args.timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             reasons = ["timed out"]
         took = time.monotonic() - t0
         text = httpx.get(srv.url + "/metrics").text
         preempted = metric(text, "ridgefill_preemptions_total")
         idle = idle_state(srv.url)
     ok = reasons == ["length"] * n and idle == (0.0, 0.0, 0.0)
-    print(f"wedge: case={args.case} requests={n} x {tokens} tokens: finished {reasons.count('length')}/{n} "
-          f"in {took:.1f} s; preemptions={preempted:.0f}; idle after={idle} -> {'PASS' if ok else 'FAIL'}")
+    print(
+        f"wedge: case={args.case} requests={n} x {tokens} tokens: finished {reasons.count('length')}/{n} "
+        f"in {took:.1f} s; preemptions={preempted:.0f}; idle after={idle} -> {'PASS' if ok else 'FAIL'}"
+    )
     raise SystemExit(0 if ok else 1)
 
 

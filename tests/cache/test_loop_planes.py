@@ -12,8 +12,9 @@ from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec, LoopPlanesCa
 BLOCK = 16
 
 
-def looped_spec(n_pre: int, n_core: int, n_coda: int, loops: int, heads: int, dim: int, kind: str, window: int,
-                dtype: torch.dtype) -> CacheSpec:
+def looped_spec(
+    n_pre: int, n_core: int, n_coda: int, loops: int, heads: int, dim: int, kind: str, window: int, dtype: torch.dtype
+) -> CacheSpec:
     """Prelude and coda layers keep ordinary K/V; each core layer keeps its loops' planes."""
     att = AttentionCache(heads, dim)
     core = LoopPlanesCache(heads, dim, loops, kind, window)
@@ -36,8 +37,9 @@ def test_allocated_bytes_equal_eq3_and_eq10(length, kind, window):
     b = 2 * heads * dim * 2  # bytes per layer per token, bf16 (K and V)
     m_full = b * length * (n_pre + n_coda + loops * n_core)  # Eq. (3)
     m_deep = b * length * (n_pre + n_coda + n_core)
-    want = {"full": m_full, "deepest": m_deep,
-            "ripe": m_deep + b * n_core * (loops - 1) * min(window, length)}[kind]  # Eq. (10)
+    want = {"full": m_full, "deepest": m_deep, "ripe": m_deep + b * n_core * (loops - 1) * min(window, length)}[
+        kind
+    ]  # Eq. (10)
     assert allocated_bytes(spec, length) == want
     assert spec.kv_bytes_per_token() * length + spec.state_bytes_per_sequence() == want
 
@@ -46,8 +48,13 @@ def test_huginn_dimensions_give_table_2():
     """Huginn-0125: 2 prelude, 4 core layers looped R = 32 times, 2 coda; 55 heads of width 96, bf16;
     L = 1024, MB = 10^6 bytes: 2,855 / 173 / 215 / 341 / 843 MB."""
     table = {}
-    for name, kind, window in (("full", "full", 0), ("deepest", "deepest", 0), ("W=16", "ripe", 16),
-                               ("W=64", "ripe", 64), ("W=256", "ripe", 256)):
+    for name, kind, window in (
+        ("full", "full", 0),
+        ("deepest", "deepest", 0),
+        ("W=16", "ripe", 16),
+        ("W=64", "ripe", 64),
+        ("W=256", "ripe", 256),
+    ):
         spec = looped_spec(2, 4, 2, 32, 55, 96, kind, window, torch.bfloat16)
         table[name] = round((spec.kv_bytes_per_token() * 1024 + spec.state_bytes_per_sequence()) / 1e6)
     assert table == {"full": 2855, "deepest": 173, "W=16": 215, "W=64": 341, "W=256": 843}
@@ -65,12 +72,15 @@ def test_planes_are_keyed_by_layer_and_loop_and_a_freed_slot_clears_its_ring():
     assert ring[0].abs().sum() == 0 and bool((ring[1] == 1).all())
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(kind="ring"), "loop cache kind must be one of full, deepest, ripe, got 'ring'"),
-    (dict(kind="deepest", window=4), "a window W >= 0 is for kind 'ripe' only"),
-    (dict(kind="ripe", window=-1), "a window W >= 0 is for kind 'ripe' only"),
-    (dict(loops=0), "loop planes need positive heads, head_dim and loops"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(kind="ring"), "loop cache kind must be one of full, deepest, ripe, got 'ring'"),
+        (dict(kind="deepest", window=4), "a window W >= 0 is for kind 'ripe' only"),
+        (dict(kind="ripe", window=-1), "a window W >= 0 is for kind 'ripe' only"),
+        (dict(loops=0), "loop planes need positive heads, head_dim and loops"),
+    ],
+)
 def test_bad_loop_caches_are_refused_naming_the_setting(kwargs, words):
     args = dict(num_kv_heads=1, head_dim=4, loops=4) | kwargs
     with pytest.raises(ValueError, match=words):
@@ -84,14 +94,32 @@ def test_the_served_spec_of_huginn_0125_gives_table_2():
     from ridgefill_runtime.models.huginn import HUGINN_RAVEN
     from ridgefill_runtime.models.looped import loop_cache_spec
 
-    raw = {"model_type": "huginn_raven", "n_embd": 5280, "n_heads": 55, "num_key_value_heads": 55,
-           "intermediate_size": 17920, "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 4,
-           "n_layers_in_coda": 2, "mean_recurrence": 32, "vocab_size": 65536, "block_size": 4096,
-           "rope_base": 50000, "qk_bias": True, "tie_embeddings": True, "injection_type": "linear"}
+    raw = {
+        "model_type": "huginn_raven",
+        "n_embd": 5280,
+        "n_heads": 55,
+        "num_key_value_heads": 55,
+        "intermediate_size": 17920,
+        "n_layers_in_prelude": 2,
+        "n_layers_in_recurrent_block": 4,
+        "n_layers_in_coda": 2,
+        "mean_recurrence": 32,
+        "vocab_size": 65536,
+        "block_size": 4096,
+        "rope_base": 50000,
+        "qk_bias": True,
+        "tie_embeddings": True,
+        "injection_type": "linear",
+    }
     cfg = HUGINN_RAVEN.config_from_hf(raw, {}, "config.json")
     table = {}
-    for name, kind, window in (("full", "full", 0), ("deepest", "deepest", 0), ("W=16", "ripe", 16),
-                               ("W=64", "ripe", 64), ("W=256", "ripe", 256)):
+    for name, kind, window in (
+        ("full", "full", 0),
+        ("deepest", "deepest", 0),
+        ("W=16", "ripe", 16),
+        ("W=64", "ripe", 64),
+        ("W=256", "ripe", 256),
+    ):
         spec = loop_cache_spec(cfg, LoopConfig(cache=kind, window=window, block=0), torch.bfloat16)
         table[name] = round((spec.kv_bytes_per_token() * 1024 + spec.state_bytes_per_sequence()) / 1e6)
     assert table == {"full": 2855, "deepest": 173, "W=16": 215, "W=64": 341, "W=256": 843}

@@ -236,4 +236,6 @@ def test_make_own_copies_shared_blocks_and_keeps_entries_while_room_is_left():
     bm.share(c, held[1])
     bm.grow(c, 2 * BS)  # takes the last free block
     assert bm.num_free == 0
-    assert bm.make_own(c, [0]) == [] and c[0] == held[1] and bm.lookup(b"a1") is None  # no room: it stops being an entry
+    assert (
+        bm.make_own(c, [0]) == [] and c[0] == held[1] and bm.lookup(b"a1") is None
+    )  # no room: it stops being an entry

@@ -39,8 +39,9 @@ def test_generate_streams_text(capsys):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ridgefill_runtime.cli", *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ridgefill_runtime.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_missing_model_is_one_line_error(tmp_path):
@@ -81,7 +82,7 @@ def test_score_fill_arm_covers_the_tail_and_lines_up_with_exact(tmp_path, capsys
     # far closer to exact's last k entries than to those one position off
     k = len(arm["target_logprobs"])
     gap = lambda ref: sum(abs(a - b) for a, b in zip(arm["target_logprobs"], ref)) / k  # noqa: E731
-    assert gap(exact["target_logprobs"][-k:]) < gap(exact["target_logprobs"][-k - 1:-1])
+    assert gap(exact["target_logprobs"][-k:]) < gap(exact["target_logprobs"][-k - 1 : -1])
     assert arm["target_logprobs"] != exact["target_logprobs"][-k:]  # the fill changed something
 
 
@@ -102,15 +103,28 @@ def test_fill_rows_table_and_selectors_reach_the_fill_config(tmp_path):
     assert fill_for_arm("identity", None).rows == RowsConfig(**{**SHIPPED_ROWS, "unigram": str(shipped_unigram())})
     assert fill_for_arm("exact", None).rows.unigram is None  # nothing runs the selectors
     cfg = tmp_path / "fill.toml"
-    cfg.write_text('[fill]\ntail = 40\n[fill.rows]\nselectors = ["special", "attention"]\n'
-                   'attention_share = 0.3\nattention_layers = [2, 4]\nwindow = 16\nprobe_window = 32\n'
-                   'budget_factor = 0.5\nbase_attention_share = 0.1\nprotected_share = 0.4\nlexical_cap = 0.2\n'
-                   'lexical_sentence_rows = 8\nunigram = "/counts.json"\ncontrol = "tail"\nseed = 3\n')
+    cfg.write_text(
+        '[fill]\ntail = 40\n[fill.rows]\nselectors = ["special", "attention"]\n'
+        "attention_share = 0.3\nattention_layers = [2, 4]\nwindow = 16\nprobe_window = 32\n"
+        "budget_factor = 0.5\nbase_attention_share = 0.1\nprotected_share = 0.4\nlexical_cap = 0.2\n"
+        'lexical_sentence_rows = 8\nunigram = "/counts.json"\ncontrol = "tail"\nseed = 3\n'
+    )
     fill = fill_for_arm("ridgefill", cfg)
     assert fill.tail == 40 and fill.rows == RowsConfig(
-        selectors=("special", "attention"), attention_share=0.3, attention_layers=(2, 4), window=16,
-        probe_window=32, budget_factor=0.5, base_attention_share=0.1, protected_share=0.4, lexical_cap=0.2,
-        lexical_sentence_rows=8, unigram="/counts.json", control="tail", seed=3)
+        selectors=("special", "attention"),
+        attention_share=0.3,
+        attention_layers=(2, 4),
+        window=16,
+        probe_window=32,
+        budget_factor=0.5,
+        base_attention_share=0.1,
+        protected_share=0.4,
+        lexical_cap=0.2,
+        lexical_sentence_rows=8,
+        unigram="/counts.json",
+        control="tail",
+        seed=3,
+    )
     # --selectors replaces only the selectors.
     assert fill_for_arm("ridgefill", cfg, selectors=["digits"]).rows == fill.rows.replace(selectors=("digits",))
     # Another model has no shipped counts: the selectors that read them need its own.
@@ -139,15 +153,22 @@ def test_selectors_flag_reaches_score_and_generate(tmp_path, monkeypatch):
     assert seen[2].fill.rows == RowsConfig()  # fill off: no selection, as `serve` with fill.mode = "off"
 
 
-@pytest.mark.parametrize("args, toml, words", [
-    (["--selectors", "special,rare"], None, f"--selectors: unknown selector 'rare' (known: {', '.join(SELECTORS)})"),
-    # --fill-config is read with the server's [fill] schema, so the words are `serve --config`'s.
-    ([], "[fill.rows]\nwindoww = 3\n", "unknown key 'fill.rows.windoww'"),
-    ([], '[fill.rows]\nselectors = ["rare"]\n', "key 'fill.rows.selectors': unknown selector 'rare'"),
-    ([], '[fill.rows]\nselectors = "special"\n', "key 'fill.rows.selectors' must be a list of str, got str"),
-    ([], '[fill]\nrows = 3\n', "key 'fill.rows' must be a table ([fill.rows]), got int"),
-    ([], '[fill]\nvalue_rescale = true\n', "unknown key 'fill.value_rescale' (use fill.corrections.value_rescale)"),
-])
+@pytest.mark.parametrize(
+    "args, toml, words",
+    [
+        (
+            ["--selectors", "special,rare"],
+            None,
+            f"--selectors: unknown selector 'rare' (known: {', '.join(SELECTORS)})",
+        ),
+        # --fill-config is read with the server's [fill] schema, so the words are `serve --config`'s.
+        ([], "[fill.rows]\nwindoww = 3\n", "unknown key 'fill.rows.windoww'"),
+        ([], '[fill.rows]\nselectors = ["rare"]\n', "key 'fill.rows.selectors': unknown selector 'rare'"),
+        ([], '[fill.rows]\nselectors = "special"\n', "key 'fill.rows.selectors' must be a list of str, got str"),
+        ([], "[fill]\nrows = 3\n", "key 'fill.rows' must be a table ([fill.rows]), got int"),
+        ([], "[fill]\nvalue_rescale = true\n", "unknown key 'fill.value_rescale' (use fill.corrections.value_rescale)"),
+    ],
+)
 def test_bad_selectors_or_rows_key_is_one_line_error(tmp_path, capsys, args, toml, words):
     f = tmp_path / "t.txt"
     f.write_text("hello there " * 20)
@@ -165,8 +186,27 @@ def test_generate_with_a_fill_arm_and_selectors(tmp_path, capsys):
     cfg = tmp_path / "fill.toml"
     cfg.write_text("[fill]\ntail = 16\n")
     prompt = "The lighthouse keeper wrote the date 1893 in the log. " * 6 + "What did the keeper write?"
-    assert main(["generate", "--chat", "--prompt", prompt, "--max-tokens", "8", "--arm", "identity",
-                 "--fill-config", str(cfg), "--selectors", "special,digits,lexical", "--threads", "2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--chat",
+                "--prompt",
+                prompt,
+                "--max-tokens",
+                "8",
+                "--arm",
+                "identity",
+                "--fill-config",
+                str(cfg),
+                "--selectors",
+                "special,digits,lexical",
+                "--threads",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "keeper" in capsys.readouterr().out
 
 
@@ -175,11 +215,19 @@ def test_generate_with_a_fill_arm_and_selectors(tmp_path, capsys):
 
 def test_fill_config_takes_the_server_keys(tmp_path):
     cfg = tmp_path / "fill.toml"
-    cfg.write_text('[fill]\nmode = "plain"\ntail = 40\nplacement = "streamed"\n'
-                   '[fill.corrections]\nvalue_rescale = true\nrescale_rows = 8\n[server]\nport = 1\n')
+    cfg.write_text(
+        '[fill]\nmode = "plain"\ntail = 40\nplacement = "streamed"\n'
+        "[fill.corrections]\nvalue_rescale = true\nrescale_rows = 8\n[server]\nport = 1\n"
+    )
     fill = fill_for_arm(None, cfg)  # no --arm: the file's mode
     assert (fill.arm, fill.tail, fill.placement, fill.value_rescale, fill.key_rescale, fill.rescale_rows) == (
-        "ridgefill", 40, "streamed", True, False, 8)
+        "ridgefill",
+        40,
+        "streamed",
+        True,
+        False,
+        8,
+    )
     assert fill.maps is not None and fill.rows.selectors == tuple(SHIPPED_ROWS["selectors"])
     assert fill_for_arm("identity", cfg).arm == "identity"  # --arm replaces fill.mode
     cfg.write_text('[fill]\ncorrections = ["key_rescale"]\n')
@@ -192,8 +240,10 @@ def test_fill_config_and_serve_config_give_the_same_fill(tmp_path):
     counts = tmp_path / "counts.json"
     counts.write_text("{}")
     cfg = tmp_path / "rf.toml"
-    cfg.write_text(f'[fill]\nmode = "identity"\nsplit = 11\ntail = 64\ncorrections = ["value_rescale"]\n'
-                   f'[fill.rows]\nselectors = ["special", "probe"]\nwindow = 32\nunigram = "{counts}"\n')
+    cfg.write_text(
+        f'[fill]\nmode = "identity"\nsplit = 11\ntail = 64\ncorrections = ["value_rescale"]\n'
+        f'[fill.rows]\nselectors = ["special", "probe"]\nwindow = 32\nunigram = "{counts}"\n'
+    )
     assert load_config(cfg)[0].fill == fill_for_arm(None, cfg)
     for mode, arm in (("off", "exact"), ("nofill", "nofill")):
         cfg.write_text(f'[fill]\nmode = "{mode}"\n')
@@ -206,7 +256,9 @@ def test_fill_config_refusals_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match=rf"^{cfg}: unknown key 'fill.arm' \(use fill.mode"):
         fill_for_arm(None, cfg)
     cfg.write_text('[fill]\nmode = "plain"\n')
-    with pytest.raises(ConfigError, match="key 'fill.maps' is required when fill.mode = \"plain\" and model.path is set"):
+    with pytest.raises(
+        ConfigError, match="key 'fill.maps' is required when fill.mode = \"plain\" and model.path is set"
+    ):
         fill_for_arm(None, cfg, model="/models/other")
     with pytest.raises(ConfigError, match="nope.toml: config file not found"):
         fill_for_arm("identity", tmp_path / "nope.toml")
@@ -216,9 +268,11 @@ def test_fill_config_refusals_name_the_file(tmp_path):
 
 
 def test_the_runtime_imports_no_server_module():
-    code = ("import sys, ridgefill_runtime.cli, ridgefill_runtime.llm, ridgefill_runtime.fill.settings; "
-            "bad = [m for m in sys.modules if m == 'server' or m.startswith('server.')]; "
-            "assert not bad, bad; ridgefill_runtime.cli.build_parser()")
+    code = (
+        "import sys, ridgefill_runtime.cli, ridgefill_runtime.llm, ridgefill_runtime.fill.settings; "
+        "bad = [m for m in sys.modules if m == 'server' or m.startswith('server.')]; "
+        "assert not bad, bad; ridgefill_runtime.cli.build_parser()"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     import ast
@@ -227,19 +281,29 @@ def test_the_runtime_imports_no_server_module():
     root = Path(__file__).resolve().parents[2] / "ridgefill_runtime"
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             assert not any(n == "server" or n.startswith("server.") for n in names), f"{path} imports {names}"
 
 
 def test_the_ridgefill_command_lists_and_dispatches_every_command(tmp_path):
     p = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and all(c in p.stdout for c in ("generate", "score", "fit", "eval", "serve")), p.stdout
-    p = subprocess.run([sys.executable, "-m", "server", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
-                       capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "server", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1 and p.stderr.strip() == f"ridgefill: error: {tmp_path / 'nope'}: model path not found"
-    p = subprocess.run([sys.executable, "-m", "server", "serve", "--port", "0"], capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--port", "0"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 1 and "server.port must be in 1..65535" in p.stderr and "Traceback" not in p.stderr
 
 

@@ -34,8 +34,28 @@ def test_percentile_interpolates():
 
 def test_mixed_mode_reports_ttft_throughput_and_stalls(url, tmp_path, capsys):
     out, png = tmp_path / "mixed.json", tmp_path / "mixed.png"
-    rc = main(["mixed", "--url", url, "--concurrency", "1", "3", "--reps", "1", "--new-prompt-tokens", "300",
-               "--other-prompt-tokens", "16", "--decode-tokens", "12", "--out", str(out), "--png", str(png)])
+    rc = main(
+        [
+            "mixed",
+            "--url",
+            url,
+            "--concurrency",
+            "1",
+            "3",
+            "--reps",
+            "1",
+            "--new-prompt-tokens",
+            "300",
+            "--other-prompt-tokens",
+            "16",
+            "--decode-tokens",
+            "12",
+            "--out",
+            str(out),
+            "--png",
+            str(png),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     c1, c3 = result["summary"]
@@ -52,8 +72,21 @@ def test_mixed_mode_reports_ttft_throughput_and_stalls(url, tmp_path, capsys):
 
 def test_plain_mode_reports_percentiles_and_compare_renders(url, tmp_path, capsys):
     out = tmp_path / "plain.json"
-    rc = main(["plain", "--url", url, "--num-prompts", "4", "--prompt-tokens", "32", "--output-tokens", "6",
-               "--out", str(out)])
+    rc = main(
+        [
+            "plain",
+            "--url",
+            url,
+            "--num-prompts",
+            "4",
+            "--prompt-tokens",
+            "32",
+            "--output-tokens",
+            "6",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 4 and s["failed"] == 0 and s["output_throughput_tok_s"] > 0
@@ -65,8 +98,23 @@ def test_plain_mode_reports_percentiles_and_compare_renders(url, tmp_path, capsy
 
 def test_chat_mode_shares_the_system_prompt_and_reports_cached_tokens(url, tmp_path, capsys):
     out = tmp_path / "chat.json"
-    rc = main(["chat", "--url", url, "--num-prompts", "3", "--system-tokens", "200", "--user-tokens", "8",
-               "--output-tokens", "4", "--out", str(out)])
+    rc = main(
+        [
+            "chat",
+            "--url",
+            url,
+            "--num-prompts",
+            "3",
+            "--system-tokens",
+            "200",
+            "--user-tokens",
+            "8",
+            "--output-tokens",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     s = json.loads(out.read_text())["summary"]
     assert s["completed"] == 3 and s["failed"] == 0 and 0 < s["ttft_p50_s"] <= s["ttft_p99_s"]

@@ -20,10 +20,21 @@ class StubModel:
     """What Engine reads from a model when it is built; the fake runner never calls it."""
 
     def __init__(self, max_position_embeddings: int = 4096):
-        self.config = ModelConfig(architecture="llama", vocab_size=64, hidden_size=8, intermediate_size=8,
-                                  num_layers=2, num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5,
-                                  rope_theta=1e4, max_position_embeddings=max_position_embeddings,
-                                  tie_word_embeddings=True, eos_token_ids=(EOS,))
+        self.config = ModelConfig(
+            architecture="llama",
+            vocab_size=64,
+            hidden_size=8,
+            intermediate_size=8,
+            num_layers=2,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=8,
+            rms_norm_eps=1e-5,
+            rope_theta=1e4,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=True,
+            eos_token_ids=(EOS,),
+        )
         self.dtype = torch.float32
         self.device = torch.device("cpu")
 
@@ -61,10 +72,12 @@ class FakeRunner:
         self.forgotten.append(seq_id)
 
 
-def make_engine(num_blocks: int = 64, block_size: int = 4, runner: FakeRunner | None = None,
-                tokenizer=None, **scheduler) -> Engine:
-    config = EngineConfig(cache=CacheConfig(num_blocks=num_blocks, block_size=block_size),
-                          scheduler=SchedulerConfig(**scheduler))
+def make_engine(
+    num_blocks: int = 64, block_size: int = 4, runner: FakeRunner | None = None, tokenizer=None, **scheduler
+) -> Engine:
+    config = EngineConfig(
+        cache=CacheConfig(num_blocks=num_blocks, block_size=block_size), scheduler=SchedulerConfig(**scheduler)
+    )
     engine = Engine(StubModel(), tokenizer, config)
     engine.runner = runner or FakeRunner()
     return engine

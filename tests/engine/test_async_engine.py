@@ -53,6 +53,7 @@ def test_requests_complete_and_the_snapshot_is_fresh_after_the_last_one():
         assert (s.engine.running, s.engine.waiting, s.engine.kv_blocks_used, s.inbox) == (0, 0, 0, 0)
         assert s.engine.steps_total >= 5 and eng.health().status == "ok"
         eng.stop()
+
     asyncio.run(main())
 
 
@@ -70,6 +71,7 @@ def test_abort_publishes_a_fresh_snapshot_without_another_step():
         assert (s.running, s.kv_blocks_used, s.aborts_total) == (0, 0, 1)
         assert handle.seq.seq_id not in eng.engine.text._emitted
         eng.stop()
+
     asyncio.run(main())
 
 
@@ -83,6 +85,7 @@ def test_submit_deadline_ends_the_request_with_timeout():
         await wait_for(lambda: eng.stats().engine.kv_blocks_used == 0)
         assert eng.stats().engine.timeouts_total == 1
         eng.stop()
+
     asyncio.run(main())
 
 
@@ -101,6 +104,7 @@ def test_health_reports_a_stall_while_no_step_completes_then_recovers():
         assert eng.health().status == "ok"
         eng.stop()
         assert eng.health().status == "stopped" and not eng.health().accepting
+
     asyncio.run(main())
 
 
@@ -112,6 +116,7 @@ def test_an_idle_engine_is_not_stalled_when_work_arrives():
         assert eng.health().status == "ok"
         await until_finished(handle)
         eng.stop()
+
     asyncio.run(main())
 
 
@@ -123,6 +128,7 @@ def test_a_dead_engine_thread_is_stalled_and_fails_its_requests():
 
         def broken():
             raise SystemExit("the loop itself breaks")  # not an Exception: no fault isolation
+
         eng.engine.has_unfinished = broken
         events = await until_finished(handle)
         assert events[-1].finish_reason == "error" and "engine thread failed" in events[-1].error
@@ -130,6 +136,7 @@ def test_a_dead_engine_thread_is_stalled_and_fails_its_requests():
         assert eng.health().status == "stalled"
         with pytest.raises(EngineStopped, match="not running"):
             eng.submit([5] * 9, params(3))
+
     asyncio.run(main())
 
 
@@ -146,6 +153,7 @@ def test_stop_with_grace_lets_requests_finish_and_refuses_new_ones():
         assert [r[-1].finish_reason for r in results] == ["length", "length"]
         await asyncio.get_running_loop().run_in_executor(None, stopper.join)
         assert eng.health().status == "stopped" and eng.stats().in_flight == 0
+
     asyncio.run(main())
 
 
@@ -164,11 +172,13 @@ def test_stop_aborts_what_is_left_after_the_grace():
             assert (await until_finished(h))[-1].finish_reason in ("abort", "length")
         assert eng.engine.blocks.num_free == eng.engine.blocks.num_blocks and not eng.engine.has_unfinished()
         assert eng.stats().in_flight == 0 and eng.stats().engine.running == 0
+
     asyncio.run(main())
 
 
 def test_stop_returns_in_time_while_a_step_hangs(monkeypatch):
     monkeypatch.setattr(ae, "JOIN_SLACK_S", 0.3)
+
     async def main():
         runner = FakeRunner()
         eng = started(runner)
@@ -182,6 +192,7 @@ def test_stop_returns_in_time_while_a_step_hangs(monkeypatch):
         events = await until_finished(handle)
         assert events[-1].finish_reason == "abort" and events[-1].error == "the server is shutting down"
         await wait_for(lambda: not eng._thread.is_alive())
+
     asyncio.run(main())
 
 
@@ -195,6 +206,7 @@ def test_begin_drain_refuses_new_requests_and_keeps_serving():
             eng.submit([5] * 9, params(3))
         assert (await until_finished(handle))[-1].finish_reason == "length"
         eng.stop()
+
     asyncio.run(main())
 
 
@@ -211,4 +223,5 @@ def test_a_failing_sequence_fails_alone_and_the_others_finish():
         s = eng.stats().engine
         assert s.kv_blocks_used == 0 and s.aborts_total == 0 and s.idle_spins_total == 0
         eng.stop()
+
     asyncio.run(main())

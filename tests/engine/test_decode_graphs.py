@@ -35,9 +35,13 @@ def folder(tmp_path_factory):
 def _engine(folder, device="cpu", cuda_graphs=True, monkeypatch=None):
     if monkeypatch is not None:  # NOTE: a CPU engine keeps no scratch slot: ask for one as a CUDA engine would
         monkeypatch.setattr("ridgefill_runtime.engine.wants_decode_graphs", lambda config: True)
-    config = EngineConfig(model=str(folder), device=device, cuda_graphs=cuda_graphs,
-                          cache=CacheConfig(block_size=4, num_blocks=96, prefix_caching="off"),
-                          scheduler=SchedulerConfig(max_num_seqs=8))
+    config = EngineConfig(
+        model=str(folder),
+        device=device,
+        cuda_graphs=cuda_graphs,
+        cache=CacheConfig(block_size=4, num_blocks=96, prefix_caching="off"),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+    )
     engine = build_engine(config)
     for slabs in (engine.kv.k, engine.kv.v):  # NOTE: zeroed, so untouched slots compare equal
         for t in slabs.values():
@@ -47,9 +51,13 @@ def _engine(folder, device="cpu", cuda_graphs=True, monkeypatch=None):
 
 def _generate(engine):
     g = torch.Generator().manual_seed(3)
-    seqs = [engine.add_request(torch.randint(0, 320, (n,), generator=g).tolist(),
-                               SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=0))
-            for n, m in zip(PROMPT_LENS, MAX_TOKENS)]
+    seqs = [
+        engine.add_request(
+            torch.randint(0, 320, (n,), generator=g).tolist(),
+            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=0),
+        )
+        for n, m in zip(PROMPT_LENS, MAX_TOKENS)
+    ]
     while engine.has_unfinished():
         engine.step()
     return [s.output_ids for s in seqs], [[t.logprob for t in s.output_logprobs] for s in seqs]
@@ -61,7 +69,9 @@ def _counting(replayed: list[int]):
             logits = forward()
             replayed.append(logits.shape[0])
             return logits
+
         return replay
+
     return capture
 
 
@@ -113,14 +123,16 @@ def test_capture_sizes():
 
 def test_a_forward_that_cannot_be_captured_decodes_eagerly(monkeypatch, caplog):
     """A capture error costs speed, not the server: no graphs, and a warning naming the error."""
+
     def refuse(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(decode_graphs, "DecodeGraphs", refuse)
     monkeypatch.setattr(decode_graphs, "cuda_capture", lambda: None)
     model = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace())
-    caches = SimpleNamespace(spec=SimpleNamespace(recurrent_layers=()), kv=SimpleNamespace(scratch_slot=64),
-                             block_size=16)
+    caches = SimpleNamespace(
+        spec=SimpleNamespace(recurrent_layers=()), kv=SimpleNamespace(scratch_slot=64), block_size=16
+    )
     with caplog.at_level("WARNING", logger="ridgefill.engine"):
         assert engine_decode_graphs(model, caches, EngineConfig(device="cuda"), 1024) is None
     assert "decoding eagerly" in caplog.text and "not permitted when stream is capturing" in caplog.text

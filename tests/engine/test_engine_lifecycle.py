@@ -76,8 +76,9 @@ def test_stats_are_fresh_after_a_final_abort():
 
 def test_preemptions_are_counted():
     eng = make_engine(num_blocks=6, block_size=4)
-    a, b = (eng.add_request([5 + i] * 12, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
-            for i in range(2))  # NOTE: distinct prompts: shared blocks would leave room enough for both
+    a, b = (
+        eng.add_request([5 + i] * 12, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)) for i in range(2)
+    )  # NOTE: distinct prompts: shared blocks would leave room enough for both
     run(eng)
     assert a.finish_reason == b.finish_reason == "length" and eng.stats().preemptions_total >= 1
 

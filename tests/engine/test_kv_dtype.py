@@ -21,8 +21,9 @@ from tiny_models import build_tiny
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_pool_stores_rounded_and_reads_back_the_model_dtype(dtype):
-    spec = CacheSpec.dense(type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=2, hidden_size=16))(),
-                           torch.float32)
+    spec = CacheSpec.dense(
+        type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=2, hidden_size=16))(), torch.float32
+    )
     caches = build_caches(spec, CacheBudget(block_size=4, num_blocks=4, kv_dtype=dtype), "cpu")
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(6, 2, 8, generator=g), torch.randn(6, 2, 8, generator=g)
@@ -35,8 +36,9 @@ def test_pool_stores_rounded_and_reads_back_the_model_dtype(dtype):
 
 
 def test_pool_holds_twice_the_positions_in_the_same_memory():
-    spec = CacheSpec.dense(type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=3, hidden_size=16))(),
-                           torch.float32)
+    spec = CacheSpec.dense(
+        type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=3, hidden_size=16))(), torch.float32
+    )
     wide = build_caches(spec, CacheBudget(kv_cache_gib=0.001), "cpu")
     narrow = build_caches(spec, CacheBudget(kv_cache_gib=0.001, kv_dtype=torch.bfloat16), "cpu")
     assert narrow.num_blocks // 2 == wide.num_blocks  # (flooring: one more block may fit)
@@ -54,8 +56,11 @@ def test_narrow_cache_stays_near_float32_transformers(tiny, kv_dtype):
     folder, ref = tiny
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (70, 33)]
-    config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=4, num_blocks=128, kv_dtype=kv_dtype),
-                          scheduler=SchedulerConfig(chunk_size=16))
+    config = EngineConfig(
+        model=str(folder),
+        cache=CacheConfig(block_size=4, num_blocks=128, kv_dtype=kv_dtype),
+        scheduler=SchedulerConfig(chunk_size=16),
+    )
     engine = build_engine(config)
     assert engine.kv.k[0].dtype == getattr(torch, kv_dtype)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)

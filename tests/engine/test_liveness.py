@@ -32,15 +32,22 @@ def exact_rows(seq: Sequence) -> list[int]:
     return sorted(rng.sample(range(seq.fill_boundary), min(seq.fill_boundary, rng.randint(0, 6))))
 
 
-def new_request(sched: Scheduler, prompt_len: int, max_tokens: int, fill: FillConfig | None = None,
-                ignore_eos: bool = True, policy: str | None = None) -> Sequence:
+def new_request(
+    sched: Scheduler,
+    prompt_len: int,
+    max_tokens: int,
+    fill: FillConfig | None = None,
+    ignore_eos: bool = True,
+    policy: str | None = None,
+) -> Sequence:
     """As Engine.add_request does, after Engine.validate's bound; `policy`: the reuse_filled of a
     prefix-caching engine (None: no prefix caching). NOTE: every prompt repeats one token, so
     with prefix caching every request shares blocks with every other."""
     blocks = sched.blocks
     assert prompt_len + max_tokens <= blocks.num_blocks * blocks.block_size, "Engine.validate refuses it"
-    seq = Sequence(prompt_ids=[5] * prompt_len, params=SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                       ignore_eos=ignore_eos))
+    seq = Sequence(
+        prompt_ids=[5] * prompt_len, params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
+    )
     if fill is not None:
         apply_fill(seq, fill)
     if policy is not None:
@@ -95,8 +102,9 @@ def random_case(seed: int) -> dict:
     budget = rng.choice([1, 2, 7, 16, 48, 96, 256])
     max_seqs = rng.choice([1, 2, 3, 5, 8, 16])
     tail = rng.randint(1, 24)
-    rows = RowsConfig(selectors=rng.choice([("special",), ("probe",), ("special", "probe")]),
-                      probe_window=rng.randint(1, 40))
+    rows = RowsConfig(
+        selectors=rng.choice([("special",), ("probe",), ("special", "probe")]), probe_window=rng.randint(1, 40)
+    )
     fill = FillConfig(arm="identity", split=1, tail=tail, rows=rows) if rng.random() < 0.6 else None
     requests = []
     for _ in range(rng.randint(1, 9)):
@@ -104,16 +112,32 @@ def random_case(seed: int) -> dict:
         prompt = rng.randint(max(1, pool // 3), pool - 1) if rng.random() < 0.6 else rng.randint(1, max(1, pool // 4))
         max_tokens = rng.randint(0, min(pool - prompt, 24))
         arrives = 0 if rng.random() < 0.5 else rng.randint(0, 60)
-        requests.append(dict(prompt=prompt, max_tokens=max_tokens, arrives=arrives,
-                             fill=fill if rng.random() < 0.8 else None, ignore_eos=rng.random() < 0.7))
-    return dict(block_size=block_size, num_blocks=num_blocks, chunk=chunk, budget=budget, max_seqs=max_seqs,
-                requests=requests, abort_rate=rng.choice([0.0, 0.0, 0.01, 0.05]), rng=rng)
+        requests.append(
+            dict(
+                prompt=prompt,
+                max_tokens=max_tokens,
+                arrives=arrives,
+                fill=fill if rng.random() < 0.8 else None,
+                ignore_eos=rng.random() < 0.7,
+            )
+        )
+    return dict(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        chunk=chunk,
+        budget=budget,
+        max_seqs=max_seqs,
+        requests=requests,
+        abort_rate=rng.choice([0.0, 0.0, 0.01, 0.05]),
+        rng=rng,
+    )
 
 
 def run_case(case: dict, prefix_caching: bool = False) -> None:
     rng = case["rng"]
-    config = SchedulerConfig(max_num_batched_tokens=case["budget"], max_num_seqs=case["max_seqs"],
-                             chunk_size=case["chunk"])
+    config = SchedulerConfig(
+        max_num_batched_tokens=case["budget"], max_num_seqs=case["max_seqs"], chunk_size=case["chunk"]
+    )
     blocks = BlockManager(case["num_blocks"], case["block_size"])
     sched = Scheduler(config, CacheManager(blocks, config.max_num_seqs, prefix_caching=prefix_caching), exact_rows)
     for r in case["requests"]:
@@ -185,8 +209,9 @@ def test_four_7000_token_prompts_on_the_default_pool_all_finish():
 def test_filled_prompts_with_probe_and_exact_rows_outgrowing_the_pool_all_finish():
     """The same wedge through the two-sweep prefill: lower chunks grow the tables, then the probe
     and the late sweep revisit scattered positions below each table's end."""
-    fill = FillConfig(arm="identity", split=1, tail=100, rows=RowsConfig(selectors=("special", "probe"),
-                                                                         probe_window=64))
+    fill = FillConfig(
+        arm="identity", split=1, tail=100, rows=RowsConfig(selectors=("special", "probe"), probe_window=64)
+    )
     sched = Scheduler(SchedulerConfig(chunk_size=256, max_num_batched_tokens=512), BlockManager(128, 16), exact_rows)
     seqs = [new_request(sched, 1500, 8, fill) for _ in range(3)]
     run_to_end(sched, seqs, 1000)

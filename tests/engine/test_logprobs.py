@@ -18,7 +18,11 @@ from ridgefill_runtime.loader.gguf import default_model_path
 from ridgefill_runtime.sequence import SamplingParams, Sequence
 
 TOL = 1e-4
-PROMPTS = ["The three most useful kitchen tools are", "def fibonacci(n):\n    ", "Once upon a time, in a city by the sea,"]
+PROMPTS = [
+    "The three most useful kitchen tools are",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a city by the sea,",
+]
 NGRAM = SpeculativeConfig(method="ngram", num_tokens=4, max_ngram=3, min_ngram=2)
 
 
@@ -67,14 +71,16 @@ def test_generated_logprobs_are_the_raw_distribution_of_transformers(engine, ref
     encoded = [engine.tokenizer.encode(p) for p in PROMPTS]
     # NOTE: one step batches all three: a greedy one with 5 alternatives, a hot top-k sampled
     # one with 2 (its values must not see temperature or top-k), and one asking none.
-    params = [SamplingParams(max_tokens=10, temperature=0, logprobs=5),
-              SamplingParams(max_tokens=10, temperature=1.7, top_k=5, seed=7, logprobs=2),
-              SamplingParams(max_tokens=10, temperature=0)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0, logprobs=5),
+        SamplingParams(max_tokens=10, temperature=1.7, top_k=5, seed=7, logprobs=2),
+        SamplingParams(max_tokens=10, temperature=0),
+    ]
     seqs = _run(engine, list(zip(encoded, params)))
     assert seqs[2].output_logprobs == []
     for seq, k in zip(seqs[:2], (5, 2)):
         assert len(seq.output_logprobs) == len(seq.output_ids) == 10
-        logp = _ref_logp(ref, seq.prompt_ids + seq.output_ids)[len(seq.prompt_ids) - 1:-1]  # [10, V]
+        logp = _ref_logp(ref, seq.prompt_ids + seq.output_ids)[len(seq.prompt_ids) - 1 : -1]  # [10, V]
         for i, (entry, token) in enumerate(zip(seq.output_logprobs, seq.output_ids)):
             assert entry.token == token
             assert abs(entry.logprob - float(logp[i, token])) < TOL, f"token {i}"

@@ -13,7 +13,7 @@ from ridgefill_runtime.llm import LLM
 from ridgefill_runtime.ops.packed_linear import PackedWeight, compiled_for
 from ridgefill_runtime.sequence import SamplingParams
 
-PROMPTS = ["The history of the printing press begins", "def fibonacci(n):\n    \"\"\"Return the n-th"]
+PROMPTS = ["The history of the printing press begins", 'def fibonacci(n):\n    """Return the n-th']
 NEW = 40
 LOGPROB_TOLERANCE = 1e-3
 
@@ -26,8 +26,10 @@ def engines(tmp_path_factory):
     torch.set_num_threads(1)  # NOTE: one thread keeps it fast on a busy machine (no oversubscription)
     cache = CacheConfig(kv_cache_gib=0.05)
     steps = SchedulerConfig(max_num_batched_tokens=32, chunk_size=16)  # several prefill steps per prompt
-    yield (LLM(EngineConfig(weights="packed", dtype="float32", cache=cache, scheduler=steps)),
-           LLM(EngineConfig(weights="dequantized", dtype="float32", cache=cache, scheduler=steps)))
+    yield (
+        LLM(EngineConfig(weights="packed", dtype="float32", cache=cache, scheduler=steps)),
+        LLM(EngineConfig(weights="dequantized", dtype="float32", cache=cache, scheduler=steps)),
+    )
     torch.set_num_threads(threads)
     mp.undo()
 
@@ -70,8 +72,10 @@ def test_packed_on_cuda_gives_the_dequantized_greedy_tokens(tmp_path, monkeypatc
     cache = CacheConfig(kv_cache_gib=0.05)
     steps = SchedulerConfig(max_num_batched_tokens=32, chunk_size=16)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    llms = [LLM(EngineConfig(device="cuda", weights=mode, dtype="float32", cache=cache, scheduler=steps))
-            for mode in ("packed", "dequantized")]
+    llms = [
+        LLM(EngineConfig(device="cuda", weights=mode, dtype="float32", cache=cache, scheduler=steps))
+        for mode in ("packed", "dequantized")
+    ]
     assert isinstance(llms[0].engine.model.weights.layers[0].qkv, PackedWeight)
     packed, dense = (llm.generate(PROMPTS, params) for llm in llms)
     for p, d in zip(packed, dense):

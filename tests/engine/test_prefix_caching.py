@@ -37,11 +37,19 @@ def model(tmp_path_factory):
     return DenseLM(ckpt.config, ckpt.tensors)
 
 
-def engine(model, prefix: str = "auto", num_blocks: int = 256, fill: FillConfig | None = None,
-           max_num_seqs: int = 8, select=None) -> Engine:
-    config = EngineConfig(cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix),
-                          fill=fill or FillConfig(),
-                          scheduler=SchedulerConfig(chunk_size=8, max_num_batched_tokens=64, max_num_seqs=max_num_seqs))
+def engine(
+    model,
+    prefix: str = "auto",
+    num_blocks: int = 256,
+    fill: FillConfig | None = None,
+    max_num_seqs: int = 8,
+    select=None,
+) -> Engine:
+    config = EngineConfig(
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix),
+        fill=fill or FillConfig(),
+        scheduler=SchedulerConfig(chunk_size=8, max_num_batched_tokens=64, max_num_seqs=max_num_seqs),
+    )
     eng = Engine(model, None, config)
     eng.scheduler.select = select or (lambda seq: [r for r in EXACT_ROWS if r < seq.fill_boundary])
     eng.sampled = record_logits(eng)
@@ -124,6 +132,7 @@ def test_multi_turn_chat_reuses_the_previous_answer(model):
     eng = engine(model)
     turn = tokens(21, 4, vocab)
     history: list[int] = []
+    had = 0
     for k in range(3):
         history = history + turn
         seq = eng.add_request(history, greedy(7))
@@ -161,7 +170,7 @@ def test_random_preemption_on_a_tiny_pool(model):
     eng = engine(model, num_blocks=20, max_num_seqs=4)  # 80 positions for up to 4 x ~50
     seqs = []
     for i in range(10):
-        ids = rng.choice(bases)[:rng.randint(9, 24)] + tokens(rng.randint(1, 12), 40 + i, vocab)
+        ids = rng.choice(bases)[: rng.randint(9, 24)] + tokens(rng.randint(1, 12), 40 + i, vocab)
         seqs.append(eng.add_request(ids, greedy(rng.randint(16, 30))))
         for _ in range(rng.randint(0, 3)):
             eng.step()
@@ -260,6 +269,7 @@ def test_as_is_with_the_whole_prefix_cached_skips_the_two_sweeps(model):
 def check_same_cache(eng: Engine, seq, fresh: Engine, fresh_seq, n: int) -> None:
     """Every layer's K/V of positions 0..n-1 agree between two engines' sequences (nothing ran
     after them, so their freed blocks still hold what they wrote)."""
+
     def rows(e: Engine, s, cache, layer) -> torch.Tensor:
         table = e.tables[s.seq_id]
         return torch.stack([cache[layer][table[p // BLOCK] * BLOCK + p % BLOCK] for p in range(n)])
@@ -364,5 +374,8 @@ def gather(slab: torch.Tensor, table: list[int], rows: list[int]) -> torch.Tenso
 def snapshot(eng: Engine, table: list[int], n: int) -> list[bytes]:
     """The bytes of every slab's first n positions under `table`."""
     kv = eng.runner.kv
-    return [gather(getattr(kv, part)[layer], table, list(range(n))).numpy().tobytes()
-            for layer in kv.layers for part in ("k", "v")]
+    return [
+        gather(getattr(kv, part)[layer], table, list(range(n))).numpy().tobytes()
+        for layer in kv.layers
+        for part in ("k", "v")
+    ]

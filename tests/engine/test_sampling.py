@@ -32,6 +32,7 @@ def test_greedy_is_argmax():
 def test_seeded_sampling_is_reproducible_and_matches_distribution():
     logits = torch.tensor([1.0, 2.0, 0.5, 0.0])
     params = SamplingParams(temperature=0.7, seed=3)
+
     def draw():
         g = torch.Generator().manual_seed(3)
         return [sample_token(logits, params, g) for _ in range(50)]
@@ -46,8 +47,18 @@ def test_seeded_sampling_is_reproducible_and_matches_distribution():
     assert torch.all((counts / n - expect).abs() < tol)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
-                                dict(max_tokens=-1), dict(temperature=math.nan), dict(stop=("",))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(max_tokens=-1),
+        dict(temperature=math.nan),
+        dict(stop=("",)),
+    ],
+)
 def test_invalid_params_raise_one_clear_error(kw):
     with pytest.raises(InputError) as e:
         SamplingParams(**kw)

@@ -7,8 +7,10 @@ from ridgefill_runtime.sequence import SamplingParams, Sequence, SeqStatus
 
 
 def make(budget=64, chunk=32, max_seqs=8, blocks=64, block_size=4):
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, chunk_size=chunk),
-                     BlockManager(blocks, block_size))
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, chunk_size=chunk),
+        BlockManager(blocks, block_size),
+    )
 
 
 def seq(n, max_tokens=4, **kw):
@@ -17,8 +19,9 @@ def seq(n, max_tokens=4, **kw):
 
 def fake_step(sched, token=7):
     items = sched.schedule()
-    result = StepResult(next_tokens=[token if it.samples else None for it in items],
-                        prompt_logprobs=[None] * len(items))
+    result = StepResult(
+        next_tokens=[token if it.samples else None for it in items], prompt_logprobs=[None] * len(items)
+    )
     sched.postprocess(items, result, eos_ids=(2,))
     return items
 
@@ -51,8 +54,9 @@ def test_decodes_go_first_and_prefill_takes_the_rest():
 
 
 def test_prefill_budget_with_decodes_caps_prompt_rows_only_beside_decodes():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, chunk_size=32, prefill_budget_with_decodes=10),
-                  BlockManager(64, 4))
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, chunk_size=32, prefill_budget_with_decodes=10), BlockManager(64, 4)
+    )
     first = seq(40, max_tokens=50)
     s.add(first)
     assert [i.num_tokens for i in fake_step(s)] == [32]  # no decodes yet: the chunk as usual

@@ -40,9 +40,18 @@ SNIPPETS = [
     "def maximum(a, b):\n    if a > b:\n        return a\n    return b\n",
 ]
 EDITS = ["rename the function", "use a different variable name", "add a comment", "change a number"]
-CHAT = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea.",
-        "What is 2 + 2?", "Give me a word that rhymes with cat.", "Say hello in Spanish.",
-        "Why is the sky blue?", "List two fruits.", "What day comes after Monday?", "Tell me a fun fact."]
+CHAT = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the sea.",
+    "What is 2 + 2?",
+    "Give me a word that rhymes with cat.",
+    "Say hello in Spanish.",
+    "Why is the sky blue?",
+    "List two fruits.",
+    "What day comes after Monday?",
+    "Tell me a fun fact.",
+]
 
 
 # -- plain functions ---------------------------------------------------------------------
@@ -88,8 +97,7 @@ def test_scheduler_rolls_back_rejected_positions_and_blocks_and_stops_inside_a_r
     prompt = [10, 11, 12, 13, 14, 10, 11, 12]
     truth = prompt + [13, 14, 10, 11, 99, 98, 10, 11, 12, 13, 14, 5, 6, 7, 8, 9]
     stop_at = truth.index(8, len(prompt))
-    seq = Sequence(prompt_ids=list(prompt), params=SamplingParams(max_tokens=100, temperature=0,
-                                                                  stop_token_ids=(8,)))
+    seq = Sequence(prompt_ids=list(prompt), params=SamplingParams(max_tokens=100, temperature=0, stop_token_ids=(8,)))
     seq.spec_tokens = 4
     sched.add(seq)
     verified = 0
@@ -99,7 +107,7 @@ def test_scheduler_rolls_back_rejected_positions_and_blocks_and_stops_inside_a_r
         if not seq.finished:
             assert seq.num_computed == seq.num_tokens - 1  # rejected rows are not counted as computed
             assert len(seq.block_table) <= -(-seq.num_tokens // 4)  # blocks past them went back
-    assert seq.output_ids == truth[len(prompt):stop_at + 1] and seq.finish_reason == "stop"
+    assert seq.output_ids == truth[len(prompt) : stop_at + 1] and seq.finish_reason == "stop"
     assert verified and sched.spec.accepted > 0
     assert blocks.num_free == 32
 
@@ -114,7 +122,7 @@ def test_max_tokens_is_never_passed_inside_an_accepted_run():
         sched.add(seq)
         while sched.has_work():
             _fake_step(sched, truth)
-        assert seq.output_ids == truth[len(prompt):len(prompt) + max_tokens] and seq.finish_reason == "length"
+        assert seq.output_ids == truth[len(prompt) : len(prompt) + max_tokens] and seq.finish_reason == "length"
 
 
 # -- the embedded model ------------------------------------------------------------------------
@@ -134,8 +142,10 @@ def _chat(engine: Engine, text: str) -> list[int]:
 
 
 def _copy_prompts(engine: Engine) -> list[list[int]]:
-    return [_chat(engine, f"Repeat this code exactly, but {EDITS[i % len(EDITS)]}:\n\n{code}")
-            for i, code in enumerate(SNIPPETS)]
+    return [
+        _chat(engine, f"Repeat this code exactly, but {EDITS[i % len(EDITS)]}:\n\n{code}")
+        for i, code in enumerate(SNIPPETS)
+    ]
 
 
 def _generate(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[Sequence]:
@@ -157,8 +167,10 @@ def test_greedy_speculation_equals_plain_greedy_batched_with_sampled_requests(en
     prompts = _copy_prompts(engine) + [_chat(engine, c) for c in CHAT]
     assert len(prompts) >= 20
     greedy = _greedy(40)
-    sampled = [(p, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=100 + i))
-               for i, p in enumerate(prompts[:3] + prompts[-2:])]
+    sampled = [
+        (p, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=100 + i))
+        for i, p in enumerate(prompts[:3] + prompts[-2:])
+    ]
     plain = _generate(engine, [(p, _plain(greedy)) for p in prompts])
     alone = [_generate(engine, [req])[0].output_ids for req in sampled]
     before = engine.stats()
@@ -167,7 +179,7 @@ def test_greedy_speculation_equals_plain_greedy_batched_with_sampled_requests(en
     for i, (spec, ref) in enumerate(zip(mixed, plain)):
         assert spec.output_ids == ref.output_ids, f"prompt {i}"
         assert spec.finish_reason == ref.finish_reason
-    assert [s.output_ids for s in mixed[len(prompts):]] == alone
+    assert [s.output_ids for s in mixed[len(prompts) :]] == alone
     accepted = after.spec_accepted_tokens_total - before.spec_accepted_tokens_total
     proposed = after.spec_draft_tokens_total - before.spec_draft_tokens_total
     assert 0 < accepted <= proposed, "copy prompts must have drafts accepted, or the test proves nothing"
@@ -184,10 +196,10 @@ def test_stop_tokens_stop_strings_and_max_tokens_inside_accepted_runs(engine):
     # a stop token first met in the middle of the output ends it right there
     k = next(i for i in range(12, len(ref)) if ref[i] not in ref[:i])
     out = _generate(engine, [(prompt, _greedy(48, ignore_eos=True, stop_token_ids=(ref[k],)))])[0]
-    assert out.output_ids == ref[:k + 1] and out.finish_reason == "stop"
+    assert out.output_ids == ref[: k + 1] and out.finish_reason == "stop"
     # stop strings: the same tokens, text and reason as plain decoding
     text = engine.tokenizer.decode(ref, skip_special_tokens=True)
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     params = _greedy(48, ignore_eos=True, stop=(stop,))
     want, got = _generate(engine, [(prompt, _plain(params)), (prompt, params)])
     assert (got.output_ids, got.text, got.finish_reason) == (want.output_ids, want.text, want.finish_reason)
@@ -201,8 +213,11 @@ def test_speculating_sequences_survive_preemption_in_a_tiny_pool(engine):
     ref = [s.output_ids for s in _generate(engine, [(p, _plain(params)) for p in prompts])]
     block_size = 16
     need = max(-(-(len(p) + 40) // block_size) for p in prompts)
-    small = Engine(engine.model, engine.tokenizer,
-                   EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=need + 4), speculative=NGRAM))
+    small = Engine(
+        engine.model,
+        engine.tokenizer,
+        EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=need + 4), speculative=NGRAM),
+    )
     seqs = [small.add_request(p, params) for p in prompts]
     while small.has_unfinished():
         small.step()
@@ -217,8 +232,7 @@ def test_speculating_sequences_survive_preemption_in_a_tiny_pool(engine):
 def test_non_greedy_and_opted_out_requests_never_speculate(engine):
     prompt = _copy_prompts(engine)[0]
     before = engine.stats().spec_steps_total
-    _generate(engine, [(prompt, SamplingParams(max_tokens=12, temperature=0.7, seed=1)),
-                       (prompt, _plain(_greedy(12)))])
+    _generate(engine, [(prompt, SamplingParams(max_tokens=12, temperature=0.7, seed=1)), (prompt, _plain(_greedy(12)))])
     assert engine.stats().spec_steps_total == before
 
 
@@ -236,7 +250,8 @@ def toy():
         registry.unregister(NAME)
 
 
-def _toy_config(speculative: SpeculativeConfig = SpeculativeConfig()) -> EngineConfig:
+def _toy_config(speculative: SpeculativeConfig | None = None) -> EngineConfig:
+    speculative = speculative or SpeculativeConfig()
     return EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64), speculative=speculative)
 
 
@@ -244,7 +259,7 @@ def _reference_greedy(tensors, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(reference_logits(tensors, seq)[-1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def test_ngram_speculation_on_a_recurrent_model_is_refused_naming_the_cause(toy):

@@ -30,7 +30,7 @@ def test_stop_string_cuts_text_and_streamed_deltas_add_up(llm):
     stop = free.text[12:16]
     cut, cut_text = stream(llm, prompt, SamplingParams(max_tokens=40, temperature=0, stop=(stop,), ignore_eos=True))
     assert cut.finish_reason == "stop"
-    assert cut.text == free.text[:free.text.find(stop)] == cut_text
+    assert cut.text == free.text[: free.text.find(stop)] == cut_text
     assert len(cut.output_ids) < len(free.output_ids)
 
 

@@ -21,8 +21,14 @@ from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec
 from ridgefill_runtime.cache.window_pages import WindowPages
 from ridgefill_runtime.fill.select import RowSelector
 from ridgefill_runtime.fill.tokens import TokenTable
-from ridgefill_runtime.config import (CacheConfig, EngineConfig, FillConfig, RowsConfig, SchedulerConfig,
-                                     SpeculativeConfig)
+from ridgefill_runtime.config import (
+    CacheConfig,
+    EngineConfig,
+    FillConfig,
+    RowsConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import build_tiny
@@ -74,8 +80,11 @@ def test_trim_keeps_exactly_the_blocks_a_later_row_can_read():
             for g, window in windows.items():
                 lowest = late_reach if layout.late(g) else reach
                 for i, block in enumerate(table):
-                    seen = (window == 0 or lowest is None
-                            or any(p >= lowest - window + 1 for p in range(i * BLOCK, (i + 1) * BLOCK)))
+                    seen = (
+                        window == 0
+                        or lowest is None
+                        or any(p >= lowest - window + 1 for p in range(i * BLOCK, (i + 1) * BLOCK))
+                    )
                     assert (mapped[g][block] >= 0) == seen, (reach, late_reach, g, i)
             held = sum(p >= 0 for g in windows for p in mapped[g].values())
             assert blocks.num_free == 128 - len(table) - held
@@ -84,12 +93,21 @@ def test_trim_keeps_exactly_the_blocks_a_later_row_can_read():
             assert blocks.num_free == 128
 
 
-def _engine(folder, prefix_caching: str, num_blocks: int = 256, fill: FillConfig | None = None,
-            speculative: SpeculativeConfig | None = None, chunk: int = 8):
-    config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
-                                                               prefix_caching=prefix_caching),
-                          scheduler=SchedulerConfig(chunk_size=chunk, max_num_batched_tokens=64, max_num_seqs=8),
-                          fill=fill or FillConfig(), speculative=speculative or SpeculativeConfig())
+def _engine(
+    folder,
+    prefix_caching: str,
+    num_blocks: int = 256,
+    fill: FillConfig | None = None,
+    speculative: SpeculativeConfig | None = None,
+    chunk: int = 8,
+):
+    config = EngineConfig(
+        model=str(folder),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(chunk_size=chunk, max_num_batched_tokens=64, max_num_seqs=8),
+        fill=fill or FillConfig(),
+        speculative=speculative or SpeculativeConfig(),
+    )
     return build_engine(config)
 
 
@@ -167,7 +185,7 @@ def _greedy_uncached(ref, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_window_pages_let_more_sequences_run_without_preemption(gemma):
@@ -187,8 +205,14 @@ def test_window_pages_let_more_sequences_run_without_preemption(gemma):
 
 # exact prefix rows scattered through the prefix: the attention selector reads the lower (windowed)
 # layer 0, the probe the late layers, so both measure attention over windowed, trimmed caches
-ROWS = RowsConfig(selectors=("special", "attention", "probe"), attention_layers=(0,), window=8, probe_window=8,
-                  attention_share=0.15, base_attention_share=0.15)
+ROWS = RowsConfig(
+    selectors=("special", "attention", "probe"),
+    attention_layers=(0,),
+    window=8,
+    probe_window=8,
+    attention_share=0.15,
+    base_attention_share=0.15,
+)
 # the tiny checkpoint has no tokenizer: a plain vocabulary of words, all equally common
 SELECT = RowSelector(TokenTable(tuple(f" w{i}" for i in range(320)), frozenset(), (10,) * 320))
 
@@ -234,8 +258,12 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
     ckpt = load_hf_folder(folder)
     model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors, torch.float32, "cpu")
     split = ref.config.num_hidden_layers // 2
-    fill = FillConfig(arm="identity", split=split, tail=16, rows=ROWS.replace(selectors=("special", "attention"),
-                                                                               attention_share=0.06))
+    fill = FillConfig(
+        arm="identity",
+        split=split,
+        tail=16,
+        rows=ROWS.replace(selectors=("special", "attention"), attention_share=0.06),
+    )
     ids = _prompts((120,), seed=11)[0]
     real_build = offline.build_caches
 

@@ -11,8 +11,9 @@ import torch
 
 
 @torch.no_grad()
-def reference_tail_logits(hf, ids: list[int], split: int, tail: int, predict=None, nofill=False, exact_rows=(),
-                          want_mass=False):
+def reference_tail_logits(
+    hf, ids: list[int], split: int, tail: int, predict=None, nofill=False, exact_rows=(), want_mass=False
+):
     """Logits [tail, V] of the tail rows when prefix rows' late K/V come from predict(layer, x_S)
     (None with nofill: the late layers see only the tail). `exact_rows` (prefix positions) run
     the late layers exactly, together with the tail, over the filled cache; their K/V replace
@@ -75,8 +76,8 @@ def reference_tail_logits(hf, ids: list[int], split: int, tail: int, predict=Non
         else:
             k_p, v_p = kv_of(predict(layer_id, x_split[:p]), torch.arange(p))
             filled[layer_id] = (k_p.clone(), v_p.clone())
-            keys, vals = torch.cat([k_p, k_t[r - tail:]]), torch.cat([v_p, v_t[r - tail:]])
-            keys[rows[:r - tail]], vals[rows[:r - tail]] = k_t[:r - tail], v_t[:r - tail]
+            keys, vals = torch.cat([k_p, k_t[r - tail :]]), torch.cat([v_p, v_t[r - tail :]])
+            keys[rows[: r - tail]], vals[rows[: r - tail]] = k_t[: r - tail], v_t[: r - tail]
             key_pos = torch.arange(n)
         groups = qh.shape[1] // keys.shape[1]
         kk = keys.transpose(0, 1).repeat_interleave(groups, 0)  # [H, K, D]
@@ -97,5 +98,5 @@ def reference_tail_logits(hf, ids: list[int], split: int, tail: int, predict=Non
         else:
             h = h + at.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-    logits = hf.lm_head(m.norm(h[r - tail:])).float()
+    logits = hf.lm_head(m.norm(h[r - tail :])).float()
     return (logits, filled, mass) if want_mass else (logits, filled)

@@ -56,8 +56,9 @@ def test_session_and_exact_answers_equal_the_engine(tiny):
     model, ids = tiny
     rows = RowsConfig(selectors=("special", "digits"))
     fill = FillConfig(arm="identity", split=SPLIT, tail=TAIL, rows=rows)
-    eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=32), fill=fill,
-                                           scheduler=SchedulerConfig(chunk_size=64)))
+    eng = Engine(
+        model, None, EngineConfig(cache=CacheConfig(num_blocks=32), fill=fill, scheduler=SchedulerConfig(chunk_size=64))
+    )
     eng.scheduler.select = Fixed()
     seq = eng.add_request(ids, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))
     while eng.has_unfinished():

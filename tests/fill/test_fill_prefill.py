@@ -30,12 +30,21 @@ def tiny(request, tmp_path_factory):
     ids = torch.randint(0, ckpt.config.vocab_size, (N,)).tolist()
     d = ckpt.config.hidden_size
     gen = torch.Generator().manual_seed(5)
-    maps = {l: (torch.eye(d) + 0.05 * torch.randn(d, d, generator=gen), 0.1 * torch.randn(d, generator=gen))
-            for l in range(SPLIT, ckpt.config.num_layers)}
+    maps = {
+        l: (torch.eye(d) + 0.05 * torch.randn(d, d, generator=gen), 0.1 * torch.randn(d, generator=gen))
+        for l in range(SPLIT, ckpt.config.num_layers)
+    }
     path = folder / "maps.safetensors"
-    meta = MapMeta(model_identity=ckpt.identity, architecture=ckpt.config.architecture,
-                   num_layers=ckpt.config.num_layers, hidden_size=d, split=SPLIT, lam=0.03,
-                   calibration_rows=0, calibration_hash="none")
+    meta = MapMeta(
+        model_identity=ckpt.identity,
+        architecture=ckpt.config.architecture,
+        num_layers=ckpt.config.num_layers,
+        hidden_size=d,
+        split=SPLIT,
+        lam=0.03,
+        calibration_rows=0,
+        calibration_hash="none",
+    )
     save_maps(path, meta, maps)
     return dict(hf=hf, model=model, ids=ids, maps_path=path)
 
@@ -98,8 +107,11 @@ def test_chunking_does_not_change_the_fill(tiny):
 
 
 def engine(tiny, fill_config):
-    return Engine(tiny["model"], None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill_config,
-                                                     scheduler=SchedulerConfig(chunk_size=48)))
+    return Engine(
+        tiny["model"],
+        None,
+        EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill_config, scheduler=SchedulerConfig(chunk_size=48)),
+    )
 
 
 def generate(eng, ids, use_fill=True, n=8):
@@ -143,7 +155,8 @@ def test_value_rescale_multiplies_filled_values_by_measured_ratio(tiny):
     v_exact = r0.kv.v[layer][t0]
     xs = {}
     from ridgefill_runtime.fill.capture import run_layer_inputs
-    run_layer_inputs(model, tiny["ids"], lambda l, h: xs.__setitem__(l, h[p:p + c].clone()))
+
+    run_layer_inputs(model, tiny["ids"], lambda l, h: xs.__setitem__(l, h[p : p + c].clone()))
     _, v_pred = model.kv_only(layer, xs[SPLIT], model.rope(torch.arange(p, p + c)))
     ratio = (v_exact.norm(dim=-1) / v_pred.norm(dim=-1)).mean(0)  # [Hkv]
     assert torch.allclose(r1.kv.v[layer][s1], r0.kv.v[layer][s0] * ratio[None, :, None], rtol=1e-4, atol=1e-6)

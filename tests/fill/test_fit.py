@@ -80,21 +80,29 @@ def test_sums_round_trip_through_disk(tmp_path):
 def test_int8_round_trip_error_bound(d_in):
     g = torch.Generator().manual_seed(d_in)
     w = torch.randn(33, d_in, generator=g) * torch.logspace(-3, 1, 33)[:, None]
-    w[3, :min(d_in, 128)] = 0  # an all-zero group
+    w[3, : min(d_in, 128)] = 0  # an all-zero group
     q, s = quantize_int8_groupwise(w)
     assert q.dtype == torch.int8 and s.dtype == torch.bfloat16 and s.shape == (33, -(-d_in // 128))
     back = dequantize_int8_groupwise(q, s)
     exact_scale = torch.zeros(33, s.shape[1] * 128)
     exact_scale[:, :d_in] = w.abs()
     per_group = exact_scale.view(33, -1, 128).amax(-1) / 127  # the unrounded s
-    bound = (per_group * (0.5 + 127 * 2.0 ** -8)).repeat_interleave(128, 1)[:, :d_in] + 1e-12
+    bound = (per_group * (0.5 + 127 * 2.0**-8)).repeat_interleave(128, 1)[:, :d_in] + 1e-12
     assert torch.all((back - w).abs() <= bound)
-    assert torch.all(back[3, :min(d_in, 128)] == 0)
+    assert torch.all(back[3, : min(d_in, 128)] == 0)
 
 
 def meta(**kw):
-    base = dict(model_identity="abc", architecture="llama", num_layers=4, hidden_size=D, split=1, lam=0.03,
-                calibration_rows=10, calibration_hash="h")
+    base = dict(
+        model_identity="abc",
+        architecture="llama",
+        num_layers=4,
+        hidden_size=D,
+        split=1,
+        lam=0.03,
+        calibration_rows=10,
+        calibration_hash="h",
+    )
     base.update(kw)
     return MapMeta(**base)
 

@@ -35,6 +35,7 @@ def test_fit_resumes_and_matches_a_direct_capture(tmp_path):
     # a second call with more documents resumes: the first two are not captured again
     seen = []
     import ridgefill_runtime.fill.fitting as fitting
+
     real = fitting.capture_document
     fitting.capture_document = lambda m, d, s, sp: (seen.append(d.name), real(m, d, s, sp))[1]
     try:

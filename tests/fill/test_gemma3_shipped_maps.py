@@ -31,7 +31,7 @@ def _tail_nll(llm, fill: FillConfig, ids: list[int]) -> torch.Tensor:
     seq = engine.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
     while engine.has_unfinished():
         engine.step()
-    return -torch.tensor(seq.prompt_logprobs[-(TAIL - 1):])  # [TAIL - 1] the tail rows' targets
+    return -torch.tensor(seq.prompt_logprobs[-(TAIL - 1) :])  # [TAIL - 1] the tail rows' targets
 
 
 def test_server_settings_pick_the_gemma_maps_and_split():
@@ -42,8 +42,9 @@ def test_server_settings_pick_the_gemma_maps_and_split():
 
 @pytest.mark.parametrize("split", [7, 9])
 def test_shipped_maps_fit_the_model(exact, split):
-    cfg = EngineConfig(fill=FillConfig(arm="ridgefill", split=split, tail=TAIL,
-                                       maps=str(shipped_maps(split, "gemma3-270m"))))
+    cfg = EngineConfig(
+        fill=FillConfig(arm="ridgefill", split=split, tail=TAIL, maps=str(shipped_maps(split, "gemma3-270m")))
+    )
     maps = load_fill_maps(cfg, exact.engine.model)  # refuses maps of another model or split
     assert maps.meta.split == split and maps.meta.num_layers == 18
 

@@ -32,8 +32,11 @@ def model(tmp_path_factory):
 
 
 def engine(model, num_blocks: int, block_size: int = BLOCK) -> Engine:
-    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), fill=FILL,
-                          scheduler=SchedulerConfig(chunk_size=2, max_num_batched_tokens=64, max_num_seqs=4))
+    config = EngineConfig(
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        fill=FILL,
+        scheduler=SchedulerConfig(chunk_size=2, max_num_batched_tokens=64, max_num_seqs=4),
+    )
     eng = Engine(model, None, config)
     eng.scheduler.select = lambda seq: list(EXACT_ROWS)  # NOTE: fixed rows: the rerun chooses the same
     return eng
@@ -42,8 +45,10 @@ def engine(model, num_blocks: int, block_size: int = BLOCK) -> Engine:
 def prompts(model):
     g = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
-    return (torch.randint(0, vocab, (OLD_PROMPT,), generator=g).tolist(),
-            torch.randint(0, vocab, (YOUNG_PROMPT,), generator=g).tolist())
+    return (
+        torch.randint(0, vocab, (OLD_PROMPT,), generator=g).tolist(),
+        torch.randint(0, vocab, (YOUNG_PROMPT,), generator=g).tolist(),
+    )
 
 
 def greedy(n: int) -> SamplingParams:

@@ -69,6 +69,7 @@ def crafted(pieces: list[str], special: set[int], counts=None) -> TokenTable:
 
 # -- the token table -----------------------------------------------------------------------------
 
+
 def test_table_from_tokenizer(tokenizer):
     t0 = time.perf_counter()
     table = TokenTable.from_tokenizer(tokenizer)
@@ -83,31 +84,34 @@ def test_table_from_tokenizer(tokenizer):
         TokenTable.from_tokenizer(tokenizer, counts=[1, 2, 3])
 
 
-@pytest.mark.parametrize("piece, prev, expected", [
-    ("Vault", None, "cap_start"),        # first token of the text
-    (" Vault", "the", "cap_start"),      # leading whitespace
-    ("NASA", "(", "cap_start"),          # previous text does not end in a letter
-    ("LM", "ol", "cap_piece"),           # "Sm" "ol" "LM"
-    ("É", "caf", "cap_piece"),           # non-ASCII capital
-    (" vault", "the", "lower_start"),
-    ("vault", "-", "lower_start"),
-    (" 日本", None, "lower_start"),      # letters without case count as lower-case
-    ("ugging", " H", "lower_piece"),
-    ("日本", "x", "lower_piece"),
-    ("7731", " ", "number"),
-    (" 3", "x", "number"),
-    ("3.", "x", "number"),               # digits with punctuation
-    ("-42", "x", "number"),
-    (",", "x", "punct"),
-    (".\n", "x", "punct"),               # whitespace never decides a class
-    ("\ufffd", "x", "punct"),            # a lone byte of a multi-byte character
-    ("\n\n", "x", "space"),
-    ("", "x", "space"),
-    ("'s", "it", "mixed"),
-    ("x2", " ", "mixed"),
-    ("_id", "x", "mixed"),
-    ("½", " ", "mixed"),                 # a number character that is not a decimal digit
-])
+@pytest.mark.parametrize(
+    "piece, prev, expected",
+    [
+        ("Vault", None, "cap_start"),  # first token of the text
+        (" Vault", "the", "cap_start"),  # leading whitespace
+        ("NASA", "(", "cap_start"),  # previous text does not end in a letter
+        ("LM", "ol", "cap_piece"),  # "Sm" "ol" "LM"
+        ("É", "caf", "cap_piece"),  # non-ASCII capital
+        (" vault", "the", "lower_start"),
+        ("vault", "-", "lower_start"),
+        (" 日本", None, "lower_start"),  # letters without case count as lower-case
+        ("ugging", " H", "lower_piece"),
+        ("日本", "x", "lower_piece"),
+        ("7731", " ", "number"),
+        (" 3", "x", "number"),
+        ("3.", "x", "number"),  # digits with punctuation
+        ("-42", "x", "number"),
+        (",", "x", "punct"),
+        (".\n", "x", "punct"),  # whitespace never decides a class
+        ("\ufffd", "x", "punct"),  # a lone byte of a multi-byte character
+        ("\n\n", "x", "space"),
+        ("", "x", "space"),
+        ("'s", "it", "mixed"),
+        ("x2", " ", "mixed"),
+        ("_id", "x", "mixed"),
+        ("½", " ", "mixed"),  # a number character that is not a decimal digit
+    ],
+)
 def test_token_class(piece, prev, expected):
     assert token_class(piece, prev) == expected
 
@@ -118,6 +122,7 @@ def test_is_digit_token():
 
 
 # -- always-exact rows ---------------------------------------------------------------------------
+
 
 def test_special_rows_include_position_zero_and_every_special(tokenizer, table):
     ids = chat_ids(tokenizer, "Tell me about vaults.")
@@ -136,7 +141,7 @@ def test_special_rows_include_position_zero_and_every_special(tokenizer, table):
 def test_digit_rows(tokenizer, table):
     ids = tokenizer.encode("Call 555-0199 at 3.14 o'clock, room B12.")
     rows = rules.digit_rows(ids, table, len(ids))
-    assert [table.pieces[ids[p]] for p in rows] == list("5550199314" "12")
+    assert [table.pieces[ids[p]] for p in rows] == list("555019931412")
     assert rows == [p for p, i in enumerate(ids) if any(c.isdigit() for c in table.pieces[i])]
     assert rules.digit_rows(ids, table, rows[3]) == rows[:3]
 
@@ -152,8 +157,12 @@ PROTECTED_TEXT = (
 
 def brute_force_protected(ids, table, end, share_num, share_den):
     """Rank-based, sort-free: a row is picked when fewer than k eligible rows beat it."""
-    eligible = [p for p in range(end) if ids[p] not in table.special
-                and token_class(table.pieces[ids[p]], table.pieces[ids[p - 1]] if p else None) in ELIGIBLE_CLASSES]
+    eligible = [
+        p
+        for p in range(end)
+        if ids[p] not in table.special
+        and token_class(table.pieces[ids[p]], table.pieces[ids[p - 1]] if p else None) in ELIGIBLE_CLASSES
+    ]
     k = -(-len(eligible) * share_num // share_den)  # ceil
     key = {p: (table.counts[ids[p]] + 1, p) for p in eligible}
     return {p for p in eligible if sum(key[q] < key[p] for q in eligible) < k}, eligible
@@ -192,18 +201,22 @@ def test_protected_rows_need_counts(tokenizer, table):
 
 # -- words and sentences -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("The CODES Vault", ["the", "code", "vault"]),
-    ("class gas bus Bus BUSES glass Process", ["class", "gas", "bus", "bus", "buse", "glass", "process"]),
-    ("its this ALWAYS", ["its", "thi", "alway"]),       # final s only from words of 4+ characters
-    ("ÄPFEL Straße ÉCOLE", ["Äpfel", "straße", "École"]),  # only ASCII letters are lower-cased
-    ("ΣΟΦΙΑ", ["ΣΟΦΙΑ"]),
-    ("foo_bar snake_case_names", ["foo", "bar", "snake", "case", "name"]),
-    ("XK-7731-QZ e.g. x2y", ["xk", "7731", "qz", "e", "g", "x2y"]),
-    ("nai\u0308ve café", ["nai", "ve", "café"]),          # combining marks separate words
-    ("日本語のテキスト。次！", ["日本語のテキスト", "次"]),
-    ("１２３ ½", ["１２３", "½"]),                           # number characters, kept as they are
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The CODES Vault", ["the", "code", "vault"]),
+        ("class gas bus Bus BUSES glass Process", ["class", "gas", "bus", "bus", "buse", "glass", "process"]),
+        ("its this ALWAYS", ["its", "thi", "alway"]),  # final s only from words of 4+ characters
+        ("ÄPFEL Straße ÉCOLE", ["Äpfel", "straße", "École"]),  # only ASCII letters are lower-cased
+        ("ΣΟΦΙΑ", ["ΣΟΦΙΑ"]),
+        ("foo_bar snake_case_names", ["foo", "bar", "snake", "case", "name"]),
+        ("XK-7731-QZ e.g. x2y", ["xk", "7731", "qz", "e", "g", "x2y"]),
+        ("nai\u0308ve café", ["nai", "ve", "café"]),  # combining marks separate words
+        ("日本語のテキスト。次！", ["日本語のテキスト", "次"]),
+        ("１２３ ½", ["１２３", "½"]),  # number characters, kept as they are
+    ],
+)
 def test_words_normalization(text, expected):
     assert [w for w, _, _ in rules.words(text)] == expected
 
@@ -226,7 +239,15 @@ def sentence_texts(table, ids, end):
 def test_sentences_real_tokenizer(tokenizer, table):
     ids = tokenizer.encode("First one. Second one! Third? Pi is 3.14 here.\nLine two<|endoftext|>After it。Next")
     assert sentence_texts(table, ids, len(ids)) == [
-        "First one.", " Second one!", " Third?", " Pi is 3.14 here.", "\n", "Line two", "After it。", "Next"]
+        "First one.",
+        " Second one!",
+        " Third?",
+        " Pi is 3.14 here.",
+        "\n",
+        "Line two",
+        "After it。",
+        "Next",
+    ]
     spans = rules.sentences(ids, table, len(ids))
     special = ids.index(0)
     assert all(not (a <= special < b) for a, b in spans)  # the special token belongs to none
@@ -245,6 +266,7 @@ def test_sentences_cjk_ends_and_specials():
 
 
 # -- the content window --------------------------------------------------------------------------
+
 
 def chatml_template_positions(table, ids):
     """Specials, the role line after <|im_start|>, and the newline after <|im_end|>."""
@@ -333,8 +355,10 @@ def test_lexical_picks_the_planted_sentence(tokenizer, table):
 def test_lexical_keeps_the_first_80_rows_of_a_long_sentence(tokenizer, table):
     tail = " and then " + " ".join(f"item{k} stays" for k in range(60))
     long_planted = PLANTED[:-1] + tail + "."
-    ids = chat_ids(tokenizer, "".join(filler_sentences(20)).strip() + long_planted
-                   + "".join(filler_sentences(20)) + "\n\n" + QUESTION)
+    ids = chat_ids(
+        tokenizer,
+        "".join(filler_sentences(20)).strip() + long_planted + "".join(filler_sentences(20)) + "\n\n" + QUESTION,
+    )
     end = token_span(table, ids, QUESTION)[0]
     lo, hi = token_span(table, ids, long_planted)
     assert hi - lo > 80
@@ -350,8 +374,12 @@ def test_lexical_total_cap_rarest_first(tokenizer, table):
     # also occur once elsewhere (prefix count 2), so they rank after the count-1 colours although
     # they come first in the text.
     planted = [f" We wrote the {c} key word on a card." for c in COLOURS]
-    body = "".join(filler_sentences(16)) + "".join(planted) + " An amber cat and a bronze hat sat." \
+    body = (
+        "".join(filler_sentences(16))
+        + "".join(planted)
+        + " An amber cat and a bronze hat sat."
         + "".join(filler_sentences(16))
+    )
     question = "Recall " + ", ".join(f"the {c} key word" for c in COLOURS) + "?"
     ids = chat_ids(tokenizer, body.strip() + "\n\n" + question)
     end = token_span(table, ids, question)[0]
@@ -377,7 +405,8 @@ def test_lexical_total_cap_rarest_first(tokenizer, table):
     assert spans[0][0] not in rows and spans[2][0] in rows  # rarest first, not first in the text
     # Without the cap every planted sentence is kept whole, and nothing else.
     assert rules.lexical_rows(ids, table, end, len(ids), cap_share=1.0) == sorted(
-        p for lo, hi in spans for p in range(lo, hi))
+        p for lo, hi in spans for p in range(lo, hi)
+    )
 
 
 def test_lexical_empty_cases(tokenizer, table):
@@ -387,6 +416,7 @@ def test_lexical_empty_cases(tokenizer, table):
 
 
 # -- unigram counts ------------------------------------------------------------------------------
+
 
 def test_counts_round_trip(tmp_path):
     path = save_counts(tmp_path / "c.json", [0, 5, 2], {"documents": 1})

@@ -38,8 +38,10 @@ def seq_with(rows: RowsConfig, ids=None, attention=None, probe=None) -> Sequence
     seq = Sequence(prompt_ids=ids, params=SamplingParams())
     seq.fill_boundary, seq.rows = B, rows
     rng = random.Random(1)
-    seq.row_scores = {"attention": attention or [rng.random() for _ in range(B)],
-                      "probe": probe or [rng.random() for _ in range(B)]}
+    seq.row_scores = {
+        "attention": attention or [rng.random() for _ in range(B)],
+        "probe": probe or [rng.random() for _ in range(B)],
+    }
     return seq
 
 
@@ -64,7 +66,7 @@ def test_attention_budget_is_the_top_share_outside_special_rows():
     seq = seq_with(RowsConfig(selectors=("special", "attention"), attention_share=0.1))
     rows = set(RowSelector(TABLE)(seq))
     scores = seq.row_scores["attention"]
-    expect = sorted((p for p in range(B) if p not in SPECIAL_ROWS), key=lambda p: -scores[p])[:math.ceil(0.1 * B)]
+    expect = sorted((p for p in range(B) if p not in SPECIAL_ROWS), key=lambda p: -scores[p])[: math.ceil(0.1 * B)]
     assert rows == SPECIAL_ROWS | set(expect)
 
 
@@ -72,8 +74,11 @@ def test_probe_count_is_budget_times_base_rules_and_probe_ranking_fills_it():
     for factor in (0.5, 1.0, 2.0):
         seq = seq_with(RowsConfig(selectors=("special", "probe"), budget_factor=factor))
         ids = seq.prompt_ids
-        base = (set(rules.protected_rows(ids, TABLE, B, 0.5)) | set(rules.digit_rows(ids, TABLE, B))
-                | top_rows(seq.row_scores["attention"], math.ceil(0.2 * B), set())) - SPECIAL_ROWS
+        base = (
+            set(rules.protected_rows(ids, TABLE, B, 0.5))
+            | set(rules.digit_rows(ids, TABLE, B))
+            | top_rows(seq.row_scores["attention"], math.ceil(0.2 * B), set())
+        ) - SPECIAL_ROWS
         e = round(factor * len(base))
         rows = set(RowSelector(TABLE)(seq))
         probe = seq.row_scores["probe"]
@@ -92,8 +97,9 @@ def test_lexical_rows_are_reserved_inside_the_probe_budget(monkeypatch):
     assert len(with_lex) == len(without)  # the count is the probe's; lexical rows take part of it
 
 
-@pytest.mark.parametrize("sel", [("special", "attention"), ("special", "probe"), ("special", "digits"),
-                                 ("special", "protected")])
+@pytest.mark.parametrize(
+    "sel", [("special", "attention"), ("special", "probe"), ("special", "digits"), ("special", "protected")]
+)
 def test_controls_keep_the_count_exactly(sel):
     chosen = set(RowSelector(TABLE)(seq_with(RowsConfig(selectors=sel))))
     rnd = RowSelector(TABLE)(seq_with(RowsConfig(selectors=sel, control="random", seed=4)))

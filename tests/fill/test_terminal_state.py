@@ -43,7 +43,7 @@ def test_rho_carried_in_chunks_equals_the_float64_loop(chunks):
     share = torch.zeros(2, HEADS, dtype=torch.float32)
     start = 0
     for n in chunks:
-        share = share_update(share, g[start:start + n].float(), filled[start:start + n])
+        share = share_update(share, g[start : start + n].float(), filled[start : start + n])
         start += n
     assert torch.allclose(filled_share(share).double(), loop_share(g, filled), rtol=1e-5, atol=1e-6)
 
@@ -71,7 +71,7 @@ def test_rho_scaled_correction_cancels_a_constant_shift_exactly_and_no_other_sca
     share = share_update(torch.zeros(2, HEADS, dtype=torch.float64), g, filled)
     rho = filled_share(share)
     assert torch.allclose(correct_state(shifted, rho, shift_full), exact, atol=1e-6)
-    for wrong in (torch.ones_like(rho), 0.5 * rho, rho ** 2, torch.full_like(rho, float(rho.mean()))):
+    for wrong in (torch.ones_like(rho), 0.5 * rho, rho**2, torch.full_like(rho, float(rho.mean()))):
         assert (correct_state(shifted, wrong, shift_full) - exact).abs().max() > 1e-3
     # an exact tail after the corrected prefix: its gates fade correction and error alike
     tail_g, tail_u = log_gates(5)[:11], torch.randn(10, HEADS, 4, 5, dtype=torch.float64, generator=gen)

@@ -35,7 +35,9 @@ def tiny(request, tmp_path_factory):
 def build(ckpt, tensors=None, device="cpu"):
     """Our model through the registry: Gemma 3 is a DenseLM subclass with its own norms, RoPE
     bases, embedding scale and windows, which a bare DenseLM would silently drop."""
-    return family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors if tensors is None else tensors, torch.float32, device)
+    return family(ckpt.config.architecture).build_model(
+        ckpt.config, ckpt.tensors if tensors is None else tensors, torch.float32, device
+    )
 
 
 def rel_err(a, b):
@@ -55,19 +57,23 @@ def fixed(rows):
 def test_exact_rows_match_reference(tiny, arm, chunk):
     run = PromptLogits(tiny["model"], fill(arm, selectors=("special",)), chunk=chunk, selector=fixed(EXACT))
     first, logits, _, seq = run(tiny["ids"])
-    ref, _ = reference_tail_logits(tiny["hf"], tiny["ids"], SPLIT, TAIL, predict=lambda l, x: x,
-                                   nofill=arm == "nofill", exact_rows=EXACT)
+    ref, _ = reference_tail_logits(
+        tiny["hf"], tiny["ids"], SPLIT, TAIL, predict=lambda l, x: x, nofill=arm == "nofill", exact_rows=EXACT
+    )
     assert seq.exact_rows == EXACT and first == N - TAIL
     assert rel_err(logits, ref) < 1e-4
-    plain, _ = reference_tail_logits(tiny["hf"], tiny["ids"], SPLIT, TAIL, predict=lambda l, x: x,
-                                     nofill=arm == "nofill")
+    plain, _ = reference_tail_logits(
+        tiny["hf"], tiny["ids"], SPLIT, TAIL, predict=lambda l, x: x, nofill=arm == "nofill"
+    )
     assert rel_err(logits, plain) > 1e-3  # the rows made a difference the test can see
 
 
 def test_every_prefix_row_exact_is_exact_prefill(tiny):
     exact = PromptLogits(tiny["model"])(tiny["ids"], logits_from=N - TAIL)[1]
     every = fixed(range(N - TAIL))
-    logits = PromptLogits(tiny["model"], fill("identity", selectors=("special",)), chunk=37, selector=every)(tiny["ids"])[1]
+    logits = PromptLogits(tiny["model"], fill("identity", selectors=("special",)), chunk=37, selector=every)(
+        tiny["ids"]
+    )[1]
     assert rel_err(logits, exact) < 1e-5
 
 
@@ -155,7 +161,7 @@ def test_lower_attention_scores_equal_transformers(tiny, window):
     with torch.no_grad():
         out = tiny["hf"](torch.tensor([tiny["ids"]]), output_attentions=True)
     att = out.attentions[0][0]  # [H, N, N] layer 0
-    ref = att[:, N - window:, :N - TAIL].sum(dim=(0, 1))
+    ref = att[:, N - window :, : N - TAIL].sum(dim=(0, 1))
     assert_scores_match(torch.tensor(captured["attention"]), ref, reached_rows(tiny["hf"], N - window))
 
 
@@ -168,13 +174,20 @@ def test_question_hidden_window_ends_at_hide_from(tiny, window):
     run(tiny["ids"], hide_from=hide)
     with torch.no_grad():
         att = tiny["hf"](torch.tensor([tiny["ids"]]), output_attentions=True).attentions[0][0]
-    ref = att[:, hide - window:hide, :N - TAIL].sum(dim=(0, 1))
+    ref = att[:, hide - window : hide, : N - TAIL].sum(dim=(0, 1))
     assert_scores_match(torch.tensor(captured["attention"]), ref, reached_rows(tiny["hf"], hide - window))
 
 
 def engine(tiny, fill_config, selector=None):
-    eng = Engine(tiny["model"], None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill_config,
-                                                    scheduler=SchedulerConfig(chunk_size=48, max_num_batched_tokens=64)))
+    eng = Engine(
+        tiny["model"],
+        None,
+        EngineConfig(
+            cache=CacheConfig(num_blocks=64),
+            fill=fill_config,
+            scheduler=SchedulerConfig(chunk_size=48, max_num_batched_tokens=64),
+        ),
+    )
     if selector is not None:
         eng.scheduler.select = selector
     return eng

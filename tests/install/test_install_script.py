@@ -32,8 +32,9 @@ def _one_line(text: str) -> str:
 
 
 def test_unsupported_python_is_one_line_naming_the_step(tmp_path):
-    old = _executable(tmp_path / "python3.9", "#!/bin/sh\n"
-                      "case \"$1\" in --version) echo 'Python 3.9.18' ;; *) exit 1 ;; esac\n")
+    old = _executable(
+        tmp_path / "python3.9", "#!/bin/sh\ncase \"$1\" in --version) echo 'Python 3.9.18' ;; *) exit 1 ;; esac\n"
+    )
     result = _install({**os.environ, "PYTHON": str(old)})
     assert result.returncode == 1
     line = _one_line(result.stderr)
@@ -61,11 +62,13 @@ def test_missing_compiler_is_one_line_with_the_fallback(tmp_path):
 
 
 def test_a_failing_step_prints_one_line_and_keeps_its_output_in_the_log(tmp_path):
-    script = (f"LOGS={tmp_path}/logs; source {ROOT}/scripts/install_steps.sh; "
-              "run ridgefill 'set RIDGEFILL_SKIP_EXTENSION=1 to skip the extension' "
-              "bash -c 'for i in $(seq 200); do echo compiler noise $i; done; echo \"nvcc fatal: bad\"; "
-              "echo \"ERROR: Could not build wheels\"; exit 3'; "
-              "echo unreachable")
+    script = (
+        f"LOGS={tmp_path}/logs; source {ROOT}/scripts/install_steps.sh; "
+        "run ridgefill 'set RIDGEFILL_SKIP_EXTENSION=1 to skip the extension' "
+        'bash -c \'for i in $(seq 200); do echo compiler noise $i; done; echo "nvcc fatal: bad"; '
+        'echo "ERROR: Could not build wheels"; exit 3\'; '
+        "echo unreachable"
+    )
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "unreachable" not in result.stdout

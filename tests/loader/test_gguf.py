@@ -38,6 +38,7 @@ def private_cache(tmp_path, monkeypatch):
 # Reference dequantization, one block at a time in float64, from ggml's block structs
 # ---------------------------------------------------------------------------------------------
 
+
 def half(raw: bytes) -> float:
     return float(np.frombuffer(raw, dtype="<f2")[0])
 
@@ -79,7 +80,7 @@ def ref_q4_k(block: bytes) -> np.ndarray:
     scales, qs = block[4:16], block[16:144]
     out = []
     for chunk in range(4):
-        quants = qs[32 * chunk:32 * chunk + 32]
+        quants = qs[32 * chunk : 32 * chunk + 32]
         for sub, nibble in ((2 * chunk, lambda q: q & 0xF), (2 * chunk + 1, lambda q: q >> 4)):
             scale, minimum = q4_k_scale_and_min(scales, sub)
             out += [d * scale * nibble(q) - dmin * minimum for q in quants]
@@ -94,7 +95,7 @@ def ref_q6_k(block: bytes) -> np.ndarray:
     d = half(block[208:210])
     out = np.zeros(256, dtype=np.float64)
     for part in range(2):  # two halves of 128 values
-        low, high, sc, base = ql[64 * part:], qh[32 * part:], scales[8 * part:], 128 * part
+        low, high, sc, base = ql[64 * part :], qh[32 * part :], scales[8 * part :], 128 * part
         for l in range(32):
             group = l // 16
             quads = (
@@ -129,7 +130,7 @@ def ref_dequantize(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndar
         return as_u32.view(np.float32).astype(np.float64).reshape(shape)
     _, size, reference = REFERENCE_BLOCKS[qtype]
     data = raw.reshape(-1).tobytes()
-    blocks = [reference(data[i:i + size]) for i in range(0, len(data), size)]
+    blocks = [reference(data[i : i + size]) for i in range(0, len(data), size)]
     return np.concatenate(blocks).reshape(shape)
 
 
@@ -179,6 +180,7 @@ def finish(writer: gguf.GGUFWriter) -> None:
 # Dequantization of each supported type
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_dequantize_matches_block_reference(tmp_path, qtype):
     rng = np.random.default_rng(int(qtype))
@@ -209,13 +211,23 @@ def test_reference_q8_0_agrees_with_a_hand_made_block():
 # ---------------------------------------------------------------------------------------------
 
 HF_TO_GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
-HF_TO_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                  "lm_head.weight": "output.weight"}
+HF_TO_GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -228,8 +240,11 @@ def gguf_name(hf_name: str) -> str:
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to llama q/k rows (the format's definition)."""
-    return (weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
-            .swapaxes(1, 2).reshape(weight.shape))
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, inter=96, vocab=259)
@@ -242,13 +257,19 @@ def tiny_hf_weights(rng, arch: str, head_dim: int, tied: bool) -> dict[str, np.n
         shapes["lm_head.weight"] = (vocab, h)
     for i in range(TINY["layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (heads * head_dim, h), p + "self_attn.k_proj.weight": (kv * head_dim, h),
-            p + "self_attn.v_proj.weight": (kv * head_dim, h), p + "self_attn.o_proj.weight": (h, heads * head_dim),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (heads * head_dim, h),
+                p + "self_attn.k_proj.weight": (kv * head_dim, h),
+                p + "self_attn.v_proj.weight": (kv * head_dim, h),
+                p + "self_attn.o_proj.weight": (h, heads * head_dim),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
         if arch == "qwen3":
             shapes[p + "self_attn.q_norm.weight"] = (head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
@@ -276,8 +297,15 @@ def quant_type_for(hf_name: str, layer0_q8: bool) -> Q:
     return Q.Q8_0
 
 
-def write_tiny_model(path: Path, arch: str = "llama", tied: bool = True, head_dim: int = 16,
-                     extra=None, rope_freqs: np.ndarray | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_model(
+    path: Path,
+    arch: str = "llama",
+    tied: bool = True,
+    head_dim: int = 16,
+    extra=None,
+    rope_freqs: np.ndarray | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
     """Write a tiny model GGUF the way llama.cpp's converter would; return the float64 weights the
     loader should produce (the Hugging Face layout, after quantization rounding)."""
     rng = np.random.default_rng(seed)
@@ -325,6 +353,7 @@ def assert_weights_equal(tensors: dict[str, torch.Tensor], expected: dict[str, n
 # Loading tiny models
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_tiny_llama_loads_unpermuted(tmp_path, tied):
     path = tmp_path / "tiny.gguf"
@@ -332,7 +361,12 @@ def test_tiny_llama_loads_unpermuted(tmp_path, tied):
     checkpoint = load_gguf(path)
     assert_weights_equal(checkpoint.tensors, expected)
     config = checkpoint.config
-    assert (config.architecture, config.num_layers, config.hidden_size, config.intermediate_size) == ("llama", 2, 64, 96)
+    assert (config.architecture, config.num_layers, config.hidden_size, config.intermediate_size) == (
+        "llama",
+        2,
+        64,
+        96,
+    )
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
     assert (config.vocab_size, config.max_position_embeddings, config.rope_theta) == (259, 256, 500000.0)
     assert config.rms_norm_eps == pytest.approx(1e-6)
@@ -381,8 +415,9 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
     path = tmp_path / "llama3.gguf"
     write_tiny_model(path, rope_freqs=divisors)
     config = load_gguf(path).config
-    assert config.rope_scaling == RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=8192)
+    assert config.rope_scaling == RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
 
 
 def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path):
@@ -402,6 +437,7 @@ def test_linear_rope_scaling_is_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Refusals and broken files
 # ---------------------------------------------------------------------------------------------
+
 
 def test_unknown_architecture_is_refused_by_name(tmp_path):
     path = tmp_path / "mamba.gguf"
@@ -464,6 +500,7 @@ def test_truncated_file_names_the_file(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Cache
 # ---------------------------------------------------------------------------------------------
+
 
 def test_second_load_reads_the_cache(tmp_path, private_cache, monkeypatch):
     path = tmp_path / "tiny.gguf"
@@ -534,6 +571,7 @@ def test_cache_dir_resolution(monkeypatch, tmp_path):
 # Default model location
 # ---------------------------------------------------------------------------------------------
 
+
 def test_default_model_path_points_at_the_packaged_gguf():
     path = default_model_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
@@ -549,6 +587,7 @@ def test_default_model_path_without_package(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # The embedded SmolLM2 GGUF against transformers' own GGUF loader
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def embedded_ours():

@@ -34,15 +34,29 @@ BLOCKS = {
 
 # fp16 extremes: the largest finite, +-8192 (the first |d| whose -8d overflows fp16), 8188 (-8d is
 # exactly -65504), the smallest subnormal and normal, signed zeros, plain values.
-EXTREME_HALVES = [65504.0, -65504.0, 8192.0, -8192.0, 8188.0, -8188.0, 2.0 ** -24, -(2.0 ** -24),
-                  2.0 ** -14, 0.0, -0.0, 1.0, -3.5]
+EXTREME_HALVES = [
+    65504.0,
+    -65504.0,
+    8192.0,
+    -8192.0,
+    8188.0,
+    -8188.0,
+    2.0**-24,
+    -(2.0**-24),
+    2.0**-14,
+    0.0,
+    -0.0,
+    1.0,
+    -3.5,
+]
 NO_OVERFLOW_HALVES = [h for h in EXTREME_HALVES if abs(h) <= 8188.0]  # 8188: the largest fp16 below 8192
 
 ROWS, COLS = 8, 1024  # 32 K-quant blocks, 256 of the 32-value ones
 
 
-def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int,
-                  halves: list[float] = EXTREME_HALVES) -> np.ndarray:
+def random_blocks(
+    rng: np.random.Generator, qtype: Q, rows: int, cols: int, halves: list[float] = EXTREME_HALVES
+) -> np.ndarray:
     """uint8 [rows, bytes per row]: random bytes, each fp16 field a random small value except for
     `halves`, placed in random blocks (random bytes there could be NaN or inf)."""
     values, size, offsets = BLOCKS[qtype]
@@ -51,7 +65,7 @@ def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int,
     for offset in offsets:
         field = rng.uniform(-0.1, 0.1, size=count).astype(np.float16)  # [blocks]
         field[rng.choice(count, size=len(halves), replace=False)] = halves
-        blocks[:, offset:offset + 2] = field.view(np.uint8).reshape(count, 2)
+        blocks[:, offset : offset + 2] = field.view(np.uint8).reshape(count, 2)
     return blocks.reshape(rows, cols // values * size)
 
 
@@ -140,8 +154,9 @@ def test_q4_k_layout_on_a_hand_made_block(tmp_path):
     q = np.arange(256) % 16  # [256]
     chunks = q.reshape(4, 2, 32)  # [chunk, low/high nibble, byte]
     qs = chunks[:, 0] | (chunks[:, 1] << 4)  # [4, 32]
-    scales = np.concatenate([(sc[:4] & 63) | ((sc[4:] >> 4) << 6), (m[:4] & 63) | ((m[4:] >> 4) << 6),
-                             (sc[4:] & 15) | ((m[4:] & 15) << 4)])  # [12]
+    scales = np.concatenate(
+        [(sc[:4] & 63) | ((sc[4:] >> 4) << 6), (m[:4] & 63) | ((m[4:] >> 4) << 6), (sc[4:] & 15) | ((m[4:] & 15) << 4)]
+    )  # [12]
     block = np.concatenate([np.array([1.0, 1.0], dtype="<f2").view(np.uint8), scales, qs.reshape(-1)]).astype(np.uint8)
     tensor = write_and_read(tmp_path / "q4k.gguf", {"t.weight": (block.reshape(1, 144), Q.Q4_K)})["t.weight"]
     g = grouped_from_gguf(tensor)
@@ -156,8 +171,14 @@ def test_q6_k_layout_on_a_hand_made_block(tmp_path):
     half = q6.reshape(2, 4, 32)  # [half, j, l]: value 128 h + 32 j + l
     ql = (half[:, 0:2] & 0xF) | ((half[:, 2:4] & 0xF) << 4)  # [half, 2, 32]
     qh = sum(((half[:, j] >> 4) & 3) << (2 * j) for j in range(4))  # [half, 32]
-    block = np.concatenate([ql.reshape(-1), qh.reshape(-1), (np.arange(16) - 8).astype(np.int8).view(np.uint8),
-                            np.array([1.0], dtype="<f2").view(np.uint8)]).astype(np.uint8)
+    block = np.concatenate(
+        [
+            ql.reshape(-1),
+            qh.reshape(-1),
+            (np.arange(16) - 8).astype(np.int8).view(np.uint8),
+            np.array([1.0], dtype="<f2").view(np.uint8),
+        ]
+    ).astype(np.uint8)
     tensor = write_and_read(tmp_path / "q6.gguf", {"t.weight": (block.reshape(1, 210), Q.Q6_K)})["t.weight"]
     g = grouped_from_gguf(tensor)
     assert torch.equal(g.q[0], torch.tensor(q6 - 32, dtype=torch.int8))
@@ -168,12 +189,16 @@ def test_q6_k_layout_on_a_hand_made_block(tmp_path):
 # Refusals and the reference itself
 # ---------------------------------------------------------------------------------------------
 
+
 def test_unsupported_types_are_refused_by_name(tmp_path):
     rng = np.random.default_rng(5)
-    tensors = write_and_read(tmp_path / "other.gguf", {
-        "blk.3.ffn_up.weight": (random_blocks(rng, Q.Q5_1, 2, 64, halves=[1.0]), Q.Q5_1),
-        "blk.3.attn_q.weight": (rng.standard_normal((2, 64)).astype(np.float16), Q.F16),
-    })
+    tensors = write_and_read(
+        tmp_path / "other.gguf",
+        {
+            "blk.3.ffn_up.weight": (random_blocks(rng, Q.Q5_1, 2, 64, halves=[1.0]), Q.Q5_1),
+            "blk.3.attn_q.weight": (rng.standard_normal((2, 64)).astype(np.float16), Q.F16),
+        },
+    )
     with pytest.raises(UnsupportedError, match=r"'blk\.3\.ffn_up\.weight' has type Q5_1"):
         grouped_from_gguf(tensors["blk.3.ffn_up.weight"])
     with pytest.raises(UnsupportedError, match=r"'blk\.3\.attn_q\.weight' has type F16"):
@@ -181,9 +206,13 @@ def test_unsupported_types_are_refused_by_name(tmp_path):
 
 
 def test_dequantize_groups_on_hand_made_values():
-    g = GroupedInts(q=torch.tensor([[0, 1, 2, 3], [-4, 5, 6, -7]], dtype=torch.int8),
-                    scale=torch.tensor([[0.5, 2.0], [1.0, -1.0]]), min=torch.tensor([[1.0, -1.0], [0.0, 0.25]]),
-                    bits=8, group=2)
+    g = GroupedInts(
+        q=torch.tensor([[0, 1, 2, 3], [-4, 5, 6, -7]], dtype=torch.int8),
+        scale=torch.tensor([[0.5, 2.0], [1.0, -1.0]]),
+        min=torch.tensor([[1.0, -1.0], [0.0, 0.25]]),
+        bits=8,
+        group=2,
+    )
     expected = torch.tensor([[1.0, 1.5, 3.0, 5.0], [-4.0, 5.0, -5.75, 7.25]])
     assert torch.equal(dequantize_groups(g), expected)
     without_min = GroupedInts(g.q, g.scale, None, 8, 2)
@@ -204,23 +233,32 @@ def test_grouped_ints_checks_shapes():
 # Concatenation and permutation
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def parts(tmp_path) -> dict[Q, GroupedInts]:
     rng = np.random.default_rng(7)
     rows = {Q.Q4_K: 3, Q.Q6_K: 2, Q.Q8_0: 4, Q.Q4_1: 1, Q.Q4_0: 2, Q.Q5_0: 2}
-    written = write_and_read(tmp_path / "parts.gguf", {
-        qtype.name: (random_blocks(rng, qtype, n, 512, halves=EXTREME_HALVES[:n * 2]), qtype)
-        for qtype, n in rows.items()})
+    written = write_and_read(
+        tmp_path / "parts.gguf",
+        {
+            qtype.name: (random_blocks(rng, qtype, n, 512, halves=EXTREME_HALVES[: n * 2]), qtype)
+            for qtype, n in rows.items()
+        },
+    )
     return {qtype: grouped_from_gguf(written[qtype.name]) for qtype in rows}
 
 
-@pytest.mark.parametrize("mix", [
-    (Q.Q4_K, Q.Q6_K, Q.Q8_0),  # group 16, bits 8, float32, a min for Q6_K and Q8_0
-    (Q.Q8_0, Q.Q4_1, Q.Q8_0),  # float16 throughout, Q8_0 given a -0.0 min
-    (Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0),
-    (Q.Q4_1, Q.Q4_1),
-    (Q.Q5_0, Q.Q5_0, Q.Q8_0),  # Gemma 3 270M's q, k, v
-], ids=lambda mix: "+".join(q.name for q in mix))
+@pytest.mark.parametrize(
+    "mix",
+    [
+        (Q.Q4_K, Q.Q6_K, Q.Q8_0),  # group 16, bits 8, float32, a min for Q6_K and Q8_0
+        (Q.Q8_0, Q.Q4_1, Q.Q8_0),  # float16 throughout, Q8_0 given a -0.0 min
+        (Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0),
+        (Q.Q4_1, Q.Q4_1),
+        (Q.Q5_0, Q.Q5_0, Q.Q8_0),  # Gemma 3 270M's q, k, v
+    ],
+    ids=lambda mix: "+".join(q.name for q in mix),
+)
 def test_concat_rows_is_exact(parts, mix):
     chosen = [parts[q] for q in mix]
     fused = concat_rows(chosen)
@@ -264,6 +302,7 @@ def test_permute_rows_undoes_llama_cpp_rope_order(tmp_path):
 # The shipped model
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_shipped_model_round_trips_exactly():
     reader = gguf.GGUFReader(str(default_model_path()))
@@ -303,6 +342,9 @@ def test_packed_load_is_the_same_from_its_cache_and_without_one(tmp_path, monkey
             assert (g.bits, g.group) == (first.bits, first.group) and torch.equal(g.q, first.q)
             assert torch.equal(g.scale, first.scale)
             assert (g.min is None) == (first.min is None) and (g.min is None or torch.equal(g.min, first.min))
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
-                 "model.embed_tokens.weight"):  # q_proj: the rope rows are un-permuted like the dense weight's
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.7.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    ):  # q_proj: the rope rows are un-permuted like the dense weight's
         assert torch.equal(dequantize_groups(loads[0].tensors[name]), dense[name])

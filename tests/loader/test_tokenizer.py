@@ -46,6 +46,7 @@ DIGIT_AFTER_SPACES = ["return   1", "x =  42\n\t 7", "\n\n12", "a ½ b"]
 def transformers_diverges(text: str) -> bool:
     return any(a.isspace() and unicodedata.category(b).startswith("N") for a, b in zip(text, text[1:]))
 
+
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a prime, ünïcode 🙂."},
@@ -82,6 +83,7 @@ def llama_cpp_ids(vocab, text: str) -> list[int]:
 
 
 # -- the embedded GGUF tokenizer -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", TEXTS + DIGIT_AFTER_SPACES)
 def test_gguf_encoding_matches_llama_cpp(ours, llama_cpp_vocab, text):
@@ -133,7 +135,8 @@ def test_add_special_tokens_follows_gguf_flag(ours):
 @pytest.mark.parametrize("messages", [CONVERSATION, CONVERSATION[1:]], ids=["with_system", "default_system"])
 def test_chat_template_matches_transformers(ours, transformers_tokenizer, messages, add_generation_prompt):
     expected = transformers_tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     rendered = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert rendered == expected
     assert ours.encode(rendered) == transformers_tokenizer.encode(rendered)
@@ -152,7 +155,10 @@ def test_serialized_tokenizer_behaves_the_same(ours, tmp_path):
         assert loaded.encode(text) == ours.encode(text)
     assert loaded.apply_chat_template(CONVERSATION) == ours.apply_chat_template(CONVERSATION)
     assert (loaded.special_ids, loaded.eos_token_ids, loaded.token_types) == (
-        ours.special_ids, ours.eos_token_ids, ours.token_types)
+        ours.special_ids,
+        ours.eos_token_ids,
+        ours.token_types,
+    )
 
 
 def test_load_refuses_other_documents(tmp_path):
@@ -169,6 +175,7 @@ def test_decode_rejects_ids_outside_vocabulary(ours):
 
 
 # -- streaming detokenization ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_deltas_add_up_and_never_split_characters(ours, text):
@@ -203,6 +210,7 @@ def test_stream_with_prompt_context_emits_only_generated_text(ours):
 
 # -- pre-tokenizer choices -------------------------------------------------------------------
 
+
 def byte_level_metadata(pre: str, extra: dict | None = None) -> dict:
     """A GGUF tokenizer with one token per byte and no merges, so ids reveal the pieces."""
     table = byte_to_unicode_table()
@@ -224,18 +232,21 @@ def pieces(tokenizer: Tokenizer, text: str) -> list[str]:
     return [piece for piece, _ in tokenizer.backend.pre_tokenizer.pre_tokenize_str(text)]
 
 
-@pytest.mark.parametrize("pre, expected", [
-    # GPT-2: a space sticks to the following run of digits.
-    ("gpt2", ["abc", "Ġ12345", "ĠĠ", "Ġ6"]),
-    ("default", ["abc", "Ġ12345", "ĠĠ", "Ġ6"]),
-    # SmolLM: digits one by one, cut out before the GPT-2 split.
-    ("smollm", ["abc", "Ġ", "1", "2", "3", "4", "5", "ĠĠĠ", "6"]),
-    # llama3: digits in groups of up to three, no leading space on them.
-    ("llama-bpe", ["abc", "Ġ", "123", "45", "ĠĠ", "Ġ", "6"]),
-    ("llama3", ["abc", "Ġ", "123", "45", "ĠĠ", "Ġ", "6"]),
-    # qwen2: like llama3 but one digit per piece.
-    ("qwen2", ["abc", "Ġ", "1", "2", "3", "4", "5", "ĠĠ", "Ġ", "6"]),
-])
+@pytest.mark.parametrize(
+    "pre, expected",
+    [
+        # GPT-2: a space sticks to the following run of digits.
+        ("gpt2", ["abc", "Ġ12345", "ĠĠ", "Ġ6"]),
+        ("default", ["abc", "Ġ12345", "ĠĠ", "Ġ6"]),
+        # SmolLM: digits one by one, cut out before the GPT-2 split.
+        ("smollm", ["abc", "Ġ", "1", "2", "3", "4", "5", "ĠĠĠ", "6"]),
+        # llama3: digits in groups of up to three, no leading space on them.
+        ("llama-bpe", ["abc", "Ġ", "123", "45", "ĠĠ", "Ġ", "6"]),
+        ("llama3", ["abc", "Ġ", "123", "45", "ĠĠ", "Ġ", "6"]),
+        # qwen2: like llama3 but one digit per piece.
+        ("qwen2", ["abc", "Ġ", "1", "2", "3", "4", "5", "ĠĠ", "Ġ", "6"]),
+    ],
+)
 def test_pre_tokenizer_splits(pre, expected):
     tokenizer = Tokenizer.from_gguf_metadata(byte_level_metadata(pre))
     assert pieces(tokenizer, "abc 12345   6") == expected
@@ -246,23 +257,34 @@ def test_llama3_vocabulary_adds_bos_by_default():
     assert tokenizer.encode("hi") == [256, ord("h"), ord("i")]
     assert tokenizer.encode("hi", add_special_tokens=False) == [ord("h"), ord("i")]
     explicit_off = Tokenizer.from_gguf_metadata(
-        byte_level_metadata("llama-bpe", {"tokenizer.ggml.add_bos_token": False}))
+        byte_level_metadata("llama-bpe", {"tokenizer.ggml.add_bos_token": False})
+    )
     assert explicit_off.encode("hi") == [ord("h"), ord("i")]
 
 
 def test_gguf_eos_includes_end_of_turn():
     tokens = byte_level_metadata("gpt2")["tokenizer.ggml.tokens"] + ["<eot>"]
-    tokenizer = Tokenizer.from_gguf_metadata(byte_level_metadata("gpt2", {
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * 256 + [3, 3, 3],
-        "tokenizer.ggml.eot_token_id": 258}))
+    tokenizer = Tokenizer.from_gguf_metadata(
+        byte_level_metadata(
+            "gpt2",
+            {
+                "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.token_type": [1] * 256 + [3, 3, 3],
+                "tokenizer.ggml.eot_token_id": 258,
+            },
+        )
+    )
     assert tokenizer.eos_token_ids == (257, 258)
     assert tokenizer.encode("x<eot>") == [ord("x"), 258]
 
 
 def test_user_defined_tokens_are_whole_but_not_special():
     tokens = byte_level_metadata("gpt2")["tokenizer.ggml.tokens"] + ["<think>"]
-    tokenizer = Tokenizer.from_gguf_metadata(byte_level_metadata("gpt2", {
-        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * 256 + [3, 3, 4]}))
+    tokenizer = Tokenizer.from_gguf_metadata(
+        byte_level_metadata(
+            "gpt2", {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [1] * 256 + [3, 3, 4]}
+        )
+    )
     ids = tokenizer.encode("<think>ok")
     assert ids == [258, ord("o"), ord("k")]
     assert tokenizer.token_type(258) == "user_defined"
@@ -288,6 +310,7 @@ def test_other_tokenizer_models_are_refused_by_name(model):
 
 # -- Hugging Face folders --------------------------------------------------------------------
 
+
 def test_hf_folder_matches_transformers(transformers_tokenizer, tmp_path):
     from transformers import AutoTokenizer
 
@@ -297,8 +320,9 @@ def test_hf_folder_matches_transformers(transformers_tokenizer, tmp_path):
     for text in TEXTS + DIGIT_AFTER_SPACES:
         assert ours.encode(text) == reference.encode(text), text
     for add_generation_prompt in (True, False):
-        assert ours.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt) == \
-            reference.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert ours.apply_chat_template(
+            CONVERSATION, add_generation_prompt=add_generation_prompt
+        ) == reference.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=add_generation_prompt)
     assert ours.bos_token_id == reference.bos_token_id
     assert ours.eos_token_ids == (reference.eos_token_id,)
     assert ours.special_ids >= set(reference.all_special_ids)
@@ -315,12 +339,21 @@ def write_word_level_folder(folder, vocab: list[str], special: list[str]) -> Non
 def test_hf_folder_configs_are_combined(tmp_path):
     vocab = ["<unk>", "<s>", "</s>", "<eot>", "hello", "world"]
     write_word_level_folder(tmp_path, vocab, special=["<unk>", "<s>", "</s>", "<eot>"])
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>"}, "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
-        "chat_template": "from-config"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>"},
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": True,
+                "chat_template": "from-config",
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 2]}))
     (tmp_path / "chat_template.jinja").write_text(
-        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}\n{% endfor %}")
+        "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    )
 
     tokenizer = Tokenizer.from_hf_folder(tmp_path)
     assert tokenizer.encode("hello world") == [1, 4, 5]
@@ -336,8 +369,11 @@ def test_hf_folder_configs_are_combined(tmp_path):
 
 def test_hf_folder_chat_template_json_list_picks_default(tmp_path):
     write_word_level_folder(tmp_path, ["<unk>", "a"], special=["<unk>"])
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
-        {"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"chat_template": [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]}
+        )
+    )
     assert Tokenizer.from_hf_folder(tmp_path).apply_chat_template([]) == "DEFAULT"
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "FROM-JSON"}))
     assert Tokenizer.from_hf_folder(tmp_path).apply_chat_template([]) == "FROM-JSON"
@@ -350,20 +386,24 @@ def test_hf_folder_without_tokenizer_json_is_refused(tmp_path):
 
 # -- chat template environment ---------------------------------------------------------------
 
+
 def tokenizer_with_template(template: str) -> Tokenizer:
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
-    info = TokenizerInfo(vocab_size=1, token_types=("unknown",), chat_template=template,
-                         template_tokens={"bos_token": "<B>"})
+    info = TokenizerInfo(
+        vocab_size=1, token_types=("unknown",), chat_template=template, template_tokens={"bos_token": "<B>"}
+    )
     return Tokenizer(backend, info)
 
 
 def test_template_helpers():
     tokenizer = tokenizer_with_template(
         "{{ bos_token }}{{ messages | tojson }}|{{ strftime_now('%Y') }}"
-        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}")
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}"
+    )
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "é<b>"}, {"role": "x"}])
-    assert rendered == ('<B>[{"role": "user", "content": "é<b>"}, {"role": "x"}]|'
-                        + datetime.now().strftime("%Y") + "user")
+    assert rendered == (
+        '<B>[{"role": "user", "content": "é<b>"}, {"role": "x"}]|' + datetime.now().strftime("%Y") + "user"
+    )
 
 
 def test_template_sees_tools_as_none_unless_given():
@@ -374,7 +414,8 @@ def test_template_sees_tools_as_none_unless_given():
 
 def test_template_raise_exception_becomes_input_error():
     tokenizer = tokenizer_with_template(
-        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok")
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}{% endif %}ok"
+    )
     assert tokenizer.apply_chat_template([{"role": "user", "content": ""}]) == "ok"
     with pytest.raises(InputError, match="first must be user"):
         tokenizer.apply_chat_template([{"role": "system", "content": ""}])

@@ -67,7 +67,8 @@ def transformers_diverges(text: str) -> bool:
 
 
 TRANSFORMERS_TEXTS = [t for t in ALL_TEXTS if not transformers_diverges(t)] + [
-    re.sub(" {32,}", " " * 31, LONG_DOCUMENT)]
+    re.sub(" {32,}", " " * 31, LONG_DOCUMENT)
+]
 
 
 def text_id(text: str) -> str:
@@ -75,6 +76,7 @@ def text_id(text: str) -> str:
 
 
 # -- fixtures --------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def reader(gemma3_gguf):
@@ -113,16 +115,19 @@ def llama_cpp_text(llm, ids: list[int], special: bool = False) -> str:
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     size = 64 + 32 * len(ids)
     buffer = ctypes.create_string_buffer(size)
-    n = llama_cpp.llama_detokenize(vocab, (llama_cpp.llama_token * len(ids))(*ids), len(ids), buffer, size,
-                                   False, special)
+    n = llama_cpp.llama_detokenize(
+        vocab, (llama_cpp.llama_token * len(ids))(*ids), len(ids), buffer, size, False, special
+    )
     assert 0 <= n <= size
     return buffer.raw[:n].decode("utf-8")
 
 
 # -- what the file holds ---------------------------------------------------------------------
 
+
 def test_gemma_gguf_tokenizer_metadata(reader):
     """The facts the SentencePiece path relies on, as this file states them."""
+
     def value(key):
         field = reader.fields.get(key)
         return None if field is None else field.contents()
@@ -133,8 +138,12 @@ def test_gemma_gguf_tokenizer_metadata(reader):
     assert len(value("tokenizer.ggml.scores")) == 262144
     assert value("tokenizer.ggml.merges") is None  # merge order comes from the scores
     assert value("tokenizer.chat_template") is None  # the base model
-    assert (value("tokenizer.ggml.bos_token_id"), value("tokenizer.ggml.eos_token_id"),
-            value("tokenizer.ggml.unknown_token_id"), value("tokenizer.ggml.padding_token_id")) == (2, 1, 3, 0)
+    assert (
+        value("tokenizer.ggml.bos_token_id"),
+        value("tokenizer.ggml.eos_token_id"),
+        value("tokenizer.ggml.unknown_token_id"),
+        value("tokenizer.ggml.padding_token_id"),
+    ) == (2, 1, 3, 0)
     assert value("tokenizer.ggml.add_bos_token") is True
     assert value("tokenizer.ggml.add_eos_token") is False
     assert value("tokenizer.ggml.add_space_prefix") is False
@@ -168,6 +177,7 @@ def test_end_of_turn_is_end_of_generation_for_llama_cpp(llama_cpp_vocab, ours):
 
 
 # -- encoding --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", ALL_TEXTS + [SPACE_SYMBOL_TEXT], ids=text_id)
 def test_encoding_matches_llama_cpp(ours, llama_cpp_vocab, text):
@@ -205,6 +215,7 @@ def test_long_whitespace_runs_use_the_whole_tokens(ours):
 
 # -- decoding --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("text", PLAIN_TEXTS, ids=text_id)
 def test_decode_round_trips_and_matches_references(ours, llama_cpp_vocab, transformers_tokenizer, text):
     ids = ours.encode(text)
@@ -238,6 +249,7 @@ def test_skip_special_tokens_keeps_user_defined_tokens(ours):
 
 
 # -- streaming -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("text", ALL_TEXTS, ids=text_id)
 def test_streamed_text_equals_whole_decode(ours, text):
@@ -297,13 +309,14 @@ def test_chat_template_renders_gemma_turns(ours, llama_cpp_vocab):
 def test_chat_template_without_generation_prompt_or_system(ours):
     messages = CONVERSATION[1:3]
     assert ours.apply_chat_template(messages, add_generation_prompt=False) == (
-        "<bos><start_of_turn>user\nName a prime, ünïcode 🙂.<end_of_turn>\n"
-        "<start_of_turn>model\n7<end_of_turn>\n")
+        "<bos><start_of_turn>user\nName a prime, ünïcode 🙂.<end_of_turn>\n<start_of_turn>model\n7<end_of_turn>\n"
+    )
 
 
 def test_chat_template_system_without_user_turn(ours):
     assert ours.apply_chat_template([{"role": "system", "content": "Be brief."}]) == (
-        "<bos><start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n")
+        "<bos><start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n"
+    )
 
 
 def test_chat_template_refuses_a_late_system_message(ours):
@@ -315,6 +328,7 @@ def test_chat_template_refuses_a_late_system_message(ours):
 
 # -- the conversion cache --------------------------------------------------------------------
 
+
 def test_serialized_tokenizer_behaves_the_same(ours):
     loaded = Tokenizer.from_json_str(ours.to_json_str())
     for text in ALL_TEXTS:
@@ -322,10 +336,15 @@ def test_serialized_tokenizer_behaves_the_same(ours):
         assert loaded.decode(ours.encode(text)) == ours.decode(ours.encode(text))
     assert loaded.apply_chat_template(CONVERSATION) == EXPECTED_PROMPT
     assert (loaded.special_ids, loaded.eos_token_ids, loaded.token_types, loaded.bos_token_id) == (
-        ours.special_ids, ours.eos_token_ids, ours.token_types, ours.bos_token_id)
+        ours.special_ids,
+        ours.eos_token_ids,
+        ours.token_types,
+        ours.bos_token_id,
+    )
 
 
 # -- small SentencePiece vocabularies: the choices the real file does not exercise -------------
+
 
 def spm_metadata(pieces: dict[str, float], extra: dict | None = None) -> dict:
     """A SentencePiece GGUF tokenizer: <unk> <s> </s>, the 256 byte tokens, then `pieces`
@@ -346,11 +365,14 @@ def spm_pieces(tokenizer: Tokenizer, text: str, **kwargs) -> list[str]:
     return [tokenizer.id_to_token(i) for i in tokenizer.encode(text, **kwargs)]
 
 
-@pytest.mark.parametrize("scores, expected", [
-    # SentencePiece joins the pair whose joined piece scores highest, whatever the ids.
-    ({"▁h": -2.0, "hi": -1.0}, ["▁", "hi"]),
-    ({"▁h": -1.0, "hi": -2.0}, ["▁h", "i"]),
-])
+@pytest.mark.parametrize(
+    "scores, expected",
+    [
+        # SentencePiece joins the pair whose joined piece scores highest, whatever the ids.
+        ({"▁h": -2.0, "hi": -1.0}, ["▁", "hi"]),
+        ({"▁h": -1.0, "hi": -2.0}, ["▁h", "i"]),
+    ],
+)
 def test_merge_order_follows_scores(scores, expected):
     pieces = {"▁": -5.0, "h": -5.0, "i": -5.0, **scores}
     tokenizer = Tokenizer.from_gguf_metadata(spm_metadata(pieces))
@@ -369,8 +391,9 @@ def test_llama_cpp_defaults_space_prefix_and_bos():
     assert spm_pieces(tokenizer, "hi</s>hi", add_special_tokens=False) == ["▁hi", "</s>", "▁hi"]
     assert tokenizer.chat_template is None  # not Gemma's vocabulary, and the file has none
 
-    no_prefix = Tokenizer.from_gguf_metadata(spm_metadata(pieces, {
-        "tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False}))
+    no_prefix = Tokenizer.from_gguf_metadata(
+        spm_metadata(pieces, {"tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": False})
+    )
     assert spm_pieces(no_prefix, "hi hi") == ["h", "i", "▁hi"]
     assert no_prefix.decode(no_prefix.encode(" hi")) == " hi"
 

@@ -17,12 +17,15 @@ BLOCK = 16
 
 
 class Harness:
-    def __init__(self, model, num_blocks: int = 128, slots: int = 4, looped=None, history_rows: int = 0,
-                 device: str = "cpu"):
+    def __init__(
+        self, model, num_blocks: int = 128, slots: int = 4, looped=None, history_rows: int = 0, device: str = "cpu"
+    ):
         """`looped`: a looped model's stored planes (config.LoopConfig; None: the full cache)."""
-        self.caches = build_caches(spec_of(model, looped), CacheBudget(block_size=BLOCK, num_blocks=num_blocks,
-                                                                       state_slots=slots, history_rows=history_rows),
-                                   device)
+        self.caches = build_caches(
+            spec_of(model, looped),
+            CacheBudget(block_size=BLOCK, num_blocks=num_blocks, state_slots=slots, history_rows=history_rows),
+            device,
+        )
         self.blocks = BlockManager(num_blocks, BLOCK)
         self.runner = Runner(model, self.caches, BLOCK)
         self.model = model

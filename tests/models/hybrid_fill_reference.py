@@ -12,8 +12,16 @@ from transformers import DynamicCache
 
 
 @torch.no_grad()
-def reference_two_sweep(ref, ids: list[int], split: int, filled: torch.Tensor, predict, shifts=None,
-                        boundary: int | None = None, rescale_rows: int | None = None):
+def reference_two_sweep(
+    ref,
+    ids: list[int],
+    split: int,
+    filled: torch.Tensor,
+    predict,
+    shifts=None,
+    boundary: int | None = None,
+    rescale_rows: int | None = None,
+):
     """-> (logits [n, V] (rows of filled positions meaningless), the transformers cache).
     filled: [n] bool; predict(layer, x_split [F, d]) -> x̂ [F, d]. With `boundary`, the late
     layers run the prefix (rows before it), then the tail, and between the two: with shifts
@@ -57,7 +65,7 @@ def _rescale_values(layer, values, inputs, x_split, predict, i, filled, boundary
         return attn.v_proj(layer.input_layernorm(x)).view(x.shape[0], heads, -1)  # [c, Hkv, D]
 
     ratio = (v_of(inputs[rows]).norm(dim=-1) / v_of(predict(i, x_split[rows])).norm(dim=-1)).mean(0)  # [Hkv]
-    values[0][:, filled[:values.shape[2]]] *= ratio[:, None, None]
+    values[0][:, filled[: values.shape[2]]] *= ratio[:, None, None]
 
 
 def _run(layer, inputs, rope, pos, cache, lo: int, hi: int) -> torch.Tensor:
@@ -66,8 +74,9 @@ def _run(layer, inputs, rope, pos, cache, lo: int, hi: int) -> torch.Tensor:
     if lo > 0 and layer.block_type != "linear_attention":  # queries lo..hi-1 over keys 0..hi-1, causal
         mask = (torch.arange(hi)[None, :] <= torch.arange(lo, hi)[:, None])[None, None]
     part_rope = tuple(t[:, lo:hi] for t in rope)
-    return layer(inputs[None, lo:hi], position_embeddings=part_rope, attention_mask=mask,
-                 position_ids=pos[:, lo:hi], cache=cache)[0]
+    return layer(
+        inputs[None, lo:hi], position_embeddings=part_rope, attention_mask=mask, position_ids=pos[:, lo:hi], cache=cache
+    )[0]
 
 
 def layer_gates(layer, inputs: torch.Tensor) -> torch.Tensor:
@@ -103,8 +112,9 @@ def reference_decode(ref, cache, first_token: int, start: int, steps: int) -> li
     """Greedy tokens after `first_token` at position `start`, decoding over the reference cache."""
     out, token = [], first_token
     for t in range(steps):
-        logits = ref(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[start + t]]), cache=cache,
-                     use_cache=True).logits[0, -1]
+        logits = ref(
+            input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[start + t]]), cache=cache, use_cache=True
+        ).logits[0, -1]
         token = int(logits.argmax())
         out.append(token)
     return out

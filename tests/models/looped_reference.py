@@ -21,12 +21,32 @@ from safetensors.torch import save_file
 from ridgefill_runtime.models.looped import initial_state
 
 TINY_HUGINN = {
-    "model_type": "huginn_raven", "architectures": ["RavenForCausalLM"], "n_embd": 32, "n_heads": 4,
-    "num_key_value_heads": 4, "intermediate_size": 48, "n_layers_in_prelude": 2, "n_layers_in_recurrent_block": 2,
-    "n_layers_in_coda": 1, "n_layers": 5, "mean_recurrence": 4, "mean_backprop_depth": 2, "vocab_size": 61,
-    "padded_vocab_size": 64, "padding_multiple": 64, "block_size": 512, "rope_base": 50000.0, "norm_eps": 1e-6,
-    "qk_bias": True, "bias": False, "tie_embeddings": True, "injection_type": "linear", "state_init": "like-init",
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "model_type": "huginn_raven",
+    "architectures": ["RavenForCausalLM"],
+    "n_embd": 32,
+    "n_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 48,
+    "n_layers_in_prelude": 2,
+    "n_layers_in_recurrent_block": 2,
+    "n_layers_in_coda": 1,
+    "n_layers": 5,
+    "mean_recurrence": 4,
+    "mean_backprop_depth": 2,
+    "vocab_size": 61,
+    "padded_vocab_size": 64,
+    "padding_multiple": 64,
+    "block_size": 512,
+    "rope_base": 50000.0,
+    "norm_eps": 1e-6,
+    "qk_bias": True,
+    "bias": False,
+    "tie_embeddings": True,
+    "injection_type": "linear",
+    "state_init": "like-init",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 
 
@@ -38,25 +58,41 @@ def tiny_huginn_tensors(raw: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     hd = d // heads
     rnd = lambda *shape, std=0.3: torch.randn(*shape, generator=gen) * std  # noqa: E731
     norm = lambda: 1.0 + rnd(d, std=0.1)  # noqa: E731
-    out = {"transformer.wte.weight": rnd(raw["padded_vocab_size"], d, std=0.5),
-           "transformer.adapter.weight": rnd(d, 2 * d, std=0.2), "transformer.ln_f.weight": norm()}
+    out = {
+        "transformer.wte.weight": rnd(raw["padded_vocab_size"], d, std=0.5),
+        "transformer.adapter.weight": rnd(d, 2 * d, std=0.2),
+        "transformer.ln_f.weight": norm(),
+    }
     if raw.get("bias"):
         out["transformer.adapter.bias"] = rnd(d, std=0.1)
-    groups = [("prelude", raw["n_layers_in_prelude"]), ("core_block", raw["n_layers_in_recurrent_block"]),
-              ("coda", raw["n_layers_in_coda"])]
+    groups = [
+        ("prelude", raw["n_layers_in_prelude"]),
+        ("core_block", raw["n_layers_in_recurrent_block"]),
+        ("coda", raw["n_layers_in_coda"]),
+    ]
     for group, count in groups:
         for i in range(count):
             p = f"transformer.{group}.{i}."
-            out.update({p + "norm_1.weight": norm(), p + "attn.Wqkv.weight": rnd((heads + 2 * kv_heads) * hd, d),
-                        p + "attn.proj.weight": rnd(d, heads * hd), p + "norm_2.weight": norm(),
-                        p + "mlp.fc.weight": rnd(2 * inter, d), p + "mlp.proj.weight": rnd(d, inter),
-                        p + "norm_3.weight": norm(), p + "norm_4.weight": norm()})
+            out.update(
+                {
+                    p + "norm_1.weight": norm(),
+                    p + "attn.Wqkv.weight": rnd((heads + 2 * kv_heads) * hd, d),
+                    p + "attn.proj.weight": rnd(d, heads * hd),
+                    p + "norm_2.weight": norm(),
+                    p + "mlp.fc.weight": rnd(2 * inter, d),
+                    p + "mlp.proj.weight": rnd(d, inter),
+                    p + "norm_3.weight": norm(),
+                    p + "norm_4.weight": norm(),
+                }
+            )
             if raw.get("qk_bias"):
                 out[p + "attn.qk_bias"] = rnd(2, 1, heads, hd, std=0.2)
     return out
 
 
-def write_tiny_huginn(folder: Path, raw: dict = TINY_HUGINN, seed: int = 0, tokenizer: bool = False) -> dict[str, torch.Tensor]:
+def write_tiny_huginn(
+    folder: Path, raw: dict = TINY_HUGINN, seed: int = 0, tokenizer: bool = False
+) -> dict[str, torch.Tensor]:
     """A Hugging Face folder (config.json + model.safetensors) of a random tiny Huginn-layout model;
     with `tokenizer`, a word-level tokenizer.json whose token i is the word "w{i}"."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -65,6 +101,7 @@ def write_tiny_huginn(folder: Path, raw: dict = TINY_HUGINN, seed: int = 0, toke
     save_file(tensors, str(folder / "model.safetensors"))
     if tokenizer:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
         vocab = {f"w{i}": i for i in range(raw["padded_vocab_size"])}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
         tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -96,8 +133,11 @@ class LoopedReference:
         self.planes: dict[tuple[int, int], list] = {}
         self.pos = 0
         p, c = raw["n_layers_in_prelude"], raw["n_layers_in_recurrent_block"]
-        self.layers = ([("prelude", i) for i in range(p)] + [("core_block", i) for i in range(c)]
-                       + [("coda", i) for i in range(raw["n_layers_in_coda"])])
+        self.layers = (
+            [("prelude", i) for i in range(p)]
+            + [("core_block", i) for i in range(c)]
+            + [("coda", i) for i in range(raw["n_layers_in_coda"])]
+        )
         self.num_prelude, self.num_core = p, c
 
     def step(self, token: int) -> torch.Tensor:
@@ -129,9 +169,9 @@ class LoopedReference:
         w = self.w
         hd, heads, kvh = self.hd, self.heads, self.kv_heads
         qkv = w[p + "attn.Wqkv.weight"] @ self._norm(x, w[p + "norm_1.weight"])
-        q = qkv[:heads * hd].view(heads, hd)
-        k = qkv[heads * hd:(heads + kvh) * hd].view(kvh, hd)
-        v = qkv[(heads + kvh) * hd:].view(kvh, hd)
+        q = qkv[: heads * hd].view(heads, hd)
+        k = qkv[heads * hd : (heads + kvh) * hd].view(kvh, hd)
+        v = qkv[(heads + kvh) * hd :].view(kvh, hd)
         if p + "attn.qk_bias" in w:
             q, k = q + w[p + "attn.qk_bias"][0, 0], k + w[p + "attn.qk_bias"][1, 0]
         q, k = self._rotary(q, t), self._rotary(k, t)

@@ -80,9 +80,15 @@ def test_batch_of_three_lengths_equals_alone(tiny):
 def test_greedy_continuation_identical(tiny):
     prompt = tiny["ids"][:100]
     with torch.no_grad():
-        ref = tiny["ref"].generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                   min_new_tokens=32, eos_token_id=None, pad_token_id=0)
-    expected = ref[0, len(prompt):].tolist()
+        ref = tiny["ref"].generate(
+            torch.tensor([prompt]),
+            max_new_tokens=32,
+            do_sample=False,
+            min_new_tokens=32,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    expected = ref[0, len(prompt) :].tolist()
     llm = LLM(EngineConfig(model=str(tiny["folder"]), cache=CacheConfig(num_blocks=64)))
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert out.token_ids == expected

@@ -21,10 +21,16 @@ WINDOW = 512
 def models(gemma3_gguf):
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
-                                               dtype=torch.float32).eval()
-    ours = LLM(EngineConfig(model=str(gemma3_gguf), cache=CacheConfig(kv_cache_gib=0.2),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=512, chunk_size=512)))
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
+    ).eval()
+    ours = LLM(
+        EngineConfig(
+            model=str(gemma3_gguf),
+            cache=CacheConfig(kv_cache_gib=0.2),
+            scheduler=SchedulerConfig(max_num_batched_tokens=512, chunk_size=512),
+        )
+    )
     return ref, ours
 
 
@@ -60,7 +66,7 @@ def test_greedy_continuation_identical_past_the_window(models):
     ids = ours.tokenizer.encode(TEXT.read_text())[:700]  # decode rows reach past the window
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=48, min_new_tokens=48, do_sample=False)
-    expected = out[0, len(ids):].tolist()
+    expected = out[0, len(ids) :].tolist()
     (got,) = ours.generate([ids], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
     assert got.token_ids == expected
 
@@ -76,7 +82,7 @@ def test_batched_decode_equals_each_alone(models):
     """Three sequences (one past the window) prefilled and decoded together equal each run alone."""
     _, ours = models
     text = TEXT.read_text()
-    prompts = [ours.tokenizer.encode(text[i:i + n]) for i, n in ((0, 3000), (4000, 900), (9000, 200))]
+    prompts = [ours.tokenizer.encode(text[i : i + n]) for i, n in ((0, 3000), (4000, 900), (9000, 200))]
     assert len(prompts[0]) > WINDOW
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
     together = _run(ours.engine, prompts, params)

@@ -51,7 +51,9 @@ def test_corrupt_safetensors(good, tmp_path):
 
 def test_missing_shard_named_in_index(good, tmp_path):
     m = copy(good, tmp_path)
-    (m / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}}))
+    (m / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"x": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(ModelLoadError) as e:
         load_hf_folder(m)
     assert "model-00002-of-00002.safetensors" in one_line(e)

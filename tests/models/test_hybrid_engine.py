@@ -30,9 +30,16 @@ def tiny(request, tmp_path_factory):
         for p in prompts:
             # NOTE: an explicit mask: generate() would take prompt tokens equal to pad_token_id for padding.
             ids = torch.tensor([p])
-            out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                               min_new_tokens=GREEDY.max_tokens, eos_token_id=None, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
+            out = ref.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+                min_new_tokens=GREEDY.max_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(p) :].tolist())
     return dict(name=request.param, folder=folder, prompts=prompts, expected=expected)
 
 
@@ -42,8 +49,11 @@ def _engine_config(tiny, **kw) -> EngineConfig:
 
 def test_batched_chunked_greedy_equals_transformers(tiny):
     """Six requests at once, prompts cut into 32-token chunks and sharing steps with decodes."""
-    llm = LLM(_engine_config(tiny, cache=CacheConfig(num_blocks=128),
-                             scheduler=SchedulerConfig(max_num_batched_tokens=80, chunk_size=32)))
+    llm = LLM(
+        _engine_config(
+            tiny, cache=CacheConfig(num_blocks=128), scheduler=SchedulerConfig(max_num_batched_tokens=80, chunk_size=32)
+        )
+    )
     outs = llm.generate(tiny["prompts"], GREEDY)
     assert [o.token_ids for o in outs] == tiny["expected"]
     stats = llm.engine.stats()
@@ -53,8 +63,13 @@ def test_batched_chunked_greedy_equals_transformers(tiny):
 def test_preempted_sequences_restart_from_zero_state_and_match(tiny):
     """A cache too small for all six: the newest are preempted (their state slots freed) and
     recomputed; every output still equals transformers'."""
-    llm = LLM(_engine_config(tiny, cache=CacheConfig(num_blocks=14, block_size=16),
-                             scheduler=SchedulerConfig(max_num_batched_tokens=256, chunk_size=64)))
+    llm = LLM(
+        _engine_config(
+            tiny,
+            cache=CacheConfig(num_blocks=14, block_size=16),
+            scheduler=SchedulerConfig(max_num_batched_tokens=256, chunk_size=64),
+        )
+    )
     outs = llm.generate(tiny["prompts"], GREEDY)
     stats = llm.engine.stats()
     assert stats.preemptions_total > 0, "the test must preempt to test preemption"
@@ -88,16 +103,27 @@ def test_speculative_steps_roll_the_gdn_states_back_to_plain_greedy_decoding(tin
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = tiny["prompts"]
     small = SchedulerConfig(chunk_size=32, max_num_batched_tokens=96)  # prefills spread over many steps
-    want = [o.token_ids for o in LLM(_engine_config(tiny, cache=CacheConfig(num_blocks=160), fill=fill,
-                                                    scheduler=small)).generate(prompts, greedy)]
-    spec = LLM(_engine_config(tiny, cache=CacheConfig(num_blocks=160), fill=fill, scheduler=small,
-                              speculative=SpeculativeConfig(method="ngram", num_tokens=4)))
+    want = [
+        o.token_ids
+        for o in LLM(_engine_config(tiny, cache=CacheConfig(num_blocks=160), fill=fill, scheduler=small)).generate(
+            prompts, greedy
+        )
+    ]
+    spec = LLM(
+        _engine_config(
+            tiny,
+            cache=CacheConfig(num_blocks=160),
+            fill=fill,
+            scheduler=small,
+            speculative=SpeculativeConfig(method="ngram", num_tokens=4),
+        )
+    )
     rng = random.Random(3)
     truth = {}
 
     def oracle(seq, limit: int) -> list[int]:
         done = len(seq.output_ids)
-        draft = list(truth[seq.seq_id][done:done + limit])
+        draft = list(truth[seq.seq_id][done : done + limit])
         spoil = rng.randrange(len(draft) + 1)  # len(draft): nothing spoiled, the whole draft stands
         if spoil < len(draft):
             draft[spoil] = (draft[spoil] + 1) % 320
@@ -125,10 +151,15 @@ def test_the_text_path_of_a_vision_language_checkpoint(tmp_path):
     raw = json.loads((text / "config.json").read_text())
     vl = tmp_path / "vl"
     vl.mkdir()
-    (vl / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "tie_word_embeddings": False,
-                                                "text_config": raw, "vision_config": {"depth": 1}}))
-    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
-               for k, v in load_file(text / "model.safetensors").items()}
+    (vl / "config.json").write_text(
+        json.dumps(
+            {"model_type": "qwen3_5", "tie_word_embeddings": False, "text_config": raw, "vision_config": {"depth": 1}}
+        )
+    )
+    tensors = {
+        k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+        for k, v in load_file(text / "model.safetensors").items()
+    }
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
     save_file(tensors, vl / "model.safetensors")
     prompts = [[5, 17, 99, 3] * 10, list(range(1, 60))]

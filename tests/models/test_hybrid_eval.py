@@ -32,8 +32,9 @@ def fitted(request, tmp_path_factory):
     g = torch.Generator().manual_seed(4)
     docs = [Document(f"d{i}", tuple(torch.randint(0, 320, (LENGTH,), generator=g).tolist())) for i in range(6)]
     out = tmp_path_factory.mktemp(f"fit-{request.param}")
-    report = fit_maps(model, "tiny", docs[:3], docs[3:4], [SPLIT], out, frozenset(), grid=(1e-3, 0.1),
-                      log=lambda *_: None)
+    report = fit_maps(
+        model, "tiny", docs[:3], docs[3:4], [SPLIT], out, frozenset(), grid=(1e-3, 0.1), log=lambda *_: None
+    )
     path = out / report["splits"][SPLIT]["maps"]
     # NOTE: the ΔM prompts are kept apart from the maps' calibration and the evaluated document
     states = fit_terminal_into(model, path, list(docs[4:5]), SPLIT, every=64, log=lambda *_: None)
@@ -43,11 +44,16 @@ def fitted(request, tmp_path_factory):
 def test_fit_then_eval_every_arm_and_splice(fitted):
     model, maps, path, states, ids = fitted
     assert states == LENGTH // 64 and sorted(maps.terminal) == [2]  # layer 2: the one GDN layer above the split
-    arms = [Arm("nofill", FillConfig(arm="nofill", split=SPLIT, tail=TAIL)),
-            Arm("identity", FillConfig(arm="identity", split=SPLIT, tail=TAIL)),
-            Arm("ridgefill", FillConfig(arm="ridgefill", split=SPLIT, tail=TAIL, maps=str(path)), maps),
-            Arm("ridgefill+terminal", FillConfig(arm="ridgefill", split=SPLIT, tail=TAIL, maps=str(path),
-                                                 terminal_state=True), maps)]
+    arms = [
+        Arm("nofill", FillConfig(arm="nofill", split=SPLIT, tail=TAIL)),
+        Arm("identity", FillConfig(arm="identity", split=SPLIT, tail=TAIL)),
+        Arm("ridgefill", FillConfig(arm="ridgefill", split=SPLIT, tail=TAIL, maps=str(path)), maps),
+        Arm(
+            "ridgefill+terminal",
+            FillConfig(arm="ridgefill", split=SPLIT, tail=TAIL, maps=str(path), terminal_state=True),
+            maps,
+        ),
+    ]
     result = document_measures(model, ids, arms, TAIL, "ridgefill")
     names = [a.name for a in arms] + [f"ridgefill+exact_{w}" for w in HYBRID_SPLICES]
     for name in names:
@@ -73,8 +79,9 @@ def test_fit_command_with_terminal_state_stores_the_shift_with_the_maps(tmp_path
     folder = tmp_path / "model"
     build_tiny_hybrid("qwen3_5_text", folder)
     words = [f"w{i}" for i in range(300)]
-    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(["<unk>"] + words)},
-                                                               unk_token="<unk>"))
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(["<unk>"] + words)}, unk_token="<unk>")
+    )
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     backend.save(str(folder / "tokenizer.json"))
     g = torch.Generator().manual_seed(8)
@@ -83,11 +90,50 @@ def test_fit_command_with_terminal_state_stores_the_shift_with_the_maps(tmp_path
         texts[name] = tmp_path / f"{name}.txt"
         texts[name].write_text(" ".join(words[i] for i in torch.randint(0, 300, (200,), generator=g).tolist()))
     out = tmp_path / "maps"
-    assert main(["fit", "--model", str(folder), "--calib", str(texts["calib"]), "--heldout", str(texts["held"]),
-                 "--splits", "2", "--out", str(out), "--terminal-state", str(texts["terminal"]),
-                 "--terminal-every", "64", "--threads", "2"]) == 0
+    assert (
+        main(
+            [
+                "fit",
+                "--model",
+                str(folder),
+                "--calib",
+                str(texts["calib"]),
+                "--heldout",
+                str(texts["held"]),
+                "--splits",
+                "2",
+                "--out",
+                str(out),
+                "--terminal-state",
+                str(texts["terminal"]),
+                "--terminal-every",
+                "64",
+                "--threads",
+                "2",
+            ]
+        )
+        == 0
+    )
     maps = FillMaps(out / "maps-split2.safetensors", "resident", torch.float32, torch.device("cpu"))
     assert sorted(maps.terminal) == [2] and maps.terminal[2].shape == (4, 8, 12)
-    assert main(["fit", "--calib", str(texts["calib"]), "--heldout", str(texts["held"]), "--splits", "11",
-                 "--out", str(tmp_path / "dense"), "--terminal-state", str(texts["terminal"])]) == 1
-    assert capsys.readouterr().err.strip().endswith("--terminal-state: the model has no Gated DeltaNet layers to correct")
+    assert (
+        main(
+            [
+                "fit",
+                "--calib",
+                str(texts["calib"]),
+                "--heldout",
+                str(texts["held"]),
+                "--splits",
+                "11",
+                "--out",
+                str(tmp_path / "dense"),
+                "--terminal-state",
+                str(texts["terminal"]),
+            ]
+        )
+        == 1
+    )
+    assert (
+        capsys.readouterr().err.strip().endswith("--terminal-state: the model has no Gated DeltaNet layers to correct")
+    )

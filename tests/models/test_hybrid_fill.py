@@ -35,8 +35,15 @@ def fill_config(split: int, selectors=("special",)) -> FillConfig:
 
 
 def engine(model, fill: FillConfig, chunk: int = 512) -> Engine:
-    eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill,
-                                           scheduler=SchedulerConfig(chunk_size=chunk, max_num_batched_tokens=512)))
+    eng = Engine(
+        model,
+        None,
+        EngineConfig(
+            cache=CacheConfig(num_blocks=64),
+            fill=fill,
+            scheduler=SchedulerConfig(chunk_size=chunk, max_num_batched_tokens=512),
+        ),
+    )
     eng.scheduler.select = lambda seq: list(EXACT_ROWS)
     return eng
 
@@ -65,13 +72,17 @@ def rel_err(a, b) -> float:
 def tail_logprobs(ref_logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
     """log p(next prompt token) of the tail rows (those the fill's scores cover) [T - 1]."""
     boundary = PROMPT - TAIL
-    return ref_logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1:])[:, None])[:, 0]
+    return ref_logits[boundary:-1].log_softmax(-1).gather(1, torch.tensor(ids[boundary + 1 :])[:, None])[:, 0]
 
 
 def engine_scores(model, fill: FillConfig, maps, ids: list[int], chunk: int) -> torch.Tensor:
     """The prompt's tail scores through an engine with these fill settings and fixed exact rows."""
-    eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill,
-                                           scheduler=SchedulerConfig(chunk_size=chunk)), maps)
+    eng = Engine(
+        model,
+        None,
+        EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill, scheduler=SchedulerConfig(chunk_size=chunk)),
+        maps,
+    )
     eng.scheduler.select = lambda seq: list(EXACT_ROWS)
     seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
     while eng.has_unfinished():
@@ -99,12 +110,15 @@ def test_two_sweep_state_cache_and_output_equal_the_reference(tiny, split, chunk
         else:
             slots = eng.runner._seq_slots(seq, 0, PROMPT)
             k, v = eng.kv.read(layer, slots)  # [n, Hkv, D]
-            ref_k, ref_v = (t[0].transpose(0, 1) for t in (ref_cache.layers[layer].keys, ref_cache.layers[layer].values))
+            ref_k, ref_v = (
+                t[0].transpose(0, 1) for t in (ref_cache.layers[layer].keys, ref_cache.layers[layer].values)
+            )
             assert rel_err(k, ref_k) < 1e-4 and rel_err(v, ref_v) < 1e-4, layer
     while eng.has_unfinished():
         eng.step()
-    assert seq.output_ids == [seq.output_ids[0]] + reference_decode(tiny["ref"], ref_cache, seq.output_ids[0],
-                                                                     PROMPT, NEW - 1)
+    assert seq.output_ids == [seq.output_ids[0]] + reference_decode(
+        tiny["ref"], ref_cache, seq.output_ids[0], PROMPT, NEW - 1
+    )
 
 
 def test_scores_of_the_tail_equal_the_reference(tiny):
@@ -175,8 +189,9 @@ def fitted(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"maps-{tiny['name']}")
     g = torch.Generator().manual_seed(9)
     docs = [Document(f"d{i}", tuple(torch.randint(0, 320, (200,), generator=g).tolist())) for i in range(4)]
-    report = fit_maps(tiny["model"], "tiny", docs[:3], docs[3:], [2], out, frozenset(), grid=(1e-3, 0.1),
-                      log=lambda *_: None)
+    report = fit_maps(
+        tiny["model"], "tiny", docs[:3], docs[3:], [2], out, frozenset(), grid=(1e-3, 0.1), log=lambda *_: None
+    )
     return out / report["splits"][2]["maps"]
 
 
@@ -188,8 +203,12 @@ def test_fitted_maps_fill_resident_equals_streamed_and_the_reference(tiny, fitte
     outs = {}
     for placement in ("resident", "streamed"):
         maps = FillMaps(fitted, placement, model.dtype, model.device)
-        eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill,
-                                               scheduler=SchedulerConfig(chunk_size=16)), maps)
+        eng = Engine(
+            model,
+            None,
+            EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill, scheduler=SchedulerConfig(chunk_size=16)),
+            maps,
+        )
         eng.scheduler.select = lambda seq: list(EXACT_ROWS)
         seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
         while eng.has_unfinished():
@@ -226,8 +245,14 @@ def test_terminal_state_correction_equals_the_reference(tiny, fitted, tmp_path):
     want = tail_logprobs(ref_logits, ids)
     plain, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict)
     assert not torch.allclose(ref_logits[boundary:], plain[boundary:], atol=1e-3)  # the correction acts
-    fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(path), terminal_state=True,
-                      rows=RowsConfig(selectors=("special",)))
+    fill = FillConfig(
+        arm="ridgefill",
+        split=2,
+        tail=TAIL,
+        maps=str(path),
+        terminal_state=True,
+        rows=RowsConfig(selectors=("special",)),
+    )
     for chunk in (512, 13):
         assert torch.allclose(engine_scores(model, fill, maps, ids, chunk), want, atol=1e-4), chunk
 
@@ -237,7 +262,9 @@ def test_the_correction_needs_a_shift_for_every_late_gdn_layer(tiny, fitted):
 
     fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(fitted), terminal_state=True)
     maps = FillMaps(fitted, "resident", torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"holds no ΔM for layers \[2\] \(fit it with `ridgefill fit --terminal-state`\)"):
+    with pytest.raises(
+        ValueError, match=r"holds no ΔM for layers \[2\] \(fit it with `ridgefill fit --terminal-state`\)"
+    ):
         Engine(tiny["model"], None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill), maps)
 
 
@@ -282,13 +309,21 @@ def test_value_rescale_measured_on_the_first_tail_rows_equals_the_reference(tiny
     model, ids = tiny["model"], tiny["ids"]
     maps = FillMaps(fitted, "resident", model.dtype, model.device)
     boundary, c = PROMPT - TAIL, 4
-    ref_logits, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict, boundary=boundary,
-                                        rescale_rows=c)
+    ref_logits, _ = reference_two_sweep(
+        tiny["ref"], ids, 2, filled_mask(), maps.predict, boundary=boundary, rescale_rows=c
+    )
     plain, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict)
     assert not torch.allclose(ref_logits[boundary:], plain[boundary:], atol=1e-3)  # the rescale acts
     want = tail_logprobs(ref_logits, ids)
-    fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(fitted), value_rescale=True, rescale_rows=c,
-                      rows=RowsConfig(selectors=("special",)))
+    fill = FillConfig(
+        arm="ridgefill",
+        split=2,
+        tail=TAIL,
+        maps=str(fitted),
+        value_rescale=True,
+        rescale_rows=c,
+        rows=RowsConfig(selectors=("special",)),
+    )
     assert torch.allclose(engine_scores(model, fill, maps, ids, chunk), want, atol=1e-4)
 
 
@@ -303,29 +338,42 @@ def test_a_request_turns_the_correction_on_or_off(tiny, fitted, tmp_path):
     model, ids, hy = tiny["model"], tiny["ids"], tiny["model"].config.hybrid
     path = tmp_path / "maps.safetensors"
     shutil.copy(fitted, path)
-    shifts = {2: 0.5 * torch.randn(hy.value_heads, hy.key_head_dim, hy.value_head_dim,
-                                   generator=torch.Generator().manual_seed(12))}
+    shifts = {
+        2: 0.5
+        * torch.randn(hy.value_heads, hy.key_head_dim, hy.value_head_dim, generator=torch.Generator().manual_seed(12))
+    }
     add_terminal_shift(path, shifts, every=64, states=1)
     maps = FillMaps(path, "resident", model.dtype, model.device)
     boundary = PROMPT - TAIL
     refs = {}
     for on in (True, False):
-        logits, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), maps.predict, shifts if on else None,
-                                        boundary)
+        logits, _ = reference_two_sweep(
+            tiny["ref"], ids, 2, filled_mask(), maps.predict, shifts if on else None, boundary
+        )
         refs[on] = tail_logprobs(logits, ids)
     fill = FillConfig(arm="ridgefill", split=2, tail=TAIL, maps=str(path), rows=RowsConfig(selectors=("special",)))
-    eng = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=96), fill=fill,
-                                           scheduler=SchedulerConfig(chunk_size=16)), maps)
+    eng = Engine(
+        model,
+        None,
+        EngineConfig(cache=CacheConfig(num_blocks=96), fill=fill, scheduler=SchedulerConfig(chunk_size=16)),
+        maps,
+    )
     eng.scheduler.select = lambda seq: list(EXACT_ROWS)
-    seqs = {on: eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True), terminal_state=on)
-            for on in (True, False)}
+    seqs = {
+        on: eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True), terminal_state=on)
+        for on in (True, False)
+    }
     default = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))  # the config's: off
     while eng.has_unfinished():
         eng.step()
     for on, seq in seqs.items():
         assert torch.allclose(torch.tensor(seq.prompt_logprobs), refs[on], atol=1e-4), on
     assert torch.allclose(torch.tensor(default.prompt_logprobs), refs[False], atol=1e-4)
-    plain = Engine(model, None, EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill),
-                   FillMaps(fitted, "resident", model.dtype, model.device))  # maps without ΔM
+    plain = Engine(
+        model,
+        None,
+        EngineConfig(cache=CacheConfig(num_blocks=64), fill=fill),
+        FillMaps(fitted, "resident", model.dtype, model.device),
+    )  # maps without ΔM
     with pytest.raises(InputError, match="the terminal-state correction needs .* maps holding ΔM"):
         plain.add_request(ids, SamplingParams(max_tokens=1), terminal_state=True)

@@ -5,9 +5,15 @@ users' requests, preemption and abort; and the engine's refusals."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, LoopConfig, LoopOverrides, SchedulerConfig, SpeculativeConfig
+from ridgefill_runtime.config import (
+    CacheConfig,
+    EngineConfig,
+    LoopConfig,
+    LoopOverrides,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
@@ -82,7 +88,10 @@ def test_speculating_beside_other_users_and_under_preemption(tiny):
     assert [s.output_ids for s in seqs] == alone + [alone_sampled]
     assert eng.scheduler.num_preemptions > 0
     assert eng.blocks.num_free == eng.blocks.num_blocks
-    assert eng.scheduler.caches.num_free_slots == eng.scheduler.caches.num_state_slots and not eng.caches.states.pending_from
+    assert (
+        eng.scheduler.caches.num_free_slots == eng.scheduler.caches.num_state_slots
+        and not eng.caches.states.pending_from
+    )
 
 
 def test_abort_mid_speculation_gives_everything_back(tiny):
@@ -97,15 +106,18 @@ def test_abort_mid_speculation_gives_everything_back(tiny):
     assert eng.blocks.num_free == eng.blocks.num_blocks and not eng.caches.states.pending_from
 
 
-@pytest.mark.parametrize("asked,field", [
-    (LoopOverrides(loops=0), "ridgefill.loops"),
-    (LoopOverrides(loops=5), "ridgefill.loops"),
-    (LoopOverrides(draft_loops=4), "ridgefill.draft_loops"),
-    (LoopOverrides(block=8, window=4), "ridgefill.window"),
-    (LoopOverrides(cache="half"), "ridgefill.cache"),
-    (LoopOverrides(cache="full"), "ridgefill.cache"),
-    (LoopOverrides(window=16), "ridgefill.window"),
-])
+@pytest.mark.parametrize(
+    "asked,field",
+    [
+        (LoopOverrides(loops=0), "ridgefill.loops"),
+        (LoopOverrides(loops=5), "ridgefill.loops"),
+        (LoopOverrides(draft_loops=4), "ridgefill.draft_loops"),
+        (LoopOverrides(block=8, window=4), "ridgefill.window"),
+        (LoopOverrides(cache="half"), "ridgefill.cache"),
+        (LoopOverrides(cache="full"), "ridgefill.cache"),
+        (LoopOverrides(window=16), "ridgefill.window"),
+    ],
+)
 def test_bad_loop_settings_are_refused_naming_the_field(tiny, asked, field):
     folder, _ = tiny
     eng = engine(folder, LoopConfig(cache="ripe", window=8, block=4, draft_loops=2))

@@ -38,7 +38,11 @@ def test_cuda_decode_equals_the_reference_policy(on_gpu, kind, window):
     seq = harness.new_seq(PROMPT)
     got = torch.cat([harness.step([(seq, 1)], reads=(LoopRead(4, window),))[0] for _ in PROMPT]).double().cpu()
     policy = None if window is None else ripe_policy(window)
-    ref = LoopedReference(tensors, TINY_HUGINN, 4) if policy is None else LoopedReference(tensors, TINY_HUGINN, 4, policy=policy)
+    ref = (
+        LoopedReference(tensors, TINY_HUGINN, 4)
+        if policy is None
+        else LoopedReference(tensors, TINY_HUGINN, 4, policy=policy)
+    )
     want = torch.stack([ref.step(t) for t in PROMPT])
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
 

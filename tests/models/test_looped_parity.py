@@ -32,8 +32,11 @@ def tiny(tmp_path_factory):
 
 
 def reference_logits(tensors, tokens, loops=4, policy=None) -> torch.Tensor:
-    ref = LoopedReference(tensors, TINY_HUGINN, loops) if policy is None else \
-        LoopedReference(tensors, TINY_HUGINN, loops, policy=policy)
+    ref = (
+        LoopedReference(tensors, TINY_HUGINN, loops)
+        if policy is None
+        else LoopedReference(tensors, TINY_HUGINN, loops, policy=policy)
+    )
     return torch.stack([ref.step(t) for t in tokens])
 
 
@@ -46,7 +49,7 @@ def test_loads_huginn_names_and_config_keys(tiny):
     cfg = model.config
     assert cfg.architecture == "huginn_raven" and cfg.vocab_size == 64  # the padded table
     assert (cfg.looped.prelude, cfg.looped.core, cfg.looped.coda, cfg.looped.mean_recurrence) == (2, 2, 1, 4)
-    assert cfg.looped.embed_scale == pytest.approx(32 ** 0.5) and cfg.head_dim == 8
+    assert cfg.looped.embed_scale == pytest.approx(32**0.5) and cfg.head_dim == 8
 
 
 def test_refuses_what_it_does_not_run(tmp_path):
@@ -57,6 +60,7 @@ def test_refuses_what_it_does_not_run(tmp_path):
     tensors = write_tiny_huginn(tmp_path / "b")
     del tensors["transformer.adapter.weight"]
     from safetensors.torch import save_file
+
     save_file(tensors, str(tmp_path / "b" / "model.safetensors"))
     ckpt = load_checkpoint(str(tmp_path / "b"))
     with pytest.raises(ModelLoadError, match="transformer.adapter.weight"):
@@ -127,7 +131,7 @@ def test_proposition_1(tiny, window, block):
     kind = "ripe" if window else "deepest"
     looped = LoopConfig(cache=kind, window=window, block=block, draft_loops=2, allow_short_window=True)
     read = LoopRead(4, window)
-    block_tokens = [PROMPT[-1], 21, 34, 8, 50, 13, 27][:block + 1]
+    block_tokens = [PROMPT[-1], 21, 34, 8, 50, 13, 27][: block + 1]
     runs = {}
     for mode in ("batched", "sequential"):
         harness = Harness(model, looped=looped, history_rows=block + 1)
@@ -172,8 +176,9 @@ def test_compiled_op_layout_equals_the_torch_path(tiny, kind, window):
     folder, _, model64 = tiny
     ckpt = load_checkpoint(str(folder))
     model32 = family("huginn_raven").build_model(ckpt.config, ckpt.tensors, dtype=torch.float32, device="cpu")
-    looped = LoopConfig(cache=kind, window=(window or 0) if kind == "ripe" else 0, block=3, draft_loops=2,
-                        allow_short_window=True)
+    looped = LoopConfig(
+        cache=kind, window=(window or 0) if kind == "ripe" else 0, block=3, draft_loops=2, allow_short_window=True
+    )
     read = LoopRead(4, window)
 
     def run(model, use_op):

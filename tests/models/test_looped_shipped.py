@@ -18,9 +18,13 @@ TEXT = "The kernel keeps a list of the devices it has found, and each driver"
 @pytest.fixture(scope="module")
 def engine():
     torch.set_num_threads(2)
-    return build_engine(EngineConfig(model="looped", looped=LoopConfig(loops=16, cache="ripe", window=32,
-                                                                     block=4, draft_loops=4),
-                                     cache=CacheConfig(num_blocks=64)))
+    return build_engine(
+        EngineConfig(
+            model="looped",
+            looped=LoopConfig(loops=16, cache="ripe", window=32, block=4, draft_loops=4),
+            cache=CacheConfig(num_blocks=64),
+        )
+    )
 
 
 def test_loads_by_name_with_its_tokenizer():
@@ -32,8 +36,10 @@ def test_loads_by_name_with_its_tokenizer():
 
 def test_self_speculation_equals_sequential_on_the_trained_model(engine):
     prompt = engine.tokenizer.encode(TEXT)
-    params = lambda block: SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,  # noqa: E731
-                                          looped=LoopOverrides(block=block))
+
+    def params(block):
+        return SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, looped=LoopOverrides(block=block))
+
     outs = {}
     for block in (0, 4):
         seq = engine.add_request(prompt, params(block))

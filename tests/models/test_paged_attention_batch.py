@@ -61,12 +61,16 @@ def _step(specs, heads, kv_heads, dim, seed=0, dtype=torch.float32):
     ends = [c + n if s is None else c for c, n, s in specs]
     width = max(len(t) for t in tables)
     batch = AttentionBatch(
-        query_starts=starts, context_lens=ends, write_slots=torch.cat(write),
-        read_slots=ContextSlots([None if c == 0 and s is None else t for (c, _, s), t in zip(specs, tables)], ends,
-                                BLOCK, "cpu"),
+        query_starts=starts,
+        context_lens=ends,
+        write_slots=torch.cat(write),
+        read_slots=ContextSlots(
+            [None if c == 0 and s is None else t for (c, _, s), t in zip(specs, tables)], ends, BLOCK, "cpu"
+        ),
         query_pos=[None if s is None else p for (_, _, s), p in zip(specs, positions)],
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        block_size=BLOCK)
+        block_size=BLOCK,
+    )
     return pool, batch, torch.cat(q_rows), torch.cat(k_step), torch.cat(v_step), full_kv, positions
 
 
@@ -84,7 +88,7 @@ MIXED = [
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 2)])
 def test_mixed_step_equals_each_sequence_in_float64(heads, kv_heads):
-    dim, scale = 64, 64 ** -0.5
+    dim, scale = 64, 64**-0.5
     pool, batch, q, k_new, v_new, full_kv, positions = _step(MIXED, heads, kv_heads, dim, seed=heads)
     got = paged_attention(q, k_new, v_new, pool, 0, batch, scale)  # [N, H*D]
     for i, ((k, v), pos) in enumerate(zip(full_kv, positions)):
@@ -105,7 +109,7 @@ def test_logit_rows_subset_equals_float64():
     for r, i in enumerate(owner.tolist()):
         k, v = full_kv[i]
         j = int(rows[r]) - batch.query_starts[i]
-        want = _float64_rows(q[rows[r:r + 1]], positions[i][j:j + 1], k, v, scale)
+        want = _float64_rows(q[rows[r : r + 1]], positions[i][j : j + 1], k, v, scale)
         assert (got[r].double() - want[0]).abs().max() < 2e-5
 
 
@@ -113,14 +117,16 @@ def test_logit_rows_subset_equals_float64():
 def test_a_decode_step_is_one_kernel_call_per_layer(monkeypatch):
     calls = []
     real = attention.scattered_rows_attention
-    monkeypatch.setattr(attention, "scattered_rows_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(
+        attention, "scattered_rows_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k)
+    )
     specs = [(c, 1, None) for c in (1, 15, 16, 17, 1000, 2047)]
     pool, batch, q, k_new, v_new, full_kv, positions = _step(specs, 9, 3, 64, seed=5)
     got = paged_attention(q, k_new, v_new, pool, 0, batch, 0.125)
     assert calls == [len(specs)]  # every row in one call
     assert batch.read_slots._made == {}  # and no per-position slot list was built
     for i, ((k, v), pos) in enumerate(zip(full_kv, positions)):
-        assert (got[i].double() - _float64_rows(q[i:i + 1], pos, k, v, 0.125)[0]).abs().max() < 2e-5
+        assert (got[i].double() - _float64_rows(q[i : i + 1], pos, k, v, 0.125)[0]).abs().max() < 2e-5
 
 
 def test_bfloat16_cache():

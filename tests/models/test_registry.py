@@ -20,9 +20,20 @@ from tiny_models import build_tiny
 
 
 def _config(architecture: str) -> ModelConfig:
-    return ModelConfig(architecture=architecture, vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
-                       num_heads=2, num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4,
-                       max_position_embeddings=16, tie_word_embeddings=True)
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=16,
+        tie_word_embeddings=True,
+    )
 
 
 class RecordingLM(DenseLM):
@@ -31,38 +42,60 @@ class RecordingLM(DenseLM):
 
 @pytest.fixture
 def tiny_family():
-    family = ModelFamily(name="tiny-test", model_class=RecordingLM, parse_hf_config=decoder_config.config_from_hf,
-                         weight_names=decoder_config.weight_names)
+    family = ModelFamily(
+        name="tiny-test",
+        model_class=RecordingLM,
+        parse_hf_config=decoder_config.config_from_hf,
+        weight_names=decoder_config.weight_names,
+    )
     registry.register(family)
     yield family
     registry.unregister(family.name)
 
 
 def test_one_list_names_the_built_in_families():
-    assert registry.supported() == ("llama", "qwen3", "qwen3_5_text", "qwen3_5", "qwen3_next", "huginn_raven",
-                                    "gemma3_text")
+    assert registry.supported() == (
+        "llama",
+        "qwen3",
+        "qwen3_5_text",
+        "qwen3_5",
+        "qwen3_next",
+        "huginn_raven",
+        "gemma3_text",
+    )
     # no GGUF reader for the hybrids or looped models
     assert registry.gguf_architectures() == ("llama", "qwen3", "gemma3")
     assert registry.family("qwen3").qk_norm and not registry.family("llama").qk_norm
-    assert registry.family("llama").gguf.interleaved_rope_rows and not registry.family("qwen3").gguf.interleaved_rope_rows
+    assert (
+        registry.family("llama").gguf.interleaved_rope_rows and not registry.family("qwen3").gguf.interleaved_rope_rows
+    )
 
 
 def test_unsupported_architecture_messages_name_the_supported_list():
     every = "llama, qwen3, qwen3_5_text, qwen3_5, qwen3_next, huginn_raven, gemma3_text"
     with pytest.raises(UnsupportedError, match=rf"unsupported architecture 'mamba' \(supported: {every}\)"):
         _config("mamba")
-    with pytest.raises(UnsupportedError, match=r"^cfg.json: unsupported architecture model_type='mamba' "
-                                               rf"\(supported: {every}\)$"):
+    with pytest.raises(
+        UnsupportedError,
+        match=r"^cfg.json: unsupported architecture model_type='mamba' "
+        rf"\(supported: {every}\)$",
+    ):
         registry.family_for_model_type("mamba", "cfg.json")
-    with pytest.raises(UnsupportedError, match=r"^x.gguf: GGUF architecture 'mamba' is not supported "
-                                               r"\(supported: llama, qwen3, gemma3\)$"):
+    with pytest.raises(
+        UnsupportedError,
+        match=r"^x.gguf: GGUF architecture 'mamba' is not supported "
+        r"\(supported: llama, qwen3, gemma3\)$",
+    ):
         registry.family_for_gguf("mamba", "x.gguf")
 
 
 def test_gguf_names_are_per_family():
     llama, qwen3 = registry.family("llama").gguf, registry.family("qwen3").gguf
-    assert llama.hf_name("blk.3.attn_q.weight") == qwen3.hf_name("blk.3.attn_q.weight") == \
-        "model.layers.3.self_attn.q_proj.weight"
+    assert (
+        llama.hf_name("blk.3.attn_q.weight")
+        == qwen3.hf_name("blk.3.attn_q.weight")
+        == "model.layers.3.self_attn.q_proj.weight"
+    )
     assert llama.hf_name("output.weight") == "lm_head.weight"
     # QK-norm is Qwen3's: a llama file holding it has a tensor with no place in the model.
     assert qwen3.hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
@@ -72,8 +105,9 @@ def test_gguf_names_are_per_family():
 def test_register_refuses_a_taken_name_and_families_are_frozen(tiny_family):
     with pytest.raises(ValueError, match="already registered"):
         registry.register(dataclasses.replace(tiny_family))
-    gguf = GGUFFormat(architecture="llama", parse_config=decoder_config.config_from_gguf,
-                      top_level_names={}, layer_part_names={})
+    gguf = GGUFFormat(
+        architecture="llama", parse_config=decoder_config.config_from_gguf, top_level_names={}, layer_part_names={}
+    )
     with pytest.raises(ValueError, match="GGUF architecture 'llama' is already registered"):
         registry.register(dataclasses.replace(tiny_family, name="other", gguf=gguf))
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -81,8 +115,12 @@ def test_register_refuses_a_taken_name_and_families_are_frozen(tiny_family):
     with pytest.raises(TypeError):
         registry.family("qwen3").gguf.layer_part_names["attn_q"] = "x"  # shared tables are read-only
     with pytest.raises(ValueError, match="model_class must be callable"):
-        ModelFamily(name="bad", model_class=None, parse_hf_config=decoder_config.config_from_hf,
-                    weight_names=decoder_config.weight_names)
+        ModelFamily(
+            name="bad",
+            model_class=None,
+            parse_hf_config=decoder_config.config_from_hf,
+            weight_names=decoder_config.weight_names,
+        )
 
 
 def test_a_registered_family_validates_loads_and_builds(tiny_family, tmp_path_factory):

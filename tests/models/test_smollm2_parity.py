@@ -22,8 +22,11 @@ def models(tmp_path_factory):
     path = default_model_path()
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     # NOTE: chunk 512 so the 1,100-token text also crosses chunk boundaries.
-    ours = LLM(EngineConfig(cache=CacheConfig(kv_cache_gib=0.1),
-                            scheduler=SchedulerConfig(max_num_batched_tokens=512, chunk_size=512)))
+    ours = LLM(
+        EngineConfig(
+            cache=CacheConfig(kv_cache_gib=0.1), scheduler=SchedulerConfig(max_num_batched_tokens=512, chunk_size=512)
+        )
+    )
     return ref, ours
 
 
@@ -47,6 +50,6 @@ def test_greedy_continuation_identical(models):
     ids = ours.encode("Write a short story about a lighthouse keeper.", chat=True)
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
-    expected = out[0, len(ids):].tolist()
+    expected = out[0, len(ids) :].tolist()
     (got,) = ours.generate([ids], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
     assert got.token_ids == expected

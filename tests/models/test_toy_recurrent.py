@@ -28,8 +28,9 @@ def toy():
 
 
 def engine(toy, num_blocks: int = 64, block_size: int = 4, **scheduler) -> Engine:
-    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-                          scheduler=SchedulerConfig(**scheduler))
+    config = EngineConfig(
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), scheduler=SchedulerConfig(**scheduler)
+    )
     return Engine(toy["model"], None, config)
 
 
@@ -45,7 +46,7 @@ def reference_greedy(tensors, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(reference_logits(tensors, seq)[-1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 def run(eng: Engine) -> None:

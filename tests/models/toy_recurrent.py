@@ -24,22 +24,37 @@ WEIGHTS = ("embed", "w0", "wq", "wk", "wv", "wo", "lm_head")
 
 
 def toy_config(vocab: int = 40, width: int = 8, max_positions: int = 512) -> ModelConfig:
-    return ModelConfig(architecture=NAME, vocab_size=vocab, hidden_size=width, intermediate_size=width,
-                       num_layers=2, num_heads=1, num_kv_heads=1, head_dim=width, rms_norm_eps=1e-6,
-                       rope_theta=1e4, max_position_embeddings=max_positions, tie_word_embeddings=False)
+    return ModelConfig(
+        architecture=NAME,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=width,
+        num_layers=2,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=width,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
 
 
 def toy_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     d, v = config.hidden_size, config.vocab_size
     shapes = dict(embed=(v, d), w0=(d, d), wq=(d, d), wk=(d, d), wv=(d, d), wo=(d, d), lm_head=(v, d))
-    return {name: torch.randn(shape, generator=g, dtype=torch.float64) / d ** 0.5 * 2
-            for name, shape in shapes.items()}
+    return {name: torch.randn(shape, generator=g, dtype=torch.float64) / d**0.5 * 2 for name, shape in shapes.items()}
 
 
 class ToyRecurrentLM:
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ):
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.w = {name: tensors[name].to(dtype=dtype, device=self.device) for name in WEIGHTS}
 
@@ -48,8 +63,15 @@ class ToyRecurrentLM:
         return CacheSpec(layers=(RecurrentCache((("sum", (d,)),)), AttentionCache(1, d)), dtype=self.dtype)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, caches,
-                logit_rows: torch.Tensor | None = None, fill=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        caches,
+        logit_rows: torch.Tensor | None = None,
+        fill=None,
+    ) -> torch.Tensor:
         """Rows [N] -> float logits [R, V]; caches: the runner's ModelCaches."""
         if fill is not None:
             raise ValueError("the toy family has no two-sweep prefill")
@@ -57,7 +79,7 @@ class ToyRecurrentLM:
         h = e + torch.tanh(self._running_sums(e, batch, caches.states.state(0)["sum"]) @ self.w["w0"].T)
         q, k, v = (h @ self.w[n].T for n in ("wq", "wk", "wv"))  # [N, d] each
         d = self.config.hidden_size
-        attn = paged_attention(q[:, None], k[:, None], v[:, None], kv_pool_of(caches), 1, batch, d ** -0.5)  # [N, d]
+        attn = paged_attention(q[:, None], k[:, None], v[:, None], kv_pool_of(caches), 1, batch, d**-0.5)  # [N, d]
         y = h + attn @ self.w["wo"].T
         logits = (y @ self.w["lm_head"].T).float()  # [N, V]
         return logits if logit_rows is None else logits[logit_rows]
@@ -87,7 +109,7 @@ def reference_logits(tensors: dict[str, torch.Tensor], ids: list[int]) -> torch.
         h = e + torch.tanh(w["w0"] @ s)
         keys.append(w["wk"] @ h)
         values.append(w["wv"] @ h)
-        scores = torch.stack(keys) @ (w["wq"] @ h) / d ** 0.5
+        scores = torch.stack(keys) @ (w["wq"] @ h) / d**0.5
         a = scores.softmax(0) @ torch.stack(values)
         out.append(w["lm_head"] @ (h + w["wo"] @ a))
     return torch.stack(out)
@@ -97,5 +119,6 @@ def _no_hf_config(family, raw, generation, where):
     raise ValueError(f"{where}: the toy family has no checkpoint format")
 
 
-TOY_FAMILY = ModelFamily(name=NAME, model_class=ToyRecurrentLM, parse_hf_config=_no_hf_config,
-                         weight_names=lambda config: list(WEIGHTS))
+TOY_FAMILY = ModelFamily(
+    name=NAME, model_class=ToyRecurrentLM, parse_hf_config=_no_hf_config, weight_names=lambda config: list(WEIGHTS)
+)

@@ -129,7 +129,10 @@ def test_op_registration_on_cpu(dtype):
     # the compiled CPU kernel (csrc/cpu/rms_norm_cpu.cpp) sums squares in another order: ulps apart
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(
-        torch.ops.ridgefill.rms_norm(x, weight, 1e-5), ops.rms_norm_reference(x, weight, 1e-5), rtol=4 * eps, atol=4 * eps
+        torch.ops.ridgefill.rms_norm(x, weight, 1e-5),
+        ops.rms_norm_reference(x, weight, 1e-5),
+        rtol=4 * eps,
+        atol=4 * eps,
     )
     # The fake must reject what the kernels reject (traced graphs fail early).
     with pytest.raises(ValueError, match="weight must be 1-D"):
@@ -194,8 +197,10 @@ def test_new_ops_opcheck_on_cpu():
     q_seq = torch.tensor([0, 0, 1], dtype=torch.int32)
     q_pos = torch.tensor([2, 6, 3])
     for mass in (True, False):
-        torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default,
-                              (q, q_seq, q_pos, k_slab, v_slab, tables, lens, 4, 0.3, mass))
+        torch.library.opcheck(
+            torch.ops.ridgefill.scattered_rows_attention.default,
+            (q, q_seq, q_pos, k_slab, v_slab, tables, lens, 4, 0.3, mass),
+        )
 
     qg = torch.randn(2, 5, 1, 8, generator=gen)
     kg = torch.randn(2, 5, 1, 8, generator=gen)
@@ -205,8 +210,9 @@ def test_new_ops_opcheck_on_cpu():
     state = torch.randn(2, 2, 8, 4, generator=gen)
     torch.library.opcheck(torch.ops.ridgefill.gdn_chunk.default, (qg, kg, vg, g, beta, state, True))
     torch.library.opcheck(torch.ops.ridgefill.gdn_state_update.default, (kg, vg, g, beta, None, False))
-    torch.library.opcheck(torch.ops.ridgefill.gdn_step.default,
-                          (qg[:, 0], kg[:, 0], vg[:, 0], g[:, 0], beta[:, 0], state, True))
+    torch.library.opcheck(
+        torch.ops.ridgefill.gdn_step.default, (qg[:, 0], kg[:, 0], vg[:, 0], g[:, 0], beta[:, 0], state, True)
+    )
 
     qr = torch.randn(2, 2, 2, 8, generator=gen)
     block = torch.randn(2, 2, 1, 8, generator=gen)
@@ -214,6 +220,7 @@ def test_new_ops_opcheck_on_cpu():
     ring = torch.randn(2, 5, 1, 8, generator=gen)
     cache_lens = torch.tensor([4, 7], dtype=torch.int32)
     for window in (0, 3):
-        torch.library.opcheck(torch.ops.ridgefill.ripe_attention.default,
-                              (qr, block, block.clone(), deep, deep.clone(), ring, ring.clone(), cache_lens, window,
-                               0.3))
+        torch.library.opcheck(
+            torch.ops.ridgefill.ripe_attention.default,
+            (qr, block, block.clone(), deep, deep.clone(), ring, ring.clone(), cache_lens, window, 0.3),
+        )

@@ -26,8 +26,9 @@ UNIT_ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0
 DTYPES = list(UNIT_ROUNDOFF)
 
 
-def make_inputs(batch, seq_len, k_heads, v_heads, k_dim, v_dim, dtype=torch.float32, device="cpu", seed=0,
-                with_state=True):
+def make_inputs(
+    batch, seq_len, k_heads, v_heads, k_dim, v_dim, dtype=torch.float32, device="cpu", seed=0, with_state=True
+):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq_len, k_heads, k_dim, generator=gen)
     k = torch.randn(batch, seq_len, k_heads, k_dim, generator=gen)
@@ -71,8 +72,8 @@ SHAPES = [
     # (B, T, Hk, Hv, Dk, Dv)
     (1, 1, 1, 1, 4, 3),
     (2, 7, 2, 2, 8, 5),
-    (1, 70, 1, 3, 6, 7),   # crosses a 64-token chunk; GQA 3
-    (2, 13, 2, 4, 5, 9),   # odd dims, GQA 2
+    (1, 70, 1, 3, 6, 7),  # crosses a 64-token chunk; GQA 3
+    (2, 13, 2, 4, 5, 9),  # odd dims, GQA 2
 ]
 
 
@@ -104,10 +105,12 @@ def test_matches_transformers(dtype, use_qk_l2norm):
     q, k, v, g, beta, state = make_inputs(2, 70, 2, 4, 16, 8, dtype=dtype, seed=4)
     ours_chunk = gdn_chunk_reference(q, k, v, g, beta, state, use_qk_l2norm)
     ours_rec = gdn_recurrent_reference(q, k, v, g, beta, state, use_qk_l2norm)
-    hf_chunk = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                            use_qk_l2norm_in_kernel=use_qk_l2norm)
-    hf_rec = torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=use_qk_l2norm)
+    hf_chunk = torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm
+    )
+    hf_rec = torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm
+    )
     # Same fp32 math up to summation order (noise relative to the largest magnitude, which grows
     # without the L2 norm); outputs then round once to dtype (allow one ulp).
     u = UNIT_ROUNDOFF[dtype]
@@ -195,8 +198,9 @@ def test_kernel_chunk_matches_reference(shape, dtype, use_qk_l2norm):
         _poison(((batch, seq_len, v_heads, v_dim), dtype), ((batch, v_heads, k_dim, v_dim), torch.float32))
         out, final = torch.ops.ridgefill.gdn_chunk(q, k, v, g, beta, state, use_qk_l2norm)
         # Exact: fp32 recurrent reference on the (already rounded) inputs, final rounding skipped.
-        exact_out, exact_state = gdn_recurrent_reference(q.float(), k.float(), v.float(), g, beta.float(), state,
-                                                         use_qk_l2norm)
+        exact_out, exact_state = gdn_recurrent_reference(
+            q.float(), k.float(), v.float(), g, beta.float(), state, use_qk_l2norm
+        )
         assert out.dtype == dtype and final.dtype == torch.float32 and not out.isnan().any()
         # The kernel's fp32 math differs from the reference only in summation order: the state
         # matches to fp32 noise for every dtype; the output carries one rounding to dtype.
@@ -227,5 +231,6 @@ def test_kernel_opcheck(dtype):
     torch.library.opcheck(torch.ops.ridgefill.gdn_chunk.default, (q, k, v, g, beta, state, True))
     torch.library.opcheck(torch.ops.ridgefill.gdn_chunk.default, (q, k, v, g, beta, None, False))
     torch.library.opcheck(torch.ops.ridgefill.gdn_state_update.default, (k, v, g, beta, state, True))
-    torch.library.opcheck(torch.ops.ridgefill.gdn_step.default,
-                          (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, False))
+    torch.library.opcheck(
+        torch.ops.ridgefill.gdn_step.default, (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state, False)
+    )

@@ -30,7 +30,10 @@ def make_inputs(m, d_in, d_out, dtype, device="cpu", seed=0, with_bias=True):
     qweight, scales = quantize_int8_groupwise(w)
     x = torch.randn(m, d_in, generator=gen).to(dtype)
     bias = (torch.randn(d_out, generator=gen) * 0.5).to(torch.bfloat16) if with_bias else None
-    to = (lambda t: None if t is None else t.to(device))
+
+    def to(t):
+        return None if t is None else t.to(device)
+
     return to(x), to(qweight), to(scales), to(bias)
 
 
@@ -151,7 +154,9 @@ def test_rejects_bad_arguments(kwargs, error, match):
     d_in = kwargs.get("d_in", 256)
     x = torch.randn(2, d_in, dtype=kwargs.get("x_dtype", torch.float32))
     qweight = torch.zeros(4, d_in, dtype=kwargs.get("q_dtype", torch.int8))
-    scales = torch.ones(4, kwargs.get("scale_cols", max(d_in // 128, 1)), dtype=kwargs.get("scale_dtype", torch.bfloat16))
+    scales = torch.ones(
+        4, kwargs.get("scale_cols", max(d_in // 128, 1)), dtype=kwargs.get("scale_dtype", torch.bfloat16)
+    )
     bias = torch.zeros(kwargs.get("bias_len", 4), dtype=torch.bfloat16)
     with pytest.raises(error, match=match):
         int8_map_gemm(x, qweight, scales, bias)
@@ -182,8 +187,10 @@ def _torch_lowp(x, qweight, scales, bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("m", "d_in", "d_out"), [(1, 128, 1), (5, 384, 77), (8, 1024, 513), (9, 256, 130),
-                                                  (67, 640, 300), (300, 2048, 1024), (2048, 1024, 2048)])
+@pytest.mark.parametrize(
+    ("m", "d_in", "d_out"),
+    [(1, 128, 1), (5, 384, 77), (8, 1024, 513), (9, 256, 130), (67, 640, 300), (300, 2048, 1024), (2048, 1024, 2048)],
+)
 def test_kernel_matches_exact(m, d_in, d_out, dtype):
     for seed in range(2):  # fresh inputs each run
         x, qweight, scales, bias = make_inputs(m, d_in, d_out, dtype, device="cuda", seed=seed + 10 * m)

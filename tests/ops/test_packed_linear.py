@@ -26,8 +26,13 @@ from ridgefill_runtime.ops.packed_linear import (
 needs_kernel = pytest.mark.skipif(not op_available("packed_linear"), reason="compiled extension not built")
 
 # (bits, group, scale dtype, with a min): Q4_1 / Q4_0, Q8_0, Q6_K, Q4_K, Q5_0 as the loader repacks them
-FORMATS = [(4, 32, torch.float16, True), (8, 32, torch.float16, False), (8, 16, torch.float32, False),
-           (4, 32, torch.float32, True), (8, 32, torch.float16, True)]
+FORMATS = [
+    (4, 32, torch.float16, True),
+    (8, 32, torch.float16, False),
+    (8, 16, torch.float32, False),
+    (4, 32, torch.float32, True),
+    (8, 32, torch.float16, True),
+]
 
 
 def _random(n: int, k: int, bits: int, group: int, dtype, with_min: bool, seed: int = 0):
@@ -187,8 +192,7 @@ def test_every_instruction_set_matches_float64(isa):
         env = {k: v for k, v in os.environ.items() if k != "RIDGEFILL_PACKED_ISA"}
         if cap:
             env["RIDGEFILL_PACKED_ISA"] = cap
-        run = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True, text=True,
-                             timeout=300)
+        run = subprocess.run([sys.executable, "-c", _ISA_CHECK], env=env, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         sums[cap] = float(run.stdout.strip())
     # the cap took effect: another summation order, so (almost surely) not the same float64 total

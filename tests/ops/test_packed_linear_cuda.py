@@ -29,9 +29,17 @@ K = 768  # a multiple of every group below
 # (bits, group, scale dtype, with a min): Q4_1, Q4_0, Q8_0, Q6_K (group 16, float32), Q4_K (float32
 # scale and min), groups of 256, and odd groups (6, 2: not a multiple of 4 chunks: the kernel's
 # one-chunk-per-run variant)
-FORMATS = [(4, 32, torch.float16, True), (4, 32, torch.float16, False), (8, 32, torch.float16, False),
-           (8, 16, torch.float32, False), (4, 32, torch.float32, True), (4, 256, torch.float16, True),
-           (8, 256, torch.float32, True), (4, 6, torch.float16, True), (8, 2, torch.float32, False)]
+FORMATS = [
+    (4, 32, torch.float16, True),
+    (4, 32, torch.float16, False),
+    (8, 32, torch.float16, False),
+    (8, 16, torch.float32, False),
+    (4, 32, torch.float32, True),
+    (4, 256, torch.float16, True),
+    (8, 256, torch.float32, True),
+    (4, 6, torch.float16, True),
+    (8, 2, torch.float32, False),
+]
 FORMAT_IDS = [f"q{b}-g{g}-{str(d)[6:]}{'-min' if m else ''}" for b, g, d, m in FORMATS]
 ROWS = [1, 2, 5, 8, 16, 33, 300]
 
@@ -96,8 +104,9 @@ def test_dequantize_t_is_bit_identical(bits, group, dtype, with_min):
     also for a slice whose last panel holds real rows past its n."""
     w = _weight(45, K, bits, group, dtype, with_min)
     for part in (w, weight_slice(w, 16, 40)):
-        got = torch.ops.ridgefill.packed_dequantize_t(*(t.to(CUDA) for t in (part.data, part.scale, part.min)),
-                                                      part.bits, part.group, part.n)
+        got = torch.ops.ridgefill.packed_dequantize_t(
+            *(t.to(CUDA) for t in (part.data, part.scale, part.min)), part.bits, part.group, part.n
+        )
         assert got.shape == (K, part.data.shape[0] * 16) and got.dtype == torch.float32
         assert torch.equal(got.cpu(), dequantize_t_reference(part))
 
@@ -153,8 +162,7 @@ def test_kernel_refuses_bad_arguments():
     with pytest.raises(RuntimeError, match=r"x must be float32 \[M, 64\]"):
         _op(torch.randn(2, 32, device=CUDA), w)
     with pytest.raises(RuntimeError, match="scale must be float16 or float32"):
-        torch.ops.ridgefill.packed_linear(torch.randn(2, 64, device=CUDA), w.data, w.scale.bfloat16(), w.min, 4,
-                                          32, 16)
+        torch.ops.ridgefill.packed_linear(torch.randn(2, 64, device=CUDA), w.data, w.scale.bfloat16(), w.min, 4, 32, 16)
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         data = torch.empty(w.data.numel() + 1, dtype=torch.uint8, device=CUDA)[1:].view(w.data.shape)
         torch.ops.ridgefill.packed_linear(torch.randn(2, 64, device=CUDA), data, w.scale, w.min, 4, 32, 16)
@@ -164,6 +172,7 @@ def test_cuda_routing_follows_the_build():
     """packed_linear sends CUDA tensors to the kernel exactly when this _C registers both packed ops
     for CUDA (a ROCm build without them or a CPU-only build keeps the dequantizing fallback, and the
     engine refuses weights = "packed" there); a required CUDA build must have them."""
+
     def has(op: str) -> bool:
         return extension_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key(f"ridgefill::{op}", "CUDA")
 

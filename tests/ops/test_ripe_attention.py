@@ -19,8 +19,20 @@ DTYPES = list(TOL)
 NAN = float("nan")
 
 
-def make_inputs(cache_lens, block_len, heads, kv_heads, head_dim, window, capacity, dtype=torch.float32,
-                device="cpu", seed=0, poison=True, deep_len=None):
+def make_inputs(
+    cache_lens,
+    block_len,
+    heads,
+    kv_heads,
+    head_dim,
+    window,
+    capacity,
+    dtype=torch.float32,
+    device="cpu",
+    seed=0,
+    poison=True,
+    deep_len=None,
+):
     """(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens) as the op's layout describes; with
     `poison`, NaN in every deep row and ring slot the window rule never reads for this block."""
     gen = torch.Generator().manual_seed(seed)
@@ -44,8 +56,16 @@ def make_inputs(cache_lens, block_len, heads, kv_heads, head_dim, window, capaci
                     ring_k[b, c] = ring_v[b, c] = NAN
     lens = torch.tensor(cache_lens, dtype=torch.int32)
     cast = lambda t: t.to(dtype).to(device)  # noqa: E731
-    return (cast(q), cast(block_k), cast(block_v), cast(deep_k), cast(deep_v), cast(ring_k), cast(ring_v),
-            lens.to(device))
+    return (
+        cast(q),
+        cast(block_k),
+        cast(block_v),
+        cast(deep_k),
+        cast(deep_v),
+        cast(ring_k),
+        cast(ring_v),
+        lens.to(device),
+    )
 
 
 def naive_f64(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, window, scale):
@@ -83,8 +103,11 @@ def naive_f64(q, block_k, block_v, deep_k, deep_v, ring_k, ring_v, cache_lens, w
 # (cache lens, Tq, W, C): B = 2 with different t0 (t0 = 0, t0 < W, t0 wrapping the ring several times);
 # C = W and C > W; with W = 0 the ring is never read (C = 1 and C = 4).
 LENS = [[0, 13], [2, 29]]
-CASES = [(lens, tq, w, c) for lens, tq, w in itertools.product(LENS, [1, 5], [0, 3, 8])
-         for c in ([1, 4] if w == 0 else [w, w + 3])]
+CASES = [
+    (lens, tq, w, c)
+    for lens, tq, w in itertools.product(LENS, [1, 5], [0, 3, 8])
+    for c in ([1, 4] if w == 0 else [w, w + 3])
+]
 
 
 def _case_id(case):
@@ -171,11 +194,9 @@ def test_empty_block_and_exact_deep_length():
     assert ripe_attention(*args, 3, 1.0).shape == (2, 0, 2, 4)
     # T == max t0 (no spare deep rows), and T == 0 when nothing is cached.
     args = make_inputs([5, 2], 2, 2, 1, 4, 3, 3, deep_len=5)
-    torch.testing.assert_close(ripe_attention(*args, 3, 0.5).double(), naive_f64(*args, 3, 0.5), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(ripe_attention(*args, 3, 0.5).double(), naive_f64(*args, 3, 0.5), rtol=1e-5, atol=1e-5)
     args = make_inputs([0, 0], 3, 2, 1, 4, 0, 1, deep_len=0)
-    torch.testing.assert_close(ripe_attention(*args, 0, 0.5).double(), naive_f64(*args, 0, 0.5), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(ripe_attention(*args, 0, 0.5).double(), naive_f64(*args, 0, 0.5), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments():
@@ -237,10 +258,10 @@ GPU_CASES = [(lens, tq, w, c, 4, 2, 8) for lens, tq, w, c in CASES] + [
     ([2, 300], 1, 8, 8, 4, 2, 96),
     ([5, 129], 5, 8, 11, 4, 2, 128),
     ([1000, 37, 4095, 1], 1, 64, 64, 32, 8, 128),  # decode batch, Huginn-like W = 64
-    ([2000, 511], 5, 4, 4, 16, 2, 64),             # γ = 4 verification, W = γ
-    ([300, 3], 5, 0, 1, 8, 1, 256),                # W = 0 (full / deepest-plane cache), D 256
-    ([77, 5], 3, 16, 20, 20, 1, 96),               # group 20 > MAXG
-    ([40, 9], 2, 6, 6, 6, 6, 33),                  # MHA, odd D
+    ([2000, 511], 5, 4, 4, 16, 2, 64),  # γ = 4 verification, W = γ
+    ([300, 3], 5, 0, 1, 8, 1, 256),  # W = 0 (full / deepest-plane cache), D 256
+    ([77, 5], 3, 16, 20, 20, 1, 96),  # group 20 > MAXG
+    ([40, 9], 2, 6, 6, 6, 6, 33),  # MHA, odd D
 ]
 
 
@@ -256,8 +277,9 @@ def test_kernel_matches_reference(case, dtype):
     assert ops.op_available("ripe_attention"), ops.extension_error()
     lens, block_len, window, capacity, heads, kv_heads, head_dim = case
     for seed in range(2):
-        args = make_inputs(lens, block_len, heads, kv_heads, head_dim, window, capacity, dtype, device="cuda",
-                           seed=seed)
+        args = make_inputs(
+            lens, block_len, heads, kv_heads, head_dim, window, capacity, dtype, device="cuda", seed=seed
+        )
         scale = head_dim**-0.5
         torch.full(args[0].shape, NAN, dtype=dtype, device="cuda")  # poison the allocator
         out = torch.ops.ridgefill.ripe_attention(*args, window, scale)

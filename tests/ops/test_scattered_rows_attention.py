@@ -54,8 +54,11 @@ def pick_rows(context_lens, fraction, seed, device="cpu"):
     for n in context_lens:
         offsets.append(offsets[-1] + n)
     rows = torch.tensor([offsets[b] + p for b, p in zip(seqs, poss)], dtype=torch.long)
-    return (rows.to(device), torch.tensor(seqs, dtype=torch.int32, device=device),
-            torch.tensor(poss, dtype=torch.int64, device=device))
+    return (
+        rows.to(device),
+        torch.tensor(seqs, dtype=torch.int32, device=device),
+        torch.tensor(poss, dtype=torch.int64, device=device),
+    )
 
 
 def naive_f64(q, q_seq, q_pos, k_slab, v_slab, block_tables, block_size, scale, max_ctx, window=0):
@@ -100,8 +103,12 @@ def test_reference_matches_naive_f64(case, dtype):
     rows, q_seq, q_pos = pick_rows(lens, fraction, seed=heads)
     q = q_all[rows]
     scale = head_dim**-0.5
-    out, mass = scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale, True)
-    exp_out, exp_mass = naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, tables.shape[1] * block_size)
+    out, mass = scattered_rows_attention_reference(
+        q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale, True
+    )
+    exp_out, exp_mass = naive_f64(
+        q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, tables.shape[1] * block_size
+    )
     assert out.dtype == dtype and out.shape == q.shape and mass.shape == exp_mass.shape
     tol = TOL[dtype]
     torch.testing.assert_close(out.double(), exp_out, rtol=tol, atol=tol)
@@ -115,18 +122,39 @@ def test_reference_matches_naive_f64(case, dtype):
 def test_one_row_and_empty_subset():
     lens = [9, 4]
     q_all, k_slab, v_slab, tables, ctx = make_cache(lens, 4, 2, 8, 4, torch.float32, seed=1)
-    one = scattered_rows_attention_reference(q_all[[10]], torch.tensor([1], dtype=torch.int32),
-                                             torch.tensor([1]), k_slab, v_slab, tables, ctx, 4, 0.3, True)
-    exp_out, exp_mass = naive_f64(q_all[[10]], torch.tensor([1]), torch.tensor([1]), k_slab, v_slab, tables, 4, 0.3,
-                                  tables.shape[1] * 4)
+    one = scattered_rows_attention_reference(
+        q_all[[10]], torch.tensor([1], dtype=torch.int32), torch.tensor([1]), k_slab, v_slab, tables, ctx, 4, 0.3, True
+    )
+    exp_out, exp_mass = naive_f64(
+        q_all[[10]], torch.tensor([1]), torch.tensor([1]), k_slab, v_slab, tables, 4, 0.3, tables.shape[1] * 4
+    )
     torch.testing.assert_close(one[0].double(), exp_out, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(one[1].double(), exp_mass, rtol=1e-6, atol=1e-6)
     assert float(one[1][0].abs().sum()) == 0.0 and float(one[1][1, :2].sum()) == pytest.approx(4.0)
-    out, mass = scattered_rows_attention(q_all[:0], torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.long),
-                                         k_slab, v_slab, tables, ctx, 4, 0.3, True)
+    out, mass = scattered_rows_attention(
+        q_all[:0],
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.long),
+        k_slab,
+        v_slab,
+        tables,
+        ctx,
+        4,
+        0.3,
+        True,
+    )
     assert out.shape == (0, 4, 8) and mass.shape == (2, tables.shape[1] * 4) and float(mass.abs().sum()) == 0.0
-    _, no_mass = scattered_rows_attention(q_all[:0], torch.zeros(0, dtype=torch.int32),
-                                          torch.zeros(0, dtype=torch.long), k_slab, v_slab, tables, ctx, 4, 0.3)
+    _, no_mass = scattered_rows_attention(
+        q_all[:0],
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.long),
+        k_slab,
+        v_slab,
+        tables,
+        ctx,
+        4,
+        0.3,
+    )
     assert no_mass.shape == (0,)
 
 
@@ -203,9 +231,9 @@ def _torch_lowp(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale):
 
 GPU_CASES = CASES + [
     ([300, 1, 1000], 32, 8, 128, 16, 0.05),  # Llama-like GQA 4, D 128
-    ([2049], 16, 2, 64, 16, 0.02),           # GQA 8, D 64
-    ([700, 64], 8, 1, 256, 32, 0.1),         # D 256, MQA: head chunks of 4
-    ([100], 20, 1, 80, 16, 0.2),             # group 20 > MAXG: several head chunks
+    ([2049], 16, 2, 64, 16, 0.02),  # GQA 8, D 64
+    ([700, 64], 8, 1, 256, 32, 0.1),  # D 256, MQA: head chunks of 4
+    ([100], 20, 1, 80, 16, 0.2),  # group 20 > MAXG: several head chunks
 ]
 
 
@@ -215,8 +243,9 @@ GPU_CASES = CASES + [
 def test_kernel_matches_reference(case, dtype):
     lens, heads, kv_heads, head_dim, block_size, fraction = case
     for seed in range(2):
-        q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype,
-                                                        device="cuda", seed=seed)
+        q_all, k_slab, v_slab, tables, ctx = make_cache(
+            lens, heads, kv_heads, head_dim, block_size, dtype, device="cuda", seed=seed
+        )
         rows, q_seq, q_pos = pick_rows(lens, fraction, seed=seed + 1, device="cuda")
         q = q_all[rows]
         scale = head_dim**-0.5
@@ -225,7 +254,8 @@ def test_kernel_matches_reference(case, dtype):
         assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
         # Exact answer: the fp32 reference on float64 copies (the inputs are already rounded).
         exact_out, exact_mass = scattered_rows_attention_reference(
-            q.double().float(), q_seq, q_pos, k_slab.float(), v_slab.float(), tables, ctx, block_size, scale, True)
+            q.double().float(), q_seq, q_pos, k_slab.float(), v_slab.float(), tables, ctx, block_size, scale, True
+        )
         err = (out.float() - exact_out).abs().max().item() if out.numel() else 0.0
         if dtype == torch.float32:
             assert err <= 1e-5, err
@@ -242,11 +272,31 @@ def test_kernel_matches_reference(case, dtype):
 @pytest.mark.gpu
 def test_kernel_empty_and_one_row():
     q_all, k_slab, v_slab, tables, ctx = make_cache([9, 4], 4, 2, 8, 4, torch.bfloat16, device="cuda", seed=4)
-    out, mass = _kernel(q_all[:0], torch.zeros(0, dtype=torch.int32, device="cuda"),
-                        torch.zeros(0, dtype=torch.long, device="cuda"), k_slab, v_slab, tables, ctx, 4, 0.3, True)
+    out, mass = _kernel(
+        q_all[:0],
+        torch.zeros(0, dtype=torch.int32, device="cuda"),
+        torch.zeros(0, dtype=torch.long, device="cuda"),
+        k_slab,
+        v_slab,
+        tables,
+        ctx,
+        4,
+        0.3,
+        True,
+    )
     assert out.shape == (0, 4, 8) and float(mass.abs().sum()) == 0.0
-    args = (q_all[[10]], torch.tensor([1], dtype=torch.int32, device="cuda"), torch.tensor([0], device="cuda"),
-            k_slab, v_slab, tables, ctx, 4, 0.3, True)
+    args = (
+        q_all[[10]],
+        torch.tensor([1], dtype=torch.int32, device="cuda"),
+        torch.tensor([0], device="cuda"),
+        k_slab,
+        v_slab,
+        tables,
+        ctx,
+        4,
+        0.3,
+        True,
+    )
     out, mass = _kernel(*args)
     ref_out, ref_mass = scattered_rows_attention_reference(*[a.cpu() if torch.is_tensor(a) else a for a in args])
     torch.testing.assert_close(out.cpu(), ref_out)
@@ -264,8 +314,10 @@ def test_kernel_opcheck(dtype):
     v_slab = torch.nan_to_num(v_slab)
     rows, q_seq, q_pos = pick_rows(lens, 0.5, seed=6, device="cuda")
     for mass in (True, False):
-        torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default,
-                              (q_all[rows], q_seq, q_pos, k_slab, v_slab, tables, ctx, 4, 0.2, mass))
+        torch.library.opcheck(
+            torch.ops.ridgefill.scattered_rows_attention.default,
+            (q_all[rows], q_seq, q_pos, k_slab, v_slab, tables, ctx, 4, 0.2, mass),
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -312,8 +364,9 @@ def test_reference_window_matches_naive_f64(case, dtype, window):
     q = q_all[rows]
     scale = head_dim**-0.5
     max_ctx = tables.shape[1] * block_size
-    out, mass = scattered_rows_attention_reference(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale,
-                                                   True, window)
+    out, mass = scattered_rows_attention_reference(
+        q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale, True, window
+    )
     exp_out, exp_mass = naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, block_size, scale, max_ctx, window)
     assert out.dtype == dtype and out.shape == q.shape and out.isfinite().all()
     tol = TOL[dtype]
@@ -321,8 +374,9 @@ def test_reference_window_matches_naive_f64(case, dtype, window):
     torch.testing.assert_close(mass.double(), exp_mass, rtol=1e-5, atol=1e-5)
     check_window_mass(mass, q_seq, q_pos, heads, window)
     # The public wrapper (the compiled CPU kernel when built) gives the same answer.
-    wrapped_out, wrapped_mass = scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size,
-                                                         scale, True, window)
+    wrapped_out, wrapped_mass = scattered_rows_attention(
+        q, q_seq, q_pos, k_slab, v_slab, tables, ctx, block_size, scale, True, window
+    )
     torch.testing.assert_close(wrapped_out.double(), exp_out, rtol=tol, atol=max(tol, 1e-5))
     torch.testing.assert_close(wrapped_mass.double(), exp_mass, rtol=1e-4, atol=1e-5)
 
@@ -357,12 +411,16 @@ def test_reference_rejects_bad_window():
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [1, 3, 512, 100_000])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", GPU_CASES + [([9000, 40], 16, 4, 128, 16, 0.002)],
-                         ids=lambda c: f"B{len(c[0])}-H{c[1]}-Hkv{c[2]}-D{c[3]}-bs{c[4]}")
+@pytest.mark.parametrize(
+    "case",
+    GPU_CASES + [([9000, 40], 16, 4, 128, 16, 0.002)],
+    ids=lambda c: f"B{len(c[0])}-H{c[1]}-Hkv{c[2]}-D{c[3]}-bs{c[4]}",
+)
 def test_kernel_window_matches_reference(case, dtype, window):
     lens, heads, kv_heads, head_dim, block_size, fraction = case
-    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype,
-                                                    device="cuda", seed=7)
+    q_all, k_slab, v_slab, tables, ctx = make_cache(
+        lens, heads, kv_heads, head_dim, block_size, dtype, device="cuda", seed=7
+    )
     rows, q_seq, q_pos = pick_rows(lens, fraction, seed=8, device="cuda")
     k_slab, v_slab = poison_outside_windows(k_slab, v_slab, tables, q_seq, q_pos, block_size, window)
     q = q_all[rows]
@@ -371,8 +429,18 @@ def test_kernel_window_matches_reference(case, dtype, window):
     out, mass = _kernel(*args)
     assert out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
     exact_out, exact_mass = scattered_rows_attention_reference(
-        q.cpu().float(), q_seq.cpu(), q_pos.cpu(), k_slab.cpu().float(), v_slab.cpu().float(), tables.cpu(),
-        ctx.cpu(), block_size, scale, True, window)
+        q.cpu().float(),
+        q_seq.cpu(),
+        q_pos.cpu(),
+        k_slab.cpu().float(),
+        v_slab.cpu().float(),
+        tables.cpu(),
+        ctx.cpu(),
+        block_size,
+        scale,
+        True,
+        window,
+    )
     # Exact answer on the same rounded inputs: fp32 sum noise, plus the output's rounding in bf16/fp16.
     rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (TOL[dtype], 1e-4)
     torch.testing.assert_close(out.float().cpu(), exact_out, rtol=rtol, atol=atol)
@@ -419,19 +487,28 @@ def mixed_rows(lens, spec, seed=0):
         seqs += [b] * len(pos)
         poss += pos
     rows = torch.tensor([offsets[b] + p for b, p in zip(seqs, poss)], dtype=torch.long)
-    return (rows.cuda(), torch.tensor(seqs, dtype=torch.int32, device="cuda"),
-            torch.tensor(poss, dtype=torch.int64, device="cuda"))
+    return (
+        rows.cuda(),
+        torch.tensor(seqs, dtype=torch.int32, device="cuda"),
+        torch.tensor(poss, dtype=torch.int64, device="cuda"),
+    )
 
 
 SPLIT_CASES = [
     # (context lens, per-sequence rows, H, Hkv, D, block size)
-    ([4097], ["decode"], 9, 3, 64, 16),                                          # SmolLM2-like, one long decode
-    ([1, 255, 257, 4100], ["decode"] * 4, 32, 8, 128, 16),                       # around one chunk; Llama-like
-    ([4133, 1, 300, 2500, 513], ["decode", "decode", ("prefill", 48), ("scatter", 0.01), [0, 256, 512]],
-     9, 3, 64, 7),                                                               # mixed batch, odd block size
-    ([3001, 1000], ["decode", ("prefill", 5)], 20, 1, 80, 32),                   # group 20: several head chunks
-    ([1500, 777], ["decode", "decode"], 8, 2, 256, 16),                          # D 256
-    ([2049], [[2048, 1024, 1023, 255, 256, 257, 0]], 4, 4, 32, 16),              # MHA, rows of one sequence
+    ([4097], ["decode"], 9, 3, 64, 16),  # SmolLM2-like, one long decode
+    ([1, 255, 257, 4100], ["decode"] * 4, 32, 8, 128, 16),  # around one chunk; Llama-like
+    (
+        [4133, 1, 300, 2500, 513],
+        ["decode", "decode", ("prefill", 48), ("scatter", 0.01), [0, 256, 512]],
+        9,
+        3,
+        64,
+        7,
+    ),  # mixed batch, odd block size
+    ([3001, 1000], ["decode", ("prefill", 5)], 20, 1, 80, 32),  # group 20: several head chunks
+    ([1500, 777], ["decode", "decode"], 8, 2, 256, 16),  # D 256
+    ([2049], [[2048, 1024, 1023, 255, 256, 257, 0]], 4, 4, 32, 16),  # MHA, rows of one sequence
 ]
 
 
@@ -441,8 +518,9 @@ SPLIT_CASES = [
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"lens{c[0]}-H{c[2]}-Hkv{c[3]}-D{c[4]}-bs{c[5]}")
 def test_kernel_split_matches_reference(case, dtype, window):
     lens, spec, heads, kv_heads, head_dim, block_size = case
-    q_all, k_slab, v_slab, tables, ctx = make_cache(lens, heads, kv_heads, head_dim, block_size, dtype,
-                                                    device="cuda", seed=11)
+    q_all, k_slab, v_slab, tables, ctx = make_cache(
+        lens, heads, kv_heads, head_dim, block_size, dtype, device="cuda", seed=11
+    )
     rows, q_seq, q_pos = mixed_rows(lens, spec, seed=12)
     if window:
         k_slab, v_slab = poison_outside_windows(k_slab, v_slab, tables, q_seq, q_pos, block_size, window)
@@ -452,8 +530,18 @@ def test_kernel_split_matches_reference(case, dtype, window):
     out, none = _kernel(*args, False, window)
     assert none.shape == (0,) and out.shape == q.shape and out.dtype == dtype and out.isfinite().all()
     exact_out, _ = scattered_rows_attention_reference(
-        q.cpu().float(), q_seq.cpu(), q_pos.cpu(), k_slab.cpu().float(), v_slab.cpu().float(), tables.cpu(),
-        ctx.cpu(), block_size, scale, False, window)
+        q.cpu().float(),
+        q_seq.cpu(),
+        q_pos.cpu(),
+        k_slab.cpu().float(),
+        v_slab.cpu().float(),
+        tables.cpu(),
+        ctx.cpu(),
+        block_size,
+        scale,
+        False,
+        window,
+    )
     rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (TOL[dtype], 1e-4)
     torch.testing.assert_close(out.float().cpu(), exact_out, rtol=rtol, atol=atol)
     # key_mass never splits: the same call with it is the unsplit kernel.
@@ -475,8 +563,9 @@ def test_kernel_split_graph_capture(dtype, window):
     block tables, never from the device's context lengths, so the graph stays valid)."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     capacity = [4100] * 4
-    q_all, k_slab, v_slab, tables, ctx = make_cache(capacity, heads, kv_heads, head_dim, block_size, dtype,
-                                                    device="cuda", seed=13)
+    q_all, k_slab, v_slab, tables, ctx = make_cache(
+        capacity, heads, kv_heads, head_dim, block_size, dtype, device="cuda", seed=13
+    )
     scale = head_dim**-0.5
     q = q_all[:4].clone()
     q_seq = torch.arange(4, dtype=torch.int32, device="cuda")
@@ -497,8 +586,18 @@ def test_kernel_split_graph_capture(dtype, window):
         q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
         graph.replay()
         exact_out, _ = scattered_rows_attention_reference(
-            q.cpu().float(), q_seq.cpu(), q_pos.cpu(), k_slab.cpu().float(), v_slab.cpu().float(), tables.cpu(),
-            ctx.cpu(), block_size, scale, False, window)
+            q.cpu().float(),
+            q_seq.cpu(),
+            q_pos.cpu(),
+            k_slab.cpu().float(),
+            v_slab.cpu().float(),
+            tables.cpu(),
+            ctx.cpu(),
+            block_size,
+            scale,
+            False,
+            window,
+        )
         rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (TOL[dtype], 1e-4)
         torch.testing.assert_close(out.float().cpu(), exact_out, rtol=rtol, atol=atol)
         eager, _ = torch.ops.ridgefill.scattered_rows_attention(*args)
@@ -514,8 +613,20 @@ def test_kernel_split_knob_modes(mode):
     if SPLIT_MODE is not None:
         return
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "gpu",
-           "-k", "kernel and not knob_modes", str(Path(__file__).resolve())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        "-k",
+        "kernel and not knob_modes",
+        str(Path(__file__).resolve()),
+    ]
     env = dict(os.environ, RIDGEFILL_CUDA_ATTN_SPLIT=mode)
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
     assert res.returncode == 0, f"RIDGEFILL_CUDA_ATTN_SPLIT={mode}:\n{res.stdout[-8000:]}\n{res.stderr[-4000:]}"

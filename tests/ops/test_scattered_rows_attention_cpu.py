@@ -247,8 +247,17 @@ def test_thread_count_does_not_change_unsplit_results(monkeypatch):
 
 def test_empty_row_set():
     k_slab, v_slab, tables, ctx = make_cache([9, 4], 2, D, 4, torch.float32)
-    empty = (torch.zeros(0, 6, D), torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64), k_slab,
-             v_slab, tables, ctx, 4, 0.3)
+    empty = (
+        torch.zeros(0, 6, D),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int64),
+        k_slab,
+        v_slab,
+        tables,
+        ctx,
+        4,
+        0.3,
+    )
     out, mass = scattered_rows_attention(*empty, True)
     assert out.shape == (0, 6, D) and mass.shape == (2, tables.shape[1] * 4) and float(mass.abs().sum()) == 0.0
     out, none = scattered_rows_attention(*empty)
@@ -260,8 +269,17 @@ def test_bad_inputs_raise_clear_errors():
     k_slab, v_slab = k_slab.nan_to_num(), v_slab.nan_to_num()
     q = torch.randn(1, 4, 8)
     seq0 = torch.zeros(1, dtype=torch.int32)
+    pos1 = torch.tensor([1])
 
-    def call(q=q, q_seq=seq0, q_pos=torch.tensor([1]), k=k_slab, v=v_slab, tables=tables, ctx=ctx):
+    def call(
+        q=q,
+        q_seq=seq0,
+        q_pos=pos1,
+        k=k_slab,
+        v=v_slab,
+        tables=tables,
+        ctx=ctx,
+    ):
         return scattered_rows_attention(q, q_seq, q_pos, k, v, tables, ctx, 4, 1.0)
 
     with pytest.raises(ValueError, match=r"q_pos must be in \[0, context_lens\[q_seq\]\)"):
@@ -292,7 +310,8 @@ def test_compiled_kernel_is_the_cpu_path():
     """With the extension the CPU dispatch key has the C++ kernel (no Python one) and the wrapper calls it; an
     extension without it (pure Python, or a _C built before the kernel existed) leaves the wrapper on the reference."""
     has_kernel = ops.extension_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "ridgefill::scattered_rows_attention", "CPU")
+        "ridgefill::scattered_rows_attention", "CPU"
+    )
     assert compiled() == has_kernel
     if os.environ.get("RIDGEFILL_REQUIRE_EXTENSION") == "1":
         assert has_kernel, "RIDGEFILL_REQUIRE_EXTENSION=1 but ridgefill_runtime._C has no CPU scattered_rows_attention"
@@ -308,9 +327,21 @@ def test_compiled_kernel_is_the_cpu_path():
     k_small, v_small, t_small, c_small = make_cache([7, 4], 2, 8, 4, torch.float32, seed=2)
     q_small = torch.randn(3, 4, 8)
     for mass in (True, False):
-        torch.library.opcheck(torch.ops.ridgefill.scattered_rows_attention.default,
-                              (q_small, torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([2, 6, 3]),
-                               k_small.nan_to_num(), v_small.nan_to_num(), t_small, c_small, 4, 0.3, mass))
+        torch.library.opcheck(
+            torch.ops.ridgefill.scattered_rows_attention.default,
+            (
+                q_small,
+                torch.tensor([0, 0, 1], dtype=torch.int32),
+                torch.tensor([2, 6, 3]),
+                k_small.nan_to_num(),
+                v_small.nan_to_num(),
+                t_small,
+                c_small,
+                4,
+                0.3,
+                mass,
+            ),
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -464,8 +495,18 @@ def test_window_one_sees_only_itself():
 
 def test_bad_window_raises_clear_errors():
     k_slab, v_slab, tables, ctx = make_cache([5, 3], 2, 8, 4, torch.float32)
-    args = (torch.randn(1, 4, 8), torch.zeros(1, dtype=torch.int32), torch.tensor([1]), k_slab.nan_to_num(),
-            v_slab.nan_to_num(), tables, ctx, 4, 1.0, False)
+    args = (
+        torch.randn(1, 4, 8),
+        torch.zeros(1, dtype=torch.int32),
+        torch.tensor([1]),
+        k_slab.nan_to_num(),
+        v_slab.nan_to_num(),
+        tables,
+        ctx,
+        4,
+        1.0,
+        False,
+    )
     with pytest.raises(ValueError, match=r"window must be >= 0"):
         scattered_rows_attention(*args, -1)
     with pytest.raises(TypeError, match="window must be an int"):
@@ -483,8 +524,18 @@ def test_window_default_and_compiled_schema():
     """window defaults to 0 (callers without it unchanged): in the wrapper and, compiled, in the op's schema,
     whose fake accepts the argument (opcheck)."""
     k_small, v_small, t_small, c_small = make_cache([7, 4], 2, 8, 4, torch.float32, seed=2)
-    base = (torch.randn(3, 4, 8), torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([2, 6, 3]),
-            k_small.nan_to_num(), v_small.nan_to_num(), t_small, c_small, 4, 0.3, True)
+    base = (
+        torch.randn(3, 4, 8),
+        torch.tensor([0, 0, 1], dtype=torch.int32),
+        torch.tensor([2, 6, 3]),
+        k_small.nan_to_num(),
+        v_small.nan_to_num(),
+        t_small,
+        c_small,
+        4,
+        0.3,
+        True,
+    )
     default = scattered_rows_attention(*base)
     explicit = scattered_rows_attention(*base, 0)
     assert torch.equal(default[0], explicit[0]) and torch.equal(default[1], explicit[1])

@@ -27,6 +27,7 @@ def test_example_documents_every_key_and_loads():
     engine, server, fill = load_config(EXAMPLE)
     assert (engine.dtype, engine.scheduler.chunk_size, server.host, fill.mode) == ("float32", 512, "127.0.0.1", "off")
     from server.config import _SCHEMA
+
     text = EXAMPLE.read_text()
     for section, keys in _SCHEMA.items():
         assert f"[{section}]" in text
@@ -37,8 +38,11 @@ def test_example_documents_every_key_and_loads():
 
 
 def test_values_reach_their_dataclasses(tmp_path):
-    f = _write(tmp_path, '[model]\ndtype = "bfloat16"\n[cache]\nkv_cache_gib = 2\nnum_blocks = 64\n'
-                         '[scheduler]\nchunk_size = 128\n[server]\nport = 9001\napi_key = "k"\nthreads = 2\n')
+    f = _write(
+        tmp_path,
+        '[model]\ndtype = "bfloat16"\n[cache]\nkv_cache_gib = 2\nnum_blocks = 64\n'
+        '[scheduler]\nchunk_size = 128\n[server]\nport = 9001\napi_key = "k"\nthreads = 2\n',
+    )
     engine, server, _ = load_config(f)
     assert engine.dtype == "bfloat16" and engine.cache.kv_cache_gib == 2.0 and engine.cache.num_blocks == 64
     assert engine.scheduler.chunk_size == 128 and (server.port, server.api_key, server.threads) == (9001, "k", 2)
@@ -68,22 +72,25 @@ def test_graph_and_prefill_budget_flags_reach_the_engine_config(tmp_path):
     assert not engine.cuda_graphs and engine.scheduler.prefill_budget_with_decodes == 128
 
 
-@pytest.mark.parametrize("text, words", [
-    ("[scheduler]\nprefill_budget_with_decodes = -1\n", ["prefill_budget_with_decodes must be >= 0"]),
-    ("[model]\ncuda_graphs = \"yes\"\n", ["'model.cuda_graphs' must be bool"]),
-    ("[server]\nprot = 1\n", ["unknown key 'server.prot'"]),
-    ("[nope]\nx = 1\n", ["unknown key 'nope.x'"]),
-    ("top = 1\n", ["unknown key 'top'"]),
-    ("[server]\nport = \"80\"\n", ["'server.port' must be int", "str"]),
-    ("[server]\nport = true\n", ["'server.port' must be int", "bool"]),
-    ("[cache]\nkv_cache_gib = \"lots\"\n", ["'cache.kv_cache_gib' must be int or float"]),
-    ("[server]\nport = 0\n", ["server.port must be in 1..65535"]),
-    ("[scheduler]\nchunk_size = -1\n", ["scheduler.chunk_size must be positive"]),
-    ("[model]\ndtype = \"int3\"\n", ["dtype must be"]),
-    ("[fill]\nmode = \"fast\"\n", ["fill.mode must be one of", "'fast'"]),
-    ("[fill]\nsplitt = 12\n", ["unknown key 'fill.splitt'"]),
-    ("[server\n", ["cannot read config"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[scheduler]\nprefill_budget_with_decodes = -1\n", ["prefill_budget_with_decodes must be >= 0"]),
+        ('[model]\ncuda_graphs = "yes"\n', ["'model.cuda_graphs' must be bool"]),
+        ("[server]\nprot = 1\n", ["unknown key 'server.prot'"]),
+        ("[nope]\nx = 1\n", ["unknown key 'nope.x'"]),
+        ("top = 1\n", ["unknown key 'top'"]),
+        ('[server]\nport = "80"\n', ["'server.port' must be int", "str"]),
+        ("[server]\nport = true\n", ["'server.port' must be int", "bool"]),
+        ('[cache]\nkv_cache_gib = "lots"\n', ["'cache.kv_cache_gib' must be int or float"]),
+        ("[server]\nport = 0\n", ["server.port must be in 1..65535"]),
+        ("[scheduler]\nchunk_size = -1\n", ["scheduler.chunk_size must be positive"]),
+        ('[model]\ndtype = "int3"\n', ["dtype must be"]),
+        ('[fill]\nmode = "fast"\n', ["fill.mode must be one of", "'fast'"]),
+        ("[fill]\nsplitt = 12\n", ["unknown key 'fill.splitt'"]),
+        ("[server\n", ["cannot read config"]),
+    ],
+)
 def test_bad_config_names_key_and_file(tmp_path, text, words):
     f = _write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -98,8 +105,9 @@ def test_missing_file_is_named(tmp_path):
 
 def test_bad_config_stops_serve_with_one_line(tmp_path):
     f = _write(tmp_path, "[server]\nprot = 1\n")
-    p = subprocess.run([sys.executable, "-m", "server", "serve", "--config", str(f)],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--config", str(f)], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.strip() == f"ridgefill: error: {f}: unknown key 'server.prot'"
 
@@ -108,8 +116,12 @@ def test_serve_process_logs_config_binds_loopback_and_enforces_key(tmp_path, tmp
     port = free_port()
     f = _write(tmp_path, f'[server]\nport = {port}\napi_key = "k1"\nthreads = 1\n[cache]\nnum_blocks = 64\n')
     env = {**__import__("os").environ, "RIDGEFILL_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "rf-cache")}
-    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--config", str(f), "--log-level", "info"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", "--config", str(f), "--log-level", "info"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         log = []
         for line in proc.stderr:  # wait on the server's own log line, not a timer
@@ -122,8 +134,12 @@ def test_serve_process_logs_config_binds_loopback_and_enforces_key(tmp_path, tmp
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 401
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                       headers={"Authorization": "Bearer k1"}, timeout=60)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            headers={"Authorization": "Bearer k1"},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     finally:
         proc.terminate()

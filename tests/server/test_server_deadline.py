@@ -67,10 +67,14 @@ def test_a_timeout_that_is_not_positive_is_400(served, value):
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_access_line_has_the_token_counts(served, caplog, stream):
     caplog.set_level(logging.INFO, logger="ridgefill.access")
-    body = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
-    r = httpx.post(served.url + "/v1/completions", json=body, headers={"x-request-id": f"counts-{stream}"},
-                   timeout=60)
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    r = httpx.post(served.url + "/v1/completions", json=body, headers={"x-request-id": f"counts-{stream}"}, timeout=60)
     assert r.status_code == 200
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:

@@ -20,7 +20,6 @@ def engine(tmp_path_factory):
     return embedded_engine(tmp_path_factory, num_blocks=128, threads=2)
 
 
-
 @pytest.fixture(scope="module")
 def keyed(engine):
     with app_server(lambda: engine, api_key=KEY, max_body_bytes=10_000) as srv:
@@ -37,30 +36,36 @@ def _assert_error(r: httpx.Response, status: int, *words: str, param: str | None
         assert err["param"] == param
 
 
-@pytest.mark.parametrize("body, words, param", [
-    ({"prompt": "hi", "n": 17}, ["n must be in 1..16", "17"], "n"),
-    ({"prompt": "hi", "n": 0}, ["n must be in 1..16", "got 0"], "n"),
-    ({"prompt": "hi", "best_of": 3}, ["best_of=3 is not supported"], "best_of"),
-    ({"prompt": "hi", "n": 3, "seed": 2**64 - 2}, ["seed", "seed + 2"], "seed"),
-    ({"prompt": "hi", "temperature": -0.5}, ["temperature"], "temperature"),
-    ({"prompt": "hi", "top_p": 0}, ["top_p"], "top_p"),
-    ({"prompt": "hi", "top_k": -1}, ["top_k"], "top_k"),
-    ({"prompt": "hi", "max_tokens": -1}, ["max_tokens"], "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 5000}, ["exceeds the context length of 2048"], "prompt"),
-    ({"prompt": [1, 2, 10**9]}, ["outside the vocabulary"], "prompt"),
-    ({"prompt": ""}, ["prompt is empty"], "prompt"),
-    ({"prompt": ["a", "b"]}, ["batches are not supported"], "prompt"),
-    ({"prompt": 5}, ["prompt"], "prompt"),
-    ({}, ["prompt"], "prompt"),
-    ({"prompt": "hi", "stop": [""]}, ["stop"], "stop"),
-    ({"prompt": "hi", "logprobs": 21}, ["logprobs must be in 0..20", "21"], "logprobs"),
-    ({"prompt": "hi", "logprobs": -1}, ["logprobs must be in 0..20"], "logprobs"),
-    ({"prompt": "hi", "logprobs": True}, ["number of alternatives", "true"], "logprobs"),
-    ({"prompt": "hi", "logprobs": "many"}, ["logprobs must be an integer or true/false"], "logprobs"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1, "ridgefill": {"mode": "plain"}},
-     ["echo with logprobs", "filled rows"], "ridgefill.mode"),
-    ({"prompt": "hi", "ridgefill": {"mode": "fast"}}, ["ridgefill.mode must be", "'fast'"], "ridgefill.mode"),
-])
+@pytest.mark.parametrize(
+    "body, words, param",
+    [
+        ({"prompt": "hi", "n": 17}, ["n must be in 1..16", "17"], "n"),
+        ({"prompt": "hi", "n": 0}, ["n must be in 1..16", "got 0"], "n"),
+        ({"prompt": "hi", "best_of": 3}, ["best_of=3 is not supported"], "best_of"),
+        ({"prompt": "hi", "n": 3, "seed": 2**64 - 2}, ["seed", "seed + 2"], "seed"),
+        ({"prompt": "hi", "temperature": -0.5}, ["temperature"], "temperature"),
+        ({"prompt": "hi", "top_p": 0}, ["top_p"], "top_p"),
+        ({"prompt": "hi", "top_k": -1}, ["top_k"], "top_k"),
+        ({"prompt": "hi", "max_tokens": -1}, ["max_tokens"], "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 5000}, ["exceeds the context length of 2048"], "prompt"),
+        ({"prompt": [1, 2, 10**9]}, ["outside the vocabulary"], "prompt"),
+        ({"prompt": ""}, ["prompt is empty"], "prompt"),
+        ({"prompt": ["a", "b"]}, ["batches are not supported"], "prompt"),
+        ({"prompt": 5}, ["prompt"], "prompt"),
+        ({}, ["prompt"], "prompt"),
+        ({"prompt": "hi", "stop": [""]}, ["stop"], "stop"),
+        ({"prompt": "hi", "logprobs": 21}, ["logprobs must be in 0..20", "21"], "logprobs"),
+        ({"prompt": "hi", "logprobs": -1}, ["logprobs must be in 0..20"], "logprobs"),
+        ({"prompt": "hi", "logprobs": True}, ["number of alternatives", "true"], "logprobs"),
+        ({"prompt": "hi", "logprobs": "many"}, ["logprobs must be an integer or true/false"], "logprobs"),
+        (
+            {"prompt": "hi", "echo": True, "logprobs": 1, "ridgefill": {"mode": "plain"}},
+            ["echo with logprobs", "filled rows"],
+            "ridgefill.mode",
+        ),
+        ({"prompt": "hi", "ridgefill": {"mode": "fast"}}, ["ridgefill.mode must be", "'fast'"], "ridgefill.mode"),
+    ],
+)
 def test_bad_completion_input_is_400(keyed, body, words, param):
     _assert_error(keyed.post("/v1/completions", json=body), 400, *words, param=param)
 
@@ -68,25 +73,39 @@ def test_bad_completion_input_is_400(keyed, body, words, param):
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.mark.parametrize("body, words, param", [
-    ({"messages": "hi"}, [], "messages"),
-    ({"messages": CHAT, "n": 20}, ["n must be in 1..16", "20"], "n"),
-    ({"messages": CHAT, "top_logprobs": 2}, ["top_logprobs needs logprobs: true"], "top_logprobs"),
-    ({"messages": CHAT, "logprobs": False, "top_logprobs": 2}, ["top_logprobs needs logprobs: true"], "top_logprobs"),
-    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, ["top_logprobs must be in 0..20", "21"], "top_logprobs"),
-    ({"messages": CHAT, "logprobs": 5}, ["must be true or false", "top_logprobs"], "logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, words, param",
+    [
+        ({"messages": "hi"}, [], "messages"),
+        ({"messages": CHAT, "n": 20}, ["n must be in 1..16", "20"], "n"),
+        ({"messages": CHAT, "top_logprobs": 2}, ["top_logprobs needs logprobs: true"], "top_logprobs"),
+        (
+            {"messages": CHAT, "logprobs": False, "top_logprobs": 2},
+            ["top_logprobs needs logprobs: true"],
+            "top_logprobs",
+        ),
+        (
+            {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+            ["top_logprobs must be in 0..20", "21"],
+            "top_logprobs",
+        ),
+        ({"messages": CHAT, "logprobs": 5}, ["must be true or false", "top_logprobs"], "logprobs"),
+    ],
+)
 def test_bad_chat_input_is_400(keyed, body, words, param):
     _assert_error(keyed.post("/v1/chat/completions", json=body), 400, *words, param=param)
 
 
-@pytest.mark.parametrize("body, words, param", [
-    ({"tokens": [1, 2, 10**6]}, ["tokens[2]", "token id 1000000 is outside the vocabulary"], "tokens"),
-    ({"tokens": [1, -3]}, ["tokens[1]", "token id -3 is outside the vocabulary"], "tokens"),
-    ({"tokens": "hello"}, ["tokens must be a list"], "tokens"),
-    ({"tokens": [1, "a"]}, ["tokens[1] must be an integer"], "tokens[1]"),
-    ({}, ["tokens is required"], "tokens"),
-])
+@pytest.mark.parametrize(
+    "body, words, param",
+    [
+        ({"tokens": [1, 2, 10**6]}, ["tokens[2]", "token id 1000000 is outside the vocabulary"], "tokens"),
+        ({"tokens": [1, -3]}, ["tokens[1]", "token id -3 is outside the vocabulary"], "tokens"),
+        ({"tokens": "hello"}, ["tokens must be a list"], "tokens"),
+        ({"tokens": [1, "a"]}, ["tokens[1] must be an integer"], "tokens[1]"),
+        ({}, ["tokens is required"], "tokens"),
+    ],
+)
 def test_bad_detokenize_input_is_400(keyed, body, words, param):
     _assert_error(keyed.post("/detokenize", json=body), 400, *words, param=param)
 
@@ -112,9 +131,12 @@ def test_oversize_body_is_413(keyed):
 def test_api_key_is_enforced(keyed):
     url = str(keyed.base_url)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        for method, path, body in (("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-                                   ("GET", "/v1/models", None), ("POST", "/tokenize", {"prompt": "hi"}),
-                                   ("POST", "/detokenize", {"tokens": [1, 2]})):
+        for method, path, body in (
+            ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"prompt": "hi"}),
+            ("POST", "/detokenize", {"tokens": [1, 2]}),
+        ):
             _assert_error(httpx.request(method, url + path, json=body, headers=headers), 401, "API key")
     assert keyed.get("/v1/models").status_code == 200
     assert httpx.get(url + "/health").status_code == 200  # probes need no key
@@ -128,10 +150,16 @@ def test_unknown_route_has_openai_error_body(keyed):
 
 def test_queue_full_is_503_with_retry_after(engine):
     # One running + one queued fills a max_num_seqs=1, max_queued_requests=1 server.
-    small = Engine(engine.model, engine.tokenizer,
-                   EngineConfig(cache=CacheConfig(num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1)))
+    small = Engine(
+        engine.model,
+        engine.tokenizer,
+        EngineConfig(cache=CacheConfig(num_blocks=32), scheduler=SchedulerConfig(max_num_seqs=1)),
+    )
     long = {"prompt": "hi", "stream": True, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-    with app_server(lambda: small, max_queued_requests=1, retry_after_s=2) as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+    with (
+        app_server(lambda: small, max_queued_requests=1, retry_after_s=2) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+    ):
         srv.wait_ready()
         with c.stream("POST", "/v1/completions", json=long) as a, c.stream("POST", "/v1/completions", json=long) as b:
             assert a.status_code == b.status_code == 200  # headers sent: both were admitted

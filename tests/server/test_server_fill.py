@@ -31,20 +31,37 @@ from server.config import ConfigError, load_config
 SPLIT, TAIL = 15, 64
 GREEDY = {"temperature": 0, "max_tokens": 8}
 # ~300 tokens: long enough that the first ~236 rows are filled with TAIL = 64.
-LONG = ("Ledger of the mill. " + "The river ran past the old mill, where the miller kept a ledger of every "
-        "sack of grain, and in autumn the village gathered to count the harvest. " * 9
-        + "Question: what did the miller keep? Answer:")
-COUNTERS = ("ridgefill_fill_filled_rows_total", "ridgefill_fill_exact_prefix_rows_total", "ridgefill_fill_tail_rows_total")
+LONG = (
+    "Ledger of the mill. " + "The river ran past the old mill, where the miller kept a ledger of every "
+    "sack of grain, and in autumn the village gathered to count the harvest. "
+    * 9
+    + "Question: what did the miller keep? Answer:"
+)
+COUNTERS = (
+    "ridgefill_fill_filled_rows_total",
+    "ridgefill_fill_exact_prefix_rows_total",
+    "ridgefill_fill_tail_rows_total",
+)
 
 
 def write_maps(path, model, split: int, noise: float = 0.05) -> None:
     """Maps for every late layer of `model`, fitted to nothing: a perturbed identity."""
     cfg, d = model.config, model.config.hidden_size
     gen = torch.Generator().manual_seed(7)
-    maps = {l: (torch.eye(d) + noise * torch.randn(d, d, generator=gen) / d ** 0.5,
-                noise * torch.randn(d, generator=gen)) for l in range(split, cfg.num_layers)}
-    meta = MapMeta(model_identity=model.identity, architecture=cfg.architecture, num_layers=cfg.num_layers,
-                   hidden_size=d, split=split, lam=0.0, calibration_rows=0, calibration_hash="test")
+    maps = {
+        l: (torch.eye(d) + noise * torch.randn(d, d, generator=gen) / d**0.5, noise * torch.randn(d, generator=gen))
+        for l in range(split, cfg.num_layers)
+    }
+    meta = MapMeta(
+        model_identity=model.identity,
+        architecture=cfg.architecture,
+        num_layers=cfg.num_layers,
+        hidden_size=d,
+        split=split,
+        lam=0.0,
+        calibration_rows=0,
+        calibration_hash="test",
+    )
     save_maps(path, meta, maps)
 
 
@@ -74,16 +91,20 @@ def servers(model_and_maps, tmp_path_factory):
     base, maps = model_and_maps
     # NOTE: prefix caching off: these tests repeat one prompt and check how each request's own
     # prefill made its rows (tests/engine/test_prefix_caching.py covers requests that share them)
-    f = _config(tmp_path_factory.mktemp("cfg"),
-                f'[cache]\nnum_blocks = 64\nprefix_caching = "off"\n[fill]\nmode = "plain"\nsplit = {SPLIT}\n'
-                f'tail = {TAIL}\nmaps = "{maps[SPLIT]}"\n')
+    f = _config(
+        tmp_path_factory.mktemp("cfg"),
+        f'[cache]\nnum_blocks = 64\nprefix_caching = "off"\n[fill]\nmode = "plain"\nsplit = {SPLIT}\n'
+        f'tail = {TAIL}\nmaps = "{maps[SPLIT]}"\n',
+    )
     fill_cfg, fill_server_cfg, fill_settings = load_config(f)
     assert fill_cfg.fill.arm == "ridgefill" and fill_settings.mode == "plain"
     # NOTE: same weights as `base`, own KV pool and fill settings, built as build_engine would.
     filled = Engine(base.model, base.tokenizer, fill_cfg, load_fill_maps(fill_cfg, base.model))
     off_cfg, off_server_cfg, off_settings = load_config(None, {"cache.num_blocks": 64})
-    with BackgroundServer(create_app(fill_cfg, fill_server_cfg, fill_settings, build=lambda: filled)) as on, \
-            BackgroundServer(create_app(off_cfg, off_server_cfg, off_settings, build=lambda: base)) as off:
+    with (
+        BackgroundServer(create_app(fill_cfg, fill_server_cfg, fill_settings, build=lambda: filled)) as on,
+        BackgroundServer(create_app(off_cfg, off_server_cfg, off_settings, build=lambda: base)) as off,
+    ):
         on.wait_ready()
         off.wait_ready()
         yield on.url, off.url
@@ -111,8 +132,14 @@ def _check_rows(usage: dict) -> int:
     fill = usage["ridgefill"]
     exact = fill["exact_prefix_rows"]
     assert 1 <= exact < usage["prompt_tokens"] - TAIL  # position 0 is always exact
-    assert fill == {"filled_rows": usage["prompt_tokens"] - TAIL - exact, "exact_prefix_rows": exact,
-                    "tail_rows": TAIL, "split": SPLIT, "cached_filled_rows": 0, "remade_exact_rows": 0}
+    assert fill == {
+        "filled_rows": usage["prompt_tokens"] - TAIL - exact,
+        "exact_prefix_rows": exact,
+        "tail_rows": TAIL,
+        "split": SPLIT,
+        "cached_filled_rows": 0,
+        "remade_exact_rows": 0,
+    }
     return exact
 
 
@@ -133,26 +160,38 @@ def test_request_selectors_replace_the_servers_while_others_are_served(servers):
     on, _ = servers
     # Three requests in flight together: the server's selectors, only "special", and none.
     with ThreadPoolExecutor(3) as pool:
-        default, special, none = pool.map(lambda fill: _complete(on, **fill), [
-            {}, {"ridgefill": {"selectors": ["special"]}}, {"ridgefill": {"mode": "plain", "selectors": []}}])
+        default, special, none = pool.map(
+            lambda fill: _complete(on, **fill),
+            [{}, {"ridgefill": {"selectors": ["special"]}}, {"ridgefill": {"mode": "plain", "selectors": []}}],
+        )
     shipped, first = _check_rows(default["usage"]), _check_rows(special["usage"])
     assert first <= shipped  # "special" rows are a part of every selection
     # No selector: no exact prefix row, the whole prefix is filled.
     n = none["usage"]["prompt_tokens"]
-    assert none["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
-                                          "tail_rows": TAIL, "split": SPLIT, "cached_filled_rows": 0, "remade_exact_rows": 0}
+    assert none["usage"]["ridgefill"] == {
+        "filled_rows": n - TAIL,
+        "exact_prefix_rows": 0,
+        "tail_rows": TAIL,
+        "split": SPLIT,
+        "cached_filled_rows": 0,
+        "remade_exact_rows": 0,
+    }
 
 
 def test_unknown_request_selector_is_400_and_the_server_keeps_serving(servers):
     on, off = servers
     for url in (on, off):  # refused whether or not the server fills
-        r = httpx.post(url + "/v1/completions", json={"prompt": LONG, "max_tokens": 2,
-                                                      "ridgefill": {"selectors": ["special", "rare"]}})
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": LONG, "max_tokens": 2, "ridgefill": {"selectors": ["special", "rare"]}},
+        )
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "ridgefill.selectors", err
         assert err["message"] == f"ridgefill.selectors: unknown selector 'rare' (known: {', '.join(SELECTORS)})"
-    r = httpx.post(on + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                      "max_tokens": 1, "ridgefill": {"selectors": ["digit"]}})
+    r = httpx.post(
+        on + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "ridgefill": {"selectors": ["digit"]}},
+    )
     assert r.status_code == 400 and "unknown selector 'digit'" in r.json()["error"]["message"]
     _check_rows(_complete(on)["usage"])
     assert httpx.get(on + "/health").json() == {"status": "ok"}
@@ -175,8 +214,13 @@ def test_exact_request_on_a_fill_server_equals_a_fill_off_server(servers):
 
 def test_streamed_chat_usage_chunk_carries_the_fill(servers):
     on, _ = servers
-    body = {"messages": [{"role": "user", "content": LONG}], "temperature": 0, "max_completion_tokens": 4,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": LONG}],
+        "temperature": 0,
+        "max_completion_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", on + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -193,13 +237,16 @@ def test_prompt_within_the_tail_is_not_filled(servers):
     assert _counters(on) == before
 
 
-@pytest.mark.parametrize("fill, words", [
-    ({"mode": "fast"}, "ridgefill.mode must be \"off\" (exact prefill) or \"plain\""),
-    ({"mode": "exact"}, "got 'exact'"),  # the runtime's arm names are not request modes
-    ({"mode": "off", "split": 3}, "ridgefill"),  # nothing else may be set per request
-    ({"selectors": ["probes"]}, "ridgefill.selectors: unknown selector 'probes'"),
-    ({"selectors": "special"}, "ridgefill"),  # a list of names, not one name
-])
+@pytest.mark.parametrize(
+    "fill, words",
+    [
+        ({"mode": "fast"}, 'ridgefill.mode must be "off" (exact prefill) or "plain"'),
+        ({"mode": "exact"}, "got 'exact'"),  # the runtime's arm names are not request modes
+        ({"mode": "off", "split": 3}, "ridgefill"),  # nothing else may be set per request
+        ({"selectors": ["probes"]}, "ridgefill.selectors: unknown selector 'probes'"),
+        ({"selectors": "special"}, "ridgefill"),  # a list of names, not one name
+    ],
+)
 def test_bad_request_mode_is_400_naming_the_field(servers, fill, words):
     on, _ = servers
     r = httpx.post(on + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "ridgefill": fill})
@@ -212,13 +259,21 @@ def test_bad_request_mode_is_400_naming_the_field(servers, fill, words):
 
 def test_every_fill_key_reaches_the_fill_config(model_and_maps, tmp_path):
     _, maps = model_and_maps
-    f = _config(tmp_path, f'[fill]\nmode = "plain"\nsplit = 11\ntail = 128\nmaps = "{maps[11]}"\n'
-                          'placement = "streamed"\n[fill.corrections]\nvalue_rescale = true\n'
-                          'key_rescale = true\nrescale_rows = 32\n')
+    f = _config(
+        tmp_path,
+        f'[fill]\nmode = "plain"\nsplit = 11\ntail = 128\nmaps = "{maps[11]}"\n'
+        'placement = "streamed"\n[fill.corrections]\nvalue_rescale = true\n'
+        "key_rescale = true\nrescale_rows = 32\n",
+    )
     engine, _, settings = load_config(f)
     fc = engine.fill
     assert settings.mode == "plain" and (fc.arm, fc.split, fc.tail, fc.maps, fc.placement) == (
-        "ridgefill", 11, 128, str(maps[11]), "streamed")
+        "ridgefill",
+        11,
+        128,
+        str(maps[11]),
+        "streamed",
+    )
     assert (fc.value_rescale, fc.key_rescale, fc.rescale_rows) == (True, True, 32)
     # The list form switches corrections on by name; flags override the file.
     f = _config(tmp_path, '[fill]\nmode = "identity"\ncorrections = ["key_rescale"]\n')
@@ -231,19 +286,34 @@ def test_every_fill_key_reaches_the_fill_config(model_and_maps, tmp_path):
 def test_fill_rows_table_round_trips_into_the_engine_config(model_and_maps, tmp_path):
     _, maps = model_and_maps
     from server.config import _SCHEMA
-    assert {k[len("rows."):] for k in _SCHEMA["fill"] if k.startswith("rows.")} == set(RowsConfig.__dataclass_fields__)
+
+    assert {k[len("rows.") :] for k in _SCHEMA["fill"] if k.startswith("rows.")} == set(RowsConfig.__dataclass_fields__)
     counts = tmp_path / "counts.json"
     counts.write_text("{}")  # only its existence is checked at startup
-    f = _config(tmp_path, f'[fill]\nmode = "plain"\nmaps = "{maps[SPLIT]}"\n[fill.rows]\n'
-                          'selectors = ["special", "attention", "digits"]\nattention_share = 0.2\n'
-                          'attention_layers = [1, 5]\nwindow = 32\nprobe_window = 128\nbudget_factor = 2\n'
-                          'base_attention_share = 0.3\nprotected_share = 0.5\nlexical_cap = 0.1\n'
-                          f'lexical_sentence_rows = 40\nunigram = "{counts}"\ncontrol = "random"\nseed = 9\n')
+    f = _config(
+        tmp_path,
+        f'[fill]\nmode = "plain"\nmaps = "{maps[SPLIT]}"\n[fill.rows]\n'
+        'selectors = ["special", "attention", "digits"]\nattention_share = 0.2\n'
+        "attention_layers = [1, 5]\nwindow = 32\nprobe_window = 128\nbudget_factor = 2\n"
+        "base_attention_share = 0.3\nprotected_share = 0.5\nlexical_cap = 0.1\n"
+        f'lexical_sentence_rows = 40\nunigram = "{counts}"\ncontrol = "random"\nseed = 9\n',
+    )
     rows = load_config(f)[0].fill.rows
-    assert rows == RowsConfig(selectors=("special", "attention", "digits"), attention_share=0.2,
-                              attention_layers=(1, 5), window=32, probe_window=128, budget_factor=2.0,
-                              base_attention_share=0.3, protected_share=0.5, lexical_cap=0.1,
-                              lexical_sentence_rows=40, unigram=str(counts), control="random", seed=9)
+    assert rows == RowsConfig(
+        selectors=("special", "attention", "digits"),
+        attention_share=0.2,
+        attention_layers=(1, 5),
+        window=32,
+        probe_window=128,
+        budget_factor=2.0,
+        base_attention_share=0.3,
+        protected_share=0.5,
+        lexical_cap=0.1,
+        lexical_sentence_rows=40,
+        unigram=str(counts),
+        control="random",
+        seed=9,
+    )
     # A table replaces the shipped selection: keys it leaves out take RowsConfig's defaults, and
     # the embedded model still gets the shipped counts. Flags override the file.
     f = _config(tmp_path, f'[fill]\nmode = "plain"\nmaps = "{maps[SPLIT]}"\n[fill.rows]\nwindow = 16\n')
@@ -259,8 +329,10 @@ def test_plain_without_a_rows_table_takes_the_shipped_rows(model_and_maps):
     # The serve flag sets the selectors only.
     from server.cli_serve import _FLAG_KEYS
     from server.main import build_parser
-    args = build_parser().parse_args(["serve", "--fill", "plain", "--fill-maps", str(maps[SPLIT]),
-                                      "--fill-selectors", "special, digits"])
+
+    args = build_parser().parse_args(
+        ["serve", "--fill", "plain", "--fill-maps", str(maps[SPLIT]), "--fill-selectors", "special, digits"]
+    )
     rows = load_config(None, {key: getattr(args, dest, None) for dest, key in _FLAG_KEYS.items()})[0].fill.rows
     assert rows == RowsConfig(selectors=("special", "digits"), unigram=str(shipped_unigram()))
     # Fill off: the selectors never run, and no counts are loaded.
@@ -276,33 +348,52 @@ def test_plain_on_the_embedded_model_defaults_to_the_shipped_maps(model_and_maps
     assert load_config(None, {"fill.mode": "plain", "fill.split": 11})[0].fill.maps == str(maps[11])
 
 
-@pytest.mark.parametrize("text, words", [
-    ('[fill]\nsplitt = 12\n', "unknown key 'fill.splitt'"),
-    ('[fill.corrections]\nvalue_rescal = true\n', "unknown key 'fill.corrections.value_rescal'"),
-    ('[fill]\ntail = "64"\n', "key 'fill.tail' must be int, got str '64'"),
-    ('[fill]\nsplit = true\n', "key 'fill.split' must be int, got bool"),
-    ('[fill]\nmaps = 3\n', "key 'fill.maps' must be str"),
-    ('[fill.corrections]\nkey_rescale = 1\n', "key 'fill.corrections.key_rescale' must be bool, got int"),
-    ('[fill]\ncorrections = true\n', "key 'fill.corrections' must be list or table"),
-    ('[fill]\ncorrections = ["rescale_rows"]\n', "unknown correction 'rescale_rows'"),
-    ('[fill]\nmode = "fast"\n', "fill.mode must be one of off, plain, nofill, identity, got 'fast'"),
-    ('[fill]\nplacement = "disk"\n', "fill.placement must be resident or streamed"),
-    ('[fill]\ntail = 0\n', "fill.tail must be >= 1"),
-    ('[model]\npath = "/m"\n[fill]\nmode = "plain"\n', "key 'fill.maps' is required when fill.mode = \"plain\" and model.path is set"),
-    ('[fill]\nmode = "plain"\nmaps = "/nope.safetensors"\n', "key 'fill.maps': map file /nope.safetensors not found"),
-    ('[fill.rows]\nselector = ["special"]\n', "unknown key 'fill.rows.selector'"),
-    ('[fill.rows]\nselectors = ["special", "rare"]\n',
-     f"key 'fill.rows.selectors': unknown selector 'rare' (known: {', '.join(SELECTORS)})"),
-    ('[fill.rows]\nselectors = "special"\n', "key 'fill.rows.selectors' must be a list of str, got str"),
-    ('[fill.rows]\nattention_layers = [3, "7"]\n', "key 'fill.rows.attention_layers' must be a list of int, got str '7'"),
-    ('[fill.rows]\nwindow = 1.5\n', "key 'fill.rows.window' must be int, got float"),
-    ('[fill.rows]\nprotected_share = 2\n', "fill.rows.protected_share must be in [0, 1], got 2.0"),
-    ('[fill.rows]\ncontrol = "shuffle"\n', "fill.rows.control must be one of none, random, tail"),
-    ('[fill]\nrows = ["special"]\n', "key 'fill.rows' must be"),
-    ('[model]\npath = "/m"\n[fill]\nmode = "plain"\nmaps = "/m.safetensors"\n[fill.rows]\nselectors = ["probe"]\n',
-     "key 'fill.rows.unigram' is required when fill.rows.selectors include probe and model.path is set"),
-    ('[fill]\nmode = "plain"\n[fill.rows]\nunigram = "/nope.json"\n', "key 'fill.rows.unigram': counts file /nope.json not found"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[fill]\nsplitt = 12\n", "unknown key 'fill.splitt'"),
+        ("[fill.corrections]\nvalue_rescal = true\n", "unknown key 'fill.corrections.value_rescal'"),
+        ('[fill]\ntail = "64"\n', "key 'fill.tail' must be int, got str '64'"),
+        ("[fill]\nsplit = true\n", "key 'fill.split' must be int, got bool"),
+        ("[fill]\nmaps = 3\n", "key 'fill.maps' must be str"),
+        ("[fill.corrections]\nkey_rescale = 1\n", "key 'fill.corrections.key_rescale' must be bool, got int"),
+        ("[fill]\ncorrections = true\n", "key 'fill.corrections' must be list or table"),
+        ('[fill]\ncorrections = ["rescale_rows"]\n', "unknown correction 'rescale_rows'"),
+        ('[fill]\nmode = "fast"\n', "fill.mode must be one of off, plain, nofill, identity, got 'fast'"),
+        ('[fill]\nplacement = "disk"\n', "fill.placement must be resident or streamed"),
+        ("[fill]\ntail = 0\n", "fill.tail must be >= 1"),
+        (
+            '[model]\npath = "/m"\n[fill]\nmode = "plain"\n',
+            "key 'fill.maps' is required when fill.mode = \"plain\" and model.path is set",
+        ),
+        (
+            '[fill]\nmode = "plain"\nmaps = "/nope.safetensors"\n',
+            "key 'fill.maps': map file /nope.safetensors not found",
+        ),
+        ('[fill.rows]\nselector = ["special"]\n', "unknown key 'fill.rows.selector'"),
+        (
+            '[fill.rows]\nselectors = ["special", "rare"]\n',
+            f"key 'fill.rows.selectors': unknown selector 'rare' (known: {', '.join(SELECTORS)})",
+        ),
+        ('[fill.rows]\nselectors = "special"\n', "key 'fill.rows.selectors' must be a list of str, got str"),
+        (
+            '[fill.rows]\nattention_layers = [3, "7"]\n',
+            "key 'fill.rows.attention_layers' must be a list of int, got str '7'",
+        ),
+        ("[fill.rows]\nwindow = 1.5\n", "key 'fill.rows.window' must be int, got float"),
+        ("[fill.rows]\nprotected_share = 2\n", "fill.rows.protected_share must be in [0, 1], got 2.0"),
+        ('[fill.rows]\ncontrol = "shuffle"\n', "fill.rows.control must be one of none, random, tail"),
+        ('[fill]\nrows = ["special"]\n', "key 'fill.rows' must be"),
+        (
+            '[model]\npath = "/m"\n[fill]\nmode = "plain"\nmaps = "/m.safetensors"\n[fill.rows]\nselectors = ["probe"]\n',
+            "key 'fill.rows.unigram' is required when fill.rows.selectors include probe and model.path is set",
+        ),
+        (
+            '[fill]\nmode = "plain"\n[fill.rows]\nunigram = "/nope.json"\n',
+            "key 'fill.rows.unigram': counts file /nope.json not found",
+        ),
+    ],
+)
 def test_bad_fill_config_names_key_and_file(tmp_path, text, words):
     f = _config(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -321,17 +412,35 @@ def test_not_a_map_file_is_refused(tmp_path):
 def test_maps_for_another_split_stop_serve_with_one_line(model_and_maps, tmp_path):
     _, maps = model_and_maps
     f = _config(tmp_path, f'[fill]\nmode = "plain"\nsplit = {SPLIT}\nmaps = "{maps[11]}"\n')
-    p = subprocess.run([sys.executable, "-m", "server", "serve", "--config", str(f)],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "server", "serve", "--config", str(f)], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == (f"ridgefill: error: {f}: key 'fill.maps': {maps[11]} holds maps fitted for "
-                                f"split 11, but fill.split is {SPLIT}")
+    assert p.stderr.strip() == (
+        f"ridgefill: error: {f}: key 'fill.maps': {maps[11]} holds maps fitted for split 11, but fill.split is {SPLIT}"
+    )
     # The same from flags: the error names the command line.
-    p = subprocess.run([sys.executable, "-m", "server", "serve", "--fill", "plain", "--fill-split", "11",
-                        "--fill-maps", str(maps[SPLIT])], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "serve",
+            "--fill",
+            "plain",
+            "--fill-split",
+            "11",
+            "--fill-maps",
+            str(maps[SPLIT]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 1 and p.stderr.strip() == (
         f"ridgefill: error: command line: key 'fill.maps': {maps[SPLIT]} holds maps fitted for split {SPLIT}, "
-        f"but fill.split is 11")
+        f"but fill.split is 11"
+    )
 
 
 def test_request_recipe_sets_the_rows_and_refuses_what_the_server_cannot_do(servers):
@@ -342,13 +451,21 @@ def test_request_recipe_sets_the_rows_and_refuses_what_the_server_cannot_do(serv
     on, _ = servers
     plain = _complete(on, ridgefill={"recipe": "flash-next"})  # Flash-Next's plain mode: no exact prefix row
     n = plain["usage"]["prompt_tokens"]
-    assert plain["usage"]["ridgefill"] == {"filled_rows": n - TAIL, "exact_prefix_rows": 0,
-                                           "tail_rows": TAIL, "split": SPLIT, "cached_filled_rows": 0, "remade_exact_rows": 0}
+    assert plain["usage"]["ridgefill"] == {
+        "filled_rows": n - TAIL,
+        "exact_prefix_rows": 0,
+        "tail_rows": TAIL,
+        "split": SPLIT,
+        "cached_filled_rows": 0,
+        "remade_exact_rows": 0,
+    }
     _check_rows(_complete(on, ridgefill={"recipe": "qwen3.8-27b"})["usage"])  # its selectors chose some rows
     both = _complete(on, ridgefill={"recipe": "flash-next", "selectors": ["special"]})  # selectors win
     assert both["usage"]["ridgefill"]["exact_prefix_rows"] >= 1
-    for recipe, words in (("flash", f"ridgefill.recipe: unknown recipe 'flash' (known: {', '.join(RECIPES)})"),
-                          ("flash-next-quality", "maps holding ΔM")):
+    for recipe, words in (
+        ("flash", f"ridgefill.recipe: unknown recipe 'flash' (known: {', '.join(RECIPES)})"),
+        ("flash-next-quality", "maps holding ΔM"),
+    ):
         r = httpx.post(on + "/v1/completions", json={"prompt": LONG, "max_tokens": 2, "ridgefill": {"recipe": recipe}})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "ridgefill.recipe" and words in err["message"], err
@@ -372,15 +489,20 @@ def test_a_second_question_on_a_cached_filled_document_reports_its_rows(model_an
     """Prefix caching on a fill server: the second question's usage says how many prompt tokens
     came from the cache and how many of its filled rows; as-is remakes none; a bad policy is a 400."""
     base, maps = model_and_maps
-    f = _config(tmp_path, f'[cache]\nnum_blocks = 64\n[fill]\nmode = "plain"\nsplit = {SPLIT}\ntail = {TAIL}\n'
-                          f'maps = "{maps[SPLIT]}"\n')
+    f = _config(
+        tmp_path,
+        f'[cache]\nnum_blocks = 64\n[fill]\nmode = "plain"\nsplit = {SPLIT}\ntail = {TAIL}\nmaps = "{maps[SPLIT]}"\n',
+    )
     cfg, server_cfg, settings = load_config(f)
     engine = Engine(base.model, base.tokenizer, cfg, load_fill_maps(cfg, base.model))
     with BackgroundServer(create_app(cfg, server_cfg, settings, build=lambda: engine)) as srv:
         srv.wait_ready()
         first = _complete(srv.url, ridgefill={"reuse_filled": "as-is"})
-        second = httpx.post(srv.url + "/v1/completions", timeout=120, json={
-            "prompt": LONG + " And once more?", **GREEDY, "ridgefill": {"reuse_filled": "as-is"}}).json()
+        second = httpx.post(
+            srv.url + "/v1/completions",
+            timeout=120,
+            json={"prompt": LONG + " And once more?", **GREEDY, "ridgefill": {"reuse_filled": "as-is"}},
+        ).json()
         bad = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "ridgefill": {"reuse_filled": "often"}})
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]

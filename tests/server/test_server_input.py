@@ -35,7 +35,6 @@ def engine(tmp_path_factory):
     return embedded_engine(tmp_path_factory, num_blocks=128, threads=1)
 
 
-
 @pytest.fixture(scope="module")
 def client(engine):
     with app_server(lambda: engine) as srv:  # the default 4 MiB body limit
@@ -60,17 +59,24 @@ def _assert_error(r: httpx.Response, status: int, *words: str, param: str | None
 
 # -- lone surrogates (a "\ud800" JSON escape is valid JSON, but no character) ------------------
 
-@pytest.mark.parametrize("path, raw, param", [
-    ("/v1/completions", r'{"prompt": "a\ud800b", "max_tokens": 1}', "prompt"),
-    ("/v1/completions", r'{"prompt": ["\udfff"], "max_tokens": 1}', "prompt[0]"),
-    ("/v1/completions", r'{"prompt": "hi", "max_tokens": 1, "stop": ["\ud800"]}', "stop"),
-    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
-    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "ok"}, '
-                             r'{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]}',
-     "messages[1].content"),
-    ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
-    ("/tokenize", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
-])
+
+@pytest.mark.parametrize(
+    "path, raw, param",
+    [
+        ("/v1/completions", r'{"prompt": "a\ud800b", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", r'{"prompt": ["\udfff"], "max_tokens": 1}', "prompt[0]"),
+        ("/v1/completions", r'{"prompt": "hi", "max_tokens": 1, "stop": ["\ud800"]}', "stop"),
+        ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
+        (
+            "/v1/chat/completions",
+            r'{"messages": [{"role": "user", "content": "ok"}, '
+            r'{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]}',
+            "messages[1].content",
+        ),
+        ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
+        ("/tokenize", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages[0].content"),
+    ],
+)
 def test_lone_surrogate_is_400(client, path, raw, param):
     _assert_error(_post_raw(client, path, raw), 400, "surrogate", param=param)
 
@@ -84,12 +90,18 @@ def test_surrogate_echoed_in_an_error_is_escaped(client):
 
 # -- floats: tiny temperatures are greedy, Infinity and NaN are refused --------------------------
 
+
 @pytest.mark.parametrize("temperature", ["1e-39", "5e-324", "1.11e-308", "1e-6"])
 def test_tiny_temperature_samples_greedily(client, temperature):
-    greedy = client.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
-                                                   "temperature": 0, "ignore_eos": True})
-    r = _post_raw(client, "/v1/completions", '{"prompt": "The capital of France is", "max_tokens": 6, '
-                                             f'"ignore_eos": true, "temperature": {temperature}}}')
+    greedy = client.post(
+        "/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+    )
+    r = _post_raw(
+        client,
+        "/v1/completions",
+        f'{{"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": true, "temperature": {temperature}}}',
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
@@ -116,8 +128,10 @@ def test_engine_refuses_non_finite_and_greedy_below_epsilon():
 
 # -- seed: what torch.Generator.manual_seed accepts --------------------------------------------
 
-@pytest.mark.parametrize("seed, ok", [(2**64 - 1, True), (-2**63, True), (0, True),
-                                      (2**64, False), (-2**63 - 1, False), (10**40, False)])
+
+@pytest.mark.parametrize(
+    "seed, ok", [(2**64 - 1, True), (-(2**63), True), (0, True), (2**64, False), (-(2**63) - 1, False), (10**40, False)]
+)
 def test_seed_range(client, seed, ok):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 1, "seed": seed})
     if ok:
@@ -128,19 +142,36 @@ def test_seed_range(client, seed, ok):
 
 # -- chat messages -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("raw, words, param", [
-    ('{"messages": []}', ["messages is empty"], "messages"),
-    ('{"messages": [{"role": "bogus", "content": "x"}]}', ["'user'", "'tool'", '"bogus"'], "messages[0].role"),
-    ('{"messages": [{"content": "x"}]}', ["role is required"], "messages[0].role"),
-    ('{"messages": [{"role": "user", "content": 5}]}', ["string or a list of content parts"], "messages[0].content"),
-    ('{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', ["text", "image_url"],
-     "messages[0].content[0].type"),
-    ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}', ["text is required"],
-     "messages[0].content[0].text"),
-    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', ["must be a string", "got 5"],
-     "messages[0].content[0].text"),
-    ('{' + USER + ', "max_completion_tokens": -1}', ["max_completion_tokens", ">= 0"], "max_completion_tokens"),
-])
+
+@pytest.mark.parametrize(
+    "raw, words, param",
+    [
+        ('{"messages": []}', ["messages is empty"], "messages"),
+        ('{"messages": [{"role": "bogus", "content": "x"}]}', ["'user'", "'tool'", '"bogus"'], "messages[0].role"),
+        ('{"messages": [{"content": "x"}]}', ["role is required"], "messages[0].role"),
+        (
+            '{"messages": [{"role": "user", "content": 5}]}',
+            ["string or a list of content parts"],
+            "messages[0].content",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            ["text", "image_url"],
+            "messages[0].content[0].type",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
+            ["text is required"],
+            "messages[0].content[0].text",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+            ["must be a string", "got 5"],
+            "messages[0].content[0].text",
+        ),
+        ("{" + USER + ', "max_completion_tokens": -1}', ["max_completion_tokens", ">= 0"], "max_completion_tokens"),
+    ],
+)
 def test_bad_chat_message_is_400(client, raw, words, param):
     _assert_error(_post_raw(client, "/v1/chat/completions", raw), 400, *words, param=param)
 
@@ -162,11 +193,15 @@ def test_too_many_messages_is_400(client):
 
 # -- stop strings: capped in number and length -------------------------------------------------
 
-@pytest.mark.parametrize("stop, words", [
-    (["x"] * (MAX_STOP_STRINGS + 1), [str(MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS}"]),
-    ([f"s{i}" for i in range(50_000)], ["50000", f"at most {MAX_STOP_STRINGS}", "server.max_stop_strings"]),
-    ("y" * (rq.MAX_STOP_CHARS + 1), [f"at most {rq.MAX_STOP_CHARS} characters"]),
-])
+
+@pytest.mark.parametrize(
+    "stop, words",
+    [
+        (["x"] * (MAX_STOP_STRINGS + 1), [str(MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS}"]),
+        ([f"s{i}" for i in range(50_000)], ["50000", f"at most {MAX_STOP_STRINGS}", "server.max_stop_strings"]),
+        ("y" * (rq.MAX_STOP_CHARS + 1), [f"at most {rq.MAX_STOP_CHARS} characters"]),
+    ],
+)
 def test_stop_caps_are_400(client, stop, words):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "stop": stop})
     _assert_error(r, 400, *words, param="stop")
@@ -180,12 +215,16 @@ def test_stop_at_the_caps_is_accepted(client):
 
 # -- the body itself ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
-@pytest.mark.parametrize("raw, words", [
-    (b"", ["request body is empty", "JSON object"]),
-    (b"[1, 2]", ["request body must be a JSON object", "[1, 2]"]),
-    (b"{not json", ["not valid JSON", "character 1"]),
-])
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (b"", ["request body is empty", "JSON object"]),
+        (b"[1, 2]", ["request body must be a JSON object", "[1, 2]"]),
+        (b"{not json", ["not valid JSON", "character 1"]),
+    ],
+)
 def test_bad_body_is_400(client, path, raw, words):
     _assert_error(_post_raw(client, path, raw), 400, *words, param=None)
 
@@ -207,29 +246,35 @@ def test_chunked_body_over_the_limit_is_413(client):
     _assert_error(r, 413, "exceeds the limit of 4194304 bytes", param=None)
 
 
-@pytest.mark.parametrize("ridgefill, words, param", [
-    (5, ["ridgefill must be a JSON object", "got 5"], "ridgefill"),
-    ({"selectors": "abc"}, ["ridgefill.selectors must be a list", '"abc"'], "ridgefill.selectors"),
-    ({"selectors": [1]}, ["must be a string"], "ridgefill.selectors[0]"),
-    ({"mode": 3}, ["ridgefill.mode must be a string", "got 3"], "ridgefill.mode"),
-    ({"speed": "max"}, ["ridgefill.speed is not a known field"], "ridgefill.speed"),
-])
+@pytest.mark.parametrize(
+    "ridgefill, words, param",
+    [
+        (5, ["ridgefill must be a JSON object", "got 5"], "ridgefill"),
+        ({"selectors": "abc"}, ["ridgefill.selectors must be a list", '"abc"'], "ridgefill.selectors"),
+        ({"selectors": [1]}, ["must be a string"], "ridgefill.selectors[0]"),
+        ({"mode": 3}, ["ridgefill.mode must be a string", "got 3"], "ridgefill.mode"),
+        ({"speed": "max"}, ["ridgefill.speed is not a known field"], "ridgefill.speed"),
+    ],
+)
 def test_wrong_typed_ridgefill_field_is_400(client, ridgefill, words, param):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "ridgefill": ridgefill})
     _assert_error(r, 400, *words, param=param)
 
 
-@pytest.mark.parametrize("body, words, param", [
-    ({"prompt": []}, ["prompt is empty"], "prompt"),
-    ({"prompt": [1.5]}, ["string or a list of token ids"], "prompt"),
-    ({"prompt": "hi", "stop": 5}, ["string or a list of strings"], "stop"),
-    ({"prompt": "hi", "temperature": "hot"}, ["temperature must be a number", '"hot"'], "temperature"),
-    ({"prompt": "hi", "top_k": 10**30, "max_tokens": 1}, [], None),  # larger than the vocabulary: off
-    ({"prompt": "hi", "max_tokens": 10**30}, ["exceeds the context length"], "prompt"),
-    ({"prompt": [2**70]}, ["outside the vocabulary"], "prompt"),
-    ({"prompt": [1] * 2049}, ["2049 token ids", "exceeds the context length of 2048"], "prompt"),
-    ({"prompt": [[1] * 2049]}, ["2049 token ids", "exceeds the context length of 2048"], "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, words, param",
+    [
+        ({"prompt": []}, ["prompt is empty"], "prompt"),
+        ({"prompt": [1.5]}, ["string or a list of token ids"], "prompt"),
+        ({"prompt": "hi", "stop": 5}, ["string or a list of strings"], "stop"),
+        ({"prompt": "hi", "temperature": "hot"}, ["temperature must be a number", '"hot"'], "temperature"),
+        ({"prompt": "hi", "top_k": 10**30, "max_tokens": 1}, [], None),  # larger than the vocabulary: off
+        ({"prompt": "hi", "max_tokens": 10**30}, ["exceeds the context length"], "prompt"),
+        ({"prompt": [2**70]}, ["outside the vocabulary"], "prompt"),
+        ({"prompt": [1] * 2049}, ["2049 token ids", "exceeds the context length of 2048"], "prompt"),
+        ({"prompt": [[1] * 2049]}, ["2049 token ids", "exceeds the context length of 2048"], "prompt"),
+    ],
+)
 def test_odd_completion_field_is_refused_or_served(client, body, words, param):
     r = client.post("/v1/completions", json=body)
     if not words:
@@ -240,17 +285,19 @@ def test_odd_completion_field_is_refused_or_served(client, body, words, param):
 
 # -- the default chat limit --------------------------------------------------------------------
 
+
 def test_chat_without_a_limit_gets_the_configured_default(engine):
     chat = {"messages": [{"role": "user", "content": "Count to 100."}], "ignore_eos": True, "temperature": 0}
-    with app_server(lambda: engine, default_chat_max_tokens=3, max_stop_strings=1) as srv, \
-            httpx.Client(base_url=srv.url, timeout=60) as c:
+    with (
+        app_server(lambda: engine, default_chat_max_tokens=3, max_stop_strings=1) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+    ):
         srv.wait_ready()
         r = c.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
         r = c.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
-        _assert_error(c.post("/v1/chat/completions", json={**chat, "stop": ["a", "b"]}), 400, "at most 1",
-                      param="stop")
+        _assert_error(c.post("/v1/chat/completions", json={**chat, "stop": ["a", "b"]}), 400, "at most 1", param="stop")
 
 
 def test_default_chat_limit_is_clipped_to_the_context():
@@ -261,11 +308,14 @@ def test_default_chat_limit_is_clipped_to_the_context():
     assert rq.fit_default_limit(req, params, 2000, 2048).max_tokens == 48
     assert rq.fit_default_limit(req, params, 10, 2048).max_tokens == 1024
     asked = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=2000)
-    assert rq.fit_default_limit(asked, rq.chat_sampling_params(asked, default, MAX_STOP_STRINGS), 2000,
-                                2048).max_tokens == 2000
+    assert (
+        rq.fit_default_limit(asked, rq.chat_sampling_params(asked, default, MAX_STOP_STRINGS), 2000, 2048).max_tokens
+        == 2000
+    )
 
 
 # -- tokenizing off the event loop -------------------------------------------------------------
+
 
 class _BlockingTokenizer:
     """The real tokenizer, except that encoding a text holding MARK waits for `release`."""
@@ -285,15 +335,22 @@ class _BlockingTokenizer:
         return self._real.encode(text, add_special_tokens=add_special_tokens)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": "hi " + _BlockingTokenizer.MARK, "max_tokens": 1}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": _BlockingTokenizer.MARK}], "max_tokens": 1}),
-    ("/tokenize", {"prompt": _BlockingTokenizer.MARK}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": "hi " + _BlockingTokenizer.MARK, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": _BlockingTokenizer.MARK}], "max_tokens": 1}),
+        ("/tokenize", {"prompt": _BlockingTokenizer.MARK}),
+    ],
+)
 def test_health_answers_while_a_prompt_tokenizes(engine, path, body):
     tok = _BlockingTokenizer(engine.tokenizer)
     small = Engine(engine.model, tok, EngineConfig(cache=CacheConfig(num_blocks=16)))
-    with app_server(lambda: small) as srv, httpx.Client(base_url=srv.url, timeout=60) as c, ThreadPoolExecutor(1) as pool:
+    with (
+        app_server(lambda: small) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as c,
+        ThreadPoolExecutor(1) as pool,
+    ):
         srv.wait_ready()
         pending = pool.submit(c.post, path, json=body)
         try:

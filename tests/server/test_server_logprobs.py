@@ -52,7 +52,7 @@ def _ref_logp(ref, ids: list[int]) -> torch.Tensor:
 def _ref_greedy(ref, ids: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def _text(served, token: int) -> str:
@@ -76,7 +76,7 @@ def test_completion_logprobs_equal_transformers(served, ref):
     want_ids = _ref_greedy(ref, prompt_ids, 8)
     out = _post(served, "/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "logprobs": 3})
     lp = out["choices"][0]["logprobs"]
-    logp = _ref_logp(ref, prompt_ids + want_ids)[len(prompt_ids) - 1:-1]
+    logp = _ref_logp(ref, prompt_ids + want_ids)[len(prompt_ids) - 1 : -1]
     assert lp["tokens"] == [_text(served, t) for t in want_ids]
     got = torch.tensor(lp["token_logprobs"])
     assert (got - logp.gather(1, torch.tensor(want_ids)[:, None])[:, 0]).abs().max() < TOL
@@ -84,7 +84,7 @@ def test_completion_logprobs_equal_transformers(served, ref):
         _check_top_dict(served, top, row, 3, token)
     text = out["choices"][0]["text"]
     assert "".join(lp["tokens"]) == text  # ASCII text: the tokens spell it, and the offsets place them
-    assert all(text[o:o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"]))
+    assert all(text[o : o + len(t)] == t for o, t in zip(lp["text_offset"], lp["tokens"]))
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
@@ -92,15 +92,18 @@ def test_echo_gives_the_prompt_logprobs_of_transformers(served, ref, max_tokens)
     """What lm-eval's loglikelihood sends: token ids, echo, logprobs 1 (and max_tokens 1)."""
     text = PROMPT + " a knife, a pan and a spoon."
     ids = _ids(served, prompt=text)
-    out = _post(served, "/v1/completions", {"prompt": [ids], "echo": True, "logprobs": 1,
-                                            "max_tokens": max_tokens, "temperature": 0})
+    out = _post(
+        served,
+        "/v1/completions",
+        {"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": max_tokens, "temperature": 0},
+    )
     choice = out["choices"][0]
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(ids) + max_tokens and out["usage"]["completion_tokens"] == max_tokens
     assert choice["text"].startswith(PROMPT) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     logp = _ref_logp(ref, ids)
     want = logp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    got = torch.tensor(lp["token_logprobs"][1:len(ids)])
+    got = torch.tensor(lp["token_logprobs"][1 : len(ids)])
     assert (got - want).abs().max() < TOL
     for i in range(1, len(ids)):
         _check_top_dict(served, lp["top_logprobs"][i], logp[i - 1], 1, ids[i])
@@ -119,8 +122,9 @@ def test_echo_without_logprobs_and_max_tokens_zero_returns_the_prompt(served):
 
 def test_openai_client_parses_completion_logprobs(served):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    out = client.completions.create(model="ridgefill", prompt=PROMPT, echo=True, logprobs=2, max_tokens=3,
-                                    temperature=0)
+    out = client.completions.create(
+        model="ridgefill", prompt=PROMPT, echo=True, logprobs=2, max_tokens=3, temperature=0
+    )
     lp = out.choices[0].logprobs
     assert lp.token_logprobs[0] is None and len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset)
     assert all(len(top) in (2, 3) for top in lp.top_logprobs[1:])  # the top 2, and the token if not among them
@@ -133,10 +137,11 @@ def test_chat_logprobs_equal_transformers(served, ref):
     prompt_ids = _ids(served, messages=CHAT)
     want_ids = _ref_greedy(ref, prompt_ids, 6)
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    out = client.chat.completions.create(model="ridgefill", messages=CHAT, max_completion_tokens=6, temperature=0,
-                                         logprobs=True, top_logprobs=4)
+    out = client.chat.completions.create(
+        model="ridgefill", messages=CHAT, max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=4
+    )
     content = out.choices[0].logprobs.content
-    logp = _ref_logp(ref, prompt_ids + want_ids)[len(prompt_ids) - 1:-1]
+    logp = _ref_logp(ref, prompt_ids + want_ids)[len(prompt_ids) - 1 : -1]
     assert [c.token for c in content] == [_text(served, t) for t in want_ids]
     assert b"".join(bytes(c.bytes) for c in content).decode() == out.choices[0].message.content
     for c, row, token in zip(content, logp, want_ids):
@@ -160,6 +165,7 @@ def test_split_character_tokens_carry_their_bytes(served):
     out = _post(served, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0})
     assert out["choices"][0]["text"] == "日本" and out["choices"][0]["logprobs"]["tokens"] == strings
     from server.logprobs import TokenStrings
+
     tokens = TokenStrings(served.engine.tokenizer)
     assert b"".join(tokens.bytes(t) for t in ids).decode() == "日本"
 
@@ -172,7 +178,7 @@ def _events(served, path: str, body: dict) -> list[dict]:
         assert r.status_code == 200
         raw = r.read().decode()
     assert raw.endswith("data: [DONE]\n\n")
-    return [json.loads(e[len("data: "):]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    return [json.loads(e[len("data: ") :]) for e in raw.split("\n\n") if e.startswith("data: {")]
 
 
 def _joined_completion(events: list[dict]) -> dict[int, dict]:
@@ -180,8 +186,14 @@ def _joined_completion(events: list[dict]) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for event in events:
         for c in event["choices"]:
-            acc = out.setdefault(c["index"], {"text": "", "finish_reason": None, "logprobs": {
-                "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}})
+            acc = out.setdefault(
+                c["index"],
+                {
+                    "text": "",
+                    "finish_reason": None,
+                    "logprobs": {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []},
+                },
+            )
             acc["text"] += c["text"]
             acc["finish_reason"] = c["finish_reason"] or acc["finish_reason"]
             for key in acc["logprobs"]:
@@ -219,8 +231,16 @@ def test_streamed_completion_equals_plain_with_echo_logprobs_and_two_choices(ser
 
 
 def test_streamed_chat_equals_plain_with_logprobs_and_two_choices(served):
-    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 2, "logprobs": True,
-            "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": CHAT,
+        "max_tokens": 8,
+        "temperature": 0.9,
+        "seed": 3,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream_options": {"include_usage": True},
+    }
     plain = _post(served, "/v1/chat/completions", body)
     events = _events(served, "/v1/chat/completions", body)
     assert events[-1]["choices"] == [] and events[-1]["usage"] == plain["usage"]
@@ -256,11 +276,15 @@ def test_seeded_n_choice_i_is_the_single_request_with_seed_plus_i(served):
     alone = [_post(served, "/v1/completions", {**body, "seed": 11 + i})["choices"][0]["text"] for i in range(3)]
     assert [c["text"] for c in many] == alone
     assert len(set(alone)) > 1, "sampled choices should differ, or the seeds prove nothing"
-    chat = _post(served, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 1.0,
-                                                  "seed": 4, "n": 2})["choices"]
-    chat_alone = [_post(served, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 1.0,
-                                                         "seed": 4 + i})["choices"][0]["message"]["content"]
-                  for i in range(2)]
+    chat = _post(
+        served, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 1.0, "seed": 4, "n": 2}
+    )["choices"]
+    chat_alone = [
+        _post(served, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 1.0, "seed": 4 + i})[
+            "choices"
+        ][0]["message"]["content"]
+        for i in range(2)
+    ]
     assert [c["message"]["content"] for c in chat] == chat_alone
 
 

@@ -28,8 +28,10 @@ def server(tmp_path_factory):
     torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("looped")
     write_tiny_huginn(root / "model", tokenizer=True)
-    table = (f'[model]\npath = "{root / "model"}"\n[cache]\nnum_blocks = 64\n'
-             '[looped]\ncache = "ripe"\nwindow = 8\nblock = 4\ndraft_loops = 2\n')
+    table = (
+        f'[model]\npath = "{root / "model"}"\n[cache]\nnum_blocks = 64\n'
+        '[looped]\ncache = "ripe"\nwindow = 8\nblock = 4\ndraft_loops = 2\n'
+    )
     (root / "rf.toml").write_text(table)
     engine_cfg, server_cfg, fill = load_config(root / "rf.toml")
     with BackgroundServer(create_app(engine_cfg, server_cfg, fill)) as bg:
@@ -69,15 +71,18 @@ def test_request_loops_change_the_output(server):
     assert four != one
 
 
-@pytest.mark.parametrize("fields,name", [
-    ({"loops": 0}, "ridgefill.loops"),
-    ({"loops": -2}, "ridgefill.loops"),
-    ({"draft_loops": 4}, "ridgefill.draft_loops"),
-    ({"draft_loops": 6, "loops": 3}, "ridgefill.draft_loops"),
-    ({"block": 4, "window": 2}, "ridgefill.window"),
-    ({"cache": "sliding"}, "ridgefill.cache"),
-    ({"cache": "full"}, "ridgefill.cache"),
-])
+@pytest.mark.parametrize(
+    "fields,name",
+    [
+        ({"loops": 0}, "ridgefill.loops"),
+        ({"loops": -2}, "ridgefill.loops"),
+        ({"draft_loops": 4}, "ridgefill.draft_loops"),
+        ({"draft_loops": 6, "loops": 3}, "ridgefill.draft_loops"),
+        ({"block": 4, "window": 2}, "ridgefill.window"),
+        ({"cache": "sliding"}, "ridgefill.cache"),
+        ({"cache": "full"}, "ridgefill.cache"),
+    ],
+)
 def test_bad_loop_fields_are_a_400_naming_the_field(server, fields, name):
     url, _ = server
     r = _complete(url, fields)
@@ -87,12 +92,15 @@ def test_bad_loop_fields_are_a_400_naming_the_field(server, fields, name):
     assert _complete(url, {"block": 0}).status_code == 200  # the server keeps serving
 
 
-@pytest.mark.parametrize("text,words", [
-    ('[looped]\ncache = "half"\n', "looped.cache must be one of full, deepest, ripe, got 'half'"),
-    ('[looped]\nwindow = 2\nblock = 4\n', "looped.window 2 < block 4"),
-    ('[looped]\nloops = 0\n', "looped.loops must be >= 1, got 0"),
-    ('[looped]\nblock = "4"\n', "key 'looped.block' must be int, got str '4'"),
-])
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ('[looped]\ncache = "half"\n', "looped.cache must be one of full, deepest, ripe, got 'half'"),
+        ("[looped]\nwindow = 2\nblock = 4\n", "looped.window 2 < block 4"),
+        ("[looped]\nloops = 0\n", "looped.loops must be >= 1, got 0"),
+        ('[looped]\nblock = "4"\n', "key 'looped.block' must be int, got str '4'"),
+    ],
+)
 def test_bad_looped_table_is_one_line_naming_the_key(tmp_path, text, words):
     f = tmp_path / "rf.toml"
     f.write_text(text)

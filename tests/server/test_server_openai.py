@@ -43,11 +43,17 @@ def test_openai_client_streams_a_completion_equal_to_the_plain_one(client):
 
 def test_openai_client_streams_a_chat_completion_equal_to_the_plain_one(client):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    whole = client.chat.completions.create(model="ridgefill", messages=messages, temperature=0,
-                                           max_completion_tokens=10)
-    stream = client.chat.completions.create(model="ridgefill", messages=messages, temperature=0,
-                                            max_completion_tokens=10, stream=True,
-                                            stream_options={"include_usage": True})
+    whole = client.chat.completions.create(
+        model="ridgefill", messages=messages, temperature=0, max_completion_tokens=10
+    )
+    stream = client.chat.completions.create(
+        model="ridgefill",
+        messages=messages,
+        temperature=0,
+        max_completion_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content and "Paris" in text
@@ -65,11 +71,12 @@ def _raw_events(url: str, body: dict) -> list[str]:
 
 
 def test_sse_framing_is_exact(served):
-    events = _raw_events(served.url, {"prompt": PROMPT, "stream": True, **GREEDY,
-                                      "stream_options": {"include_usage": True}})
+    events = _raw_events(
+        served.url, {"prompt": PROMPT, "stream": True, **GREEDY, "stream_options": {"include_usage": True}}
+    )
     assert all(e.startswith("data: ") and "\n" not in e for e in events)
     assert events[-1] == "data: [DONE]"
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     text_chunks, usage_chunk = payloads[:-1], payloads[-1]
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
     assert "ridgefill" not in usage_chunk["usage"]  # the fill did not run
@@ -79,8 +86,11 @@ def test_sse_framing_is_exact(served):
 
 
 def test_stop_string_ends_the_request_without_the_stop_text(served):
-    r = httpx.post(served.url + "/v1/completions", timeout=60,
-                   json={"prompt": "Count: 1, 2, 3, 4,", "temperature": 0, "max_tokens": 20, "stop": ["7"]})
+    r = httpx.post(
+        served.url + "/v1/completions",
+        timeout=60,
+        json={"prompt": "Count: 1, 2, 3, 4,", "temperature": 0, "max_tokens": 20, "stop": ["7"]},
+    )
     choice = r.json()["choices"][0]
     assert r.status_code == 200 and choice["finish_reason"] == "stop"
     assert "5" in choice["text"] and "7" not in choice["text"]
@@ -97,7 +107,9 @@ def test_token_id_prompt_and_tokenize_agree(served):
 def test_health_and_models(served):
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
     models = httpx.get(served.url + "/v1/models").json()
-    assert [m["id"] for m in models["data"]] == ["ridgefill"] and models["data"][0]["max_model_len"] == served.engine.max_model_len == 4096  # 256 blocks x 16
+    assert [m["id"] for m in models["data"]] == ["ridgefill"] and models["data"][0][
+        "max_model_len"
+    ] == served.engine.max_model_len == 4096  # 256 blocks x 16
 
 
 def _metric(text: str, name: str) -> float:
@@ -111,16 +123,31 @@ def test_metrics_move_as_requests_run(served):
     before = httpx.get(served.url + "/metrics").text
     httpx.post(served.url + "/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)
     after = httpx.get(served.url + "/metrics").text
-    assert _metric(after, "ridgefill_generation_tokens_total") - _metric(before, "ridgefill_generation_tokens_total") == 12
-    assert _metric(after, "ridgefill_time_to_first_token_seconds_count") == _metric(before, "ridgefill_time_to_first_token_seconds_count") + 1
-    assert _metric(after, "ridgefill_inter_token_latency_seconds_count") >= _metric(before, "ridgefill_inter_token_latency_seconds_count") + 11
+    assert (
+        _metric(after, "ridgefill_generation_tokens_total") - _metric(before, "ridgefill_generation_tokens_total") == 12
+    )
+    assert (
+        _metric(after, "ridgefill_time_to_first_token_seconds_count")
+        == _metric(before, "ridgefill_time_to_first_token_seconds_count") + 1
+    )
+    assert (
+        _metric(after, "ridgefill_inter_token_latency_seconds_count")
+        >= _metric(before, "ridgefill_inter_token_latency_seconds_count") + 11
+    )
     assert _metric(after, "ridgefill_prompt_tokens_total") > _metric(before, "ridgefill_prompt_tokens_total")
-    for name in ("ridgefill_fill_filled_rows_total", "ridgefill_fill_exact_prefix_rows_total",
-                 "ridgefill_fill_tail_rows_total"):
+    for name in (
+        "ridgefill_fill_filled_rows_total",
+        "ridgefill_fill_exact_prefix_rows_total",
+        "ridgefill_fill_tail_rows_total",
+    ):
         assert _metric(after, name) == 0
     assert _metric(after, "ridgefill_kv_cache_usage_ratio") == 0  # nothing running now
-    for name in ("ridgefill_e2e_request_latency_seconds_count", "ridgefill_request_queue_time_seconds_count",
-                 "ridgefill_request_prefill_time_seconds_count", "ridgefill_request_decode_time_seconds_count"):
+    for name in (
+        "ridgefill_e2e_request_latency_seconds_count",
+        "ridgefill_request_queue_time_seconds_count",
+        "ridgefill_request_prefill_time_seconds_count",
+        "ridgefill_request_decode_time_seconds_count",
+    ):
         assert _metric(after, name) == _metric(before, name) + 1
 
 
@@ -136,8 +163,10 @@ async def _stream_text(client: httpx.AsyncClient, prompt: str, start: asyncio.Ev
 
 
 def test_sixteen_concurrent_greedy_streams_match_each_run_alone(served):
-    prompts = [f"Story {i}: once upon a time, a {w}" for i, w in
-               enumerate(["cat", "dog", "king", "ship", "tree", "robot", "child", "river"] * 2)]
+    prompts = [
+        f"Story {i}: once upon a time, a {w}"
+        for i, w in enumerate(["cat", "dog", "king", "ship", "tree", "robot", "child", "river"] * 2)
+    ]
 
     async def main():
         async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
@@ -185,6 +214,8 @@ def test_a_repeated_prompt_reports_cached_tokens_and_the_prefix_cache_metrics(se
     # every full block before the prompt's last token: this very prompt's, or an earlier test's
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": (n - 1) // 16 * 16}
     hits = _metric(after, "ridgefill_prefix_cache_hits_total") - _metric(before, "ridgefill_prefix_cache_hits_total")
-    queries = _metric(after, "ridgefill_prefix_cache_queries_total") - _metric(before, "ridgefill_prefix_cache_queries_total")
+    queries = _metric(after, "ridgefill_prefix_cache_queries_total") - _metric(
+        before, "ridgefill_prefix_cache_queries_total"
+    )
     assert queries == 2 * n and hits == first["usage"]["prompt_tokens_details"]["cached_tokens"] + (n - 1) // 16 * 16
     assert _metric(after, "ridgefill_prefix_cache_blocks") >= (n - 1) // 16

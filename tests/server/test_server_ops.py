@@ -27,13 +27,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # -- operator errors: one line, status 1, no traceback, before torch ----------------------------
 
+
 def _serve_cli(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     """`python -m server serve ARGS` that also reports whether torch got imported."""
-    code = ("import sys; from server.__main__ import main; rc = main(sys.argv[1:]); "
-            "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr); sys.exit(rc)")
+    code = (
+        "import sys; from server.__main__ import main; rc = main(sys.argv[1:]); "
+        "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr); sys.exit(rc)"
+    )
     start = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", code, "serve", *args], capture_output=True, text=True,
-                       timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    p = subprocess.run(
+        [sys.executable, "-c", code, "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
     return p, time.monotonic() - start
 
 
@@ -105,6 +114,7 @@ def test_a_model_that_cannot_load_ends_the_process_with_status_1(tmp_path):
 
 # -- API key sources ------------------------------------------------------------------------------
 
+
 def test_api_key_from_env_and_file(tmp_path, monkeypatch):
     monkeypatch.setenv("RIDGEFILL_API_KEY", "from-env")
     assert load_config(None)[1].api_key == "from-env"
@@ -127,6 +137,7 @@ def test_api_key_from_env_and_file(tmp_path, monkeypatch):
 
 
 # -- HTTP-level behaviour, on an app whose model never finishes loading ----------------------------
+
 
 class _Never:
     """A build() that blocks until the test ends: the app stays in "loading", so the HTTP
@@ -203,8 +214,10 @@ def test_a_stalled_body_gets_408_and_the_connection_closes(serve_loading):
     srv = serve_loading(body_timeout_s=1)
     with _raw(srv) as s:
         start = time.monotonic()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
         reply = _read_all(s)  # returns once the server closes the connection
         seconds = time.monotonic() - start
     head, _, body = reply.partition(b"\r\n\r\n")
@@ -319,6 +332,7 @@ def test_deadline_for_caps_a_request_timeout():
 
 # -- SIGTERM on a real `serve` process -------------------------------------------------------------
 
+
 class _ServeProcess:
     """`python -m server serve` on the embedded model, small and single-threaded."""
 
@@ -326,9 +340,26 @@ class _ServeProcess:
         self.port = _free_port()
         env = {**os.environ, "RIDGEFILL_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "rf-cache")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", "--port", str(self.port), "--threads", "1",
-             "--num-blocks", "64", "--max-num-seqs", "4", *args],
-            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "serve",
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                "--num-blocks",
+                "64",
+                "--max-num-seqs",
+                "4",
+                *args,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
         self.log: list[str] = []
         for line in self.proc.stderr:
             self.log.append(line)

@@ -115,14 +115,17 @@ def test_speculative_table_reaches_the_engine(servers, reference):
     assert 0 < accepted <= after["ridgefill_spec_draft_tokens"] - before["ridgefill_spec_draft_tokens"]
 
 
-@pytest.mark.parametrize("text, words", [
-    ('[speculative]\nmethod = "beam"\n', "speculative.method must be one of off, ngram, got 'beam'"),
-    ('[speculative]\nmethod = "ngram"\nnum_tokens = 0\n', "speculative.num_tokens must be >= 1, got 0"),
-    ('[speculative]\nnum_tokens = "4"\n', "key 'speculative.num_tokens' must be int, got str '4'"),
-    ('[speculative]\nmax_ngram = 0\n', "speculative.max_ngram must be >= 1, got 0"),
-    ('[speculative]\nmin_ngram = 4\n', "speculative.min_ngram (4) must be <= max_ngram (3)"),
-    ('[speculative]\nnum_token = 4\n', "unknown key 'speculative.num_token'"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('[speculative]\nmethod = "beam"\n', "speculative.method must be one of off, ngram, got 'beam'"),
+        ('[speculative]\nmethod = "ngram"\nnum_tokens = 0\n', "speculative.num_tokens must be >= 1, got 0"),
+        ('[speculative]\nnum_tokens = "4"\n', "key 'speculative.num_tokens' must be int, got str '4'"),
+        ("[speculative]\nmax_ngram = 0\n", "speculative.max_ngram must be >= 1, got 0"),
+        ("[speculative]\nmin_ngram = 4\n", "speculative.min_ngram (4) must be <= max_ngram (3)"),
+        ("[speculative]\nnum_token = 4\n", "unknown key 'speculative.num_token'"),
+    ],
+)
 def test_bad_speculative_config_is_one_line_naming_the_key(tmp_path, text, words):
     f = _write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -137,8 +140,9 @@ def _flags(*argv: str) -> dict:
 
 
 def test_serve_flags_set_the_speculative_config_over_the_file(tmp_path):
-    assert load_config(None, _flags("--speculative", "ngram", "--speculative-tokens", "2"))[0].speculative == \
-        SpeculativeConfig(method="ngram", num_tokens=2)
+    assert load_config(None, _flags("--speculative", "ngram", "--speculative-tokens", "2"))[
+        0
+    ].speculative == SpeculativeConfig(method="ngram", num_tokens=2)
     assert load_config(None, _flags())[0].speculative == SpeculativeConfig()  # off by default
     f = _write(tmp_path, TABLE)
     assert load_config(f, _flags())[0].speculative == SPEC  # flags not given leave the file's values
@@ -151,29 +155,36 @@ def test_bad_speculative_flag_or_file_stops_serve_with_one_line(tmp_path, capsys
         build_parser().parse_args(["serve", "--speculative", "beam"])
     assert e.value.code == 2 and "argument --speculative: invalid choice: 'beam'" in capsys.readouterr().err
     serve = [sys.executable, "-m", "server", "serve"]
-    p = subprocess.run([*serve, "--speculative", "ngram", "--speculative-tokens", "0"],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 1 and p.stderr.strip() == \
-        "ridgefill: error: command line: speculative.num_tokens must be >= 1, got 0", p.stderr
+    p = subprocess.run(
+        [*serve, "--speculative", "ngram", "--speculative-tokens", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert (
+        p.returncode == 1
+        and p.stderr.strip() == "ridgefill: error: command line: speculative.num_tokens must be >= 1, got 0"
+    ), p.stderr
     f = _write(tmp_path, '[speculative]\nmethod = "tree"\n')
     p = subprocess.run([*serve, "--config", str(f)], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 1 and p.stderr.strip() == \
-        f"ridgefill: error: {f}: speculative.method must be one of off, ngram, got 'tree'", p.stderr
+    assert (
+        p.returncode == 1
+        and p.stderr.strip() == f"ridgefill: error: {f}: speculative.method must be one of off, ngram, got 'tree'"
+    ), p.stderr
 
 
 # -- the per-request option -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option, speculates", [
-    (None, True),  # the server's setting
-    ({"speculative": "ngram"}, True),
-    ({"num_tokens": 2}, True),
-    ({"speculative": "ngram", "num_tokens": 1}, True),
-    ({"num_tokens": 0}, False),
-    ({"speculative": "off"}, False),
-])
-def test_request_option_gives_the_output_of_a_server_that_does_not_speculate(servers, reference, option,
-                                                                              speculates):
+@pytest.mark.parametrize(
+    "option, speculates",
+    [
+        (None, True),  # the server's setting
+        ({"speculative": "ngram"}, True),
+        ({"num_tokens": 2}, True),
+        ({"speculative": "ngram", "num_tokens": 1}, True),
+        ({"num_tokens": 0}, False),
+        ({"speculative": "off"}, False),
+    ],
+)
+def test_request_option_gives_the_output_of_a_server_that_does_not_speculate(servers, reference, option, speculates):
     before = _spec_counters(servers.spec)
     out = _complete(servers.spec, **({"ridgefill": option} if option is not None else {}))
     assert _answer(out) == reference
@@ -183,8 +194,11 @@ def test_request_option_gives_the_output_of_a_server_that_does_not_speculate(ser
 
 
 def test_speculating_chat_equals_the_chat_of_a_server_that_does_not(servers):
-    body = {"messages": [{"role": "user", "content": "Repeat exactly: red green blue, red green blue."}],
-            "temperature": 0, "max_completion_tokens": 10}
+    body = {
+        "messages": [{"role": "user", "content": "Repeat exactly: red green blue, red green blue."}],
+        "temperature": 0,
+        "max_completion_tokens": 10,
+    }
     answers = []
     before = _spec_counters(servers.spec)
     for url, extra in ((servers.off, {}), (servers.spec, {"ridgefill": {"num_tokens": 3}})):
@@ -196,19 +210,35 @@ def test_speculating_chat_equals_the_chat_of_a_server_that_does_not(servers):
     assert after["ridgefill_spec_accepted_tokens"] > before["ridgefill_spec_accepted_tokens"]  # it speculated
 
 
-@pytest.mark.parametrize("which, option, param, words", [
-    ("spec", {"speculative": "beam"}, "ridgefill.speculative",
-     "ridgefill.speculative must be \"off\" or \"ngram\", got 'beam'"),
-    ("spec", {"num_tokens": 4}, "ridgefill.num_tokens",
-     "ridgefill.num_tokens must be in 0..3 (speculative.num_tokens), got 4"),
-    ("spec", {"num_tokens": -1}, "ridgefill.num_tokens", "got -1"),
-    ("spec", {"num_tokens": "two"}, "ridgefill.num_tokens", 'ridgefill.num_tokens must be an integer, got "two"'),
-    ("off", {"speculative": "ngram"}, "ridgefill.speculative",
-     "ridgefill.speculative: this server's speculative decoding is 'off' (speculative.method)"),
-    ("off", {"num_tokens": 2}, "ridgefill.speculative", "this server's speculative decoding is 'off'"),
-])
-def test_bad_request_option_is_400_naming_the_field_and_the_server_keeps_serving(servers, reference, which,
-                                                                                 option, param, words):
+@pytest.mark.parametrize(
+    "which, option, param, words",
+    [
+        (
+            "spec",
+            {"speculative": "beam"},
+            "ridgefill.speculative",
+            'ridgefill.speculative must be "off" or "ngram", got \'beam\'',
+        ),
+        (
+            "spec",
+            {"num_tokens": 4},
+            "ridgefill.num_tokens",
+            "ridgefill.num_tokens must be in 0..3 (speculative.num_tokens), got 4",
+        ),
+        ("spec", {"num_tokens": -1}, "ridgefill.num_tokens", "got -1"),
+        ("spec", {"num_tokens": "two"}, "ridgefill.num_tokens", 'ridgefill.num_tokens must be an integer, got "two"'),
+        (
+            "off",
+            {"speculative": "ngram"},
+            "ridgefill.speculative",
+            "ridgefill.speculative: this server's speculative decoding is 'off' (speculative.method)",
+        ),
+        ("off", {"num_tokens": 2}, "ridgefill.speculative", "this server's speculative decoding is 'off'"),
+    ],
+)
+def test_bad_request_option_is_400_naming_the_field_and_the_server_keeps_serving(
+    servers, reference, which, option, param, words
+):
     url = getattr(servers, which)
     r = httpx.post(url + "/v1/completions", json={"prompt": COPY, **GREEDY, "ridgefill": option}, timeout=60)
     err = r.json()["error"]
