@@ -25,7 +25,7 @@ def main() -> None:
     from ridgefill_runtime.loader.load import load_checkpoint
 
     cfg = load_checkpoint("gemma3-270m").config
-    w, local = cfg.sliding.window, set(cfg.sliding.local_layers)
+    w, local = cfg.family_config.window, set(cfg.family_config.local_layers)
     row_bytes = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, float32
     late = range(args.split, cfg.num_layers)
     late_local = [i for i in late if i in local]

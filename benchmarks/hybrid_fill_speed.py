@@ -61,7 +61,7 @@ def random_maps(model, split: int, folder: Path) -> Path:
     """Int8 maps near the identity plus a ΔM per late GDN layer, in our map format."""
     from ridgefill_runtime.fill.maps import MapMeta, add_terminal_shift, save_maps
 
-    cfg, hy = model.config, model.config.hybrid
+    cfg, hy = model.config, model.config.family_config
     d, g = cfg.hidden_size, torch.Generator().manual_seed(1)
     late = range(split, cfg.num_layers)
     maps = {l: (torch.eye(d) + 0.01 * torch.randn(d, d, generator=g), torch.zeros(d)) for l in late}
@@ -113,10 +113,10 @@ def carry_seconds(model, maps, ids: list[int], split: int, tail: int) -> float:
     run_layer_inputs(model, ids, lambda layer, h: xs.__setitem__(layer, h) if layer == split else None, upto=split)
     x_split = xs[split][: len(ids) - tail]
     m = x_split.shape[0]
-    parts = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32).parts
+    parts = RecurrentCache(state_shapes(cfg.family_config), dtype=torch.float32).parts
     t = time.perf_counter()
     for layer in range(split, cfg.num_layers):
-        if not cfg.hybrid.is_linear(layer):
+        if not cfg.family_config.is_linear(layer):
             continue
         w = model.weights.layers[layer]
         state = {name: torch.zeros((1, *shape)) for name, shape in parts}
@@ -125,7 +125,13 @@ def carry_seconds(model, maps, ids: list[int], split: int, tail: int) -> float:
         )
         xn = zero_centred_rms_norm(maps.predict(layer, x_split), w.input_norm, cfg.rms_norm_eps)
         gdn_mixer(
-            xn, w.mixer, cfg.hybrid, batch, state, cfg.rms_norm_eps, out_rows=x_split.new_empty(0, dtype=torch.long)
+            xn,
+            w.mixer,
+            cfg.family_config,
+            batch,
+            state,
+            cfg.rms_norm_eps,
+            out_rows=x_split.new_empty(0, dtype=torch.long),
         )
     return time.perf_counter() - t
 

@@ -48,7 +48,7 @@ KINDS = (
 
 
 def table(cfg, length: int) -> list[tuple[str, float, float]]:
-    lc, b = cfg.looped, 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16, per layer per token
+    lc, b = cfg.family_config, 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16, per layer per token
     m_deep = b * length * (lc.prelude + lc.coda + lc.core)
     rows = []
     for name, kind, window in KINDS:
@@ -70,7 +70,7 @@ def main() -> None:
     for title, cfg in (("Huginn-0125", huginn), ("looped demonstration model", demo)):
         rows = table(cfg, 1024)
         full = rows[0][1]
-        print(f"\n{title} (R = {cfg.looped.mean_recurrence}), L = 1024, bf16")
+        print(f"\n{title} (R = {cfg.family_config.mean_recurrence}), L = 1024, bf16")
         print("| cache | MB (runtime spec) | MB (Eq. 3 / 10) | of full |")
         print("|---|---|---|---|")
         for name, measured, formula in rows:

@@ -190,7 +190,7 @@ def tau_eq7(alpha: float, block: int) -> float:
 
 
 def cost(model, loops: int) -> int:
-    lc = model.config.looped
+    lc = model.config.family_config
     return lc.prelude + loops * lc.core + lc.coda
 
 

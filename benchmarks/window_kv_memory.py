@@ -108,7 +108,9 @@ def _run(engine, ids: list[int], new: int, split: int) -> dict:
     rows the prefill wrote at late sliding-window layers, its time to first token, the tokens."""
     from ridgefill_runtime.sequence import SamplingParams
 
-    late_windowed = {i for i in engine.caches.spec.attention_layers if i >= split and engine.model.config.window_of(i)}
+    late_windowed = {
+        i for i in engine.caches.spec.attention_layers if i >= split and engine.model.config.family_config.window_of(i)
+    }
     written = [0]
     write = engine.kv.write
 

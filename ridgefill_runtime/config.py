@@ -18,132 +18,36 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
-LAYER_KINDS = ("full_attention", "linear_attention")
-
-
 @dataclass(frozen=True)
-class MoEConfig:
-    """Mixture-of-experts MLP (Qwen3-Next): per token, the top `top_k` of `num_experts` routed
-    experts (router softmax, renormalised over the chosen when `norm_topk_prob`) plus a shared
-    expert scaled by sigmoid(its gate). Layers (i + 1) % sparse_step == 0 that are not in
-    `mlp_only_layers` use it; the others keep the dense MLP."""
+class FamilyConfig:
+    """What a model family adds to the settings every family has (ModelConfig.family_config).
 
-    num_experts: int
-    top_k: int
-    expert_intermediate_size: int
-    shared_intermediate_size: int
-    norm_topk_prob: bool = True
-    sparse_step: int = 1
-    mlp_only_layers: tuple[int, ...] = ()
+    A family with settings of its own defines a frozen subclass beside its code (models/hybrid_config.py,
+    models/looped_config.py, models/gemma3.py) and names it in its ModelFamily.config_class; llama and
+    qwen3 have none and carry this base. NOTE: so that a new family never edits this file, code outside
+    a family asks its settings only the questions below, which every family answers.
+    """
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
-        for name in ("num_experts", "top_k", "expert_intermediate_size", "shared_intermediate_size", "sparse_step"):
-            if getattr(self, name) <= 0:
-                raise ModelLoadError(f"model config: moe.{name} must be positive, got {getattr(self, name)}")
-        if self.top_k > self.num_experts:
-            raise ModelLoadError(f"model config: moe.top_k {self.top_k} exceeds num_experts {self.num_experts}")
-
-    def sparse_at(self, layer: int) -> bool:
-        return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
-
-
-@dataclass(frozen=True)
-class HybridConfig:
-    """Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): which layers attend, the linear-attention
-    (GDN) geometry, and the attention layers' partial rotary. Seed 000 §2.3."""
-
-    layer_types: tuple[str, ...]  # per layer: "full_attention" | "linear_attention"
-    conv_kernel: int  # depthwise causal conv width over q, k, v
-    key_heads: int
-    value_heads: int  # a multiple of key_heads
-    key_head_dim: int
-    value_head_dim: int
-    partial_rotary_factor: float = 0.25  # share of each attention head's dims that rotate
-    moe: MoEConfig | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        bad = [t for t in self.layer_types if t not in LAYER_KINDS]
-        if bad:
-            raise ModelLoadError(f"model config: unknown layer type {bad[0]!r} (known: {', '.join(LAYER_KINDS)})")
-        for name in ("conv_kernel", "key_heads", "value_heads", "key_head_dim", "value_head_dim"):
-            if getattr(self, name) <= 0:
-                raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
-        if self.value_heads % self.key_heads:
-            raise ModelLoadError(
-                f"model config: linear value heads {self.value_heads} are not a multiple of key heads {self.key_heads}"
-            )
-        if not 0 < self.partial_rotary_factor <= 1:
-            raise ModelLoadError(
-                f"model config: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
-            )
-
-    def is_linear(self, layer: int) -> bool:
-        return self.layer_types[layer] == "linear_attention"
-
-    @property
-    def conv_channels(self) -> int:
-        """q, k and v go through one depthwise conv: 2 * key dims + value dims."""
-        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
-
-
-@dataclass(frozen=True)
-class LoopedConfig:
-    """A looped (recurrent-depth) model in Huginn's layout (seed 001 §2): a prelude of
-    `prelude` layers embeds each token, a core block of `core` layers runs R times on a state
-    that starts at random, a coda of `coda` layers reads the last state out. Layer indices:
-    prelude 0..P-1, core P..P+C-1, coda P+C.. (each core layer is run once per loop)."""
-
-    prelude: int
-    core: int
-    coda: int
-    mean_recurrence: int  # the loops R a request runs unless it asks otherwise
-    embed_scale: float  # input embeddings (and the initial state) are multiplied by this
-    init_std: float  # the initial state: truncated normal (+-3 std) of this std, times embed_scale
-    adapter_bias: bool = False
-    qk_bias: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("prelude", "core", "coda", "mean_recurrence"):
-            if getattr(self, name) < (0 if name in ("prelude", "coda") else 1):
-                raise ModelLoadError(f"model config: looped.{name} must be positive, got {getattr(self, name)}")
-        if self.embed_scale <= 0 or self.init_std < 0:
-            raise ModelLoadError(
-                f"model config: looped embed_scale must be > 0 and init_std >= 0, "
-                f"got {self.embed_scale}, {self.init_std}"
-            )
-
-    def is_core(self, layer: int) -> bool:
-        return self.prelude <= layer < self.prelude + self.core
-
-
-@dataclass(frozen=True)
-class SlidingWindow:
-    """Interleaved local and global attention (Gemma 3): a local layer's query at position p
-    sees only keys at p - window < position <= p, and its RoPE turns at its own base."""
-
-    window: int
-    local_layers: tuple[int, ...]
-    local_rope_theta: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
-        if self.window <= 0:
-            raise ModelLoadError(f"model config: sliding window must be positive, got {self.window}")
-        if self.local_rope_theta <= 0:
-            raise ModelLoadError(f"model config: local rope theta must be positive, got {self.local_rope_theta}")
+    def check(self, config: ModelConfig) -> None:
+        """Refuse settings that contradict the common ones (a layer list of the wrong length)."""
 
     def window_of(self, layer: int) -> int:
-        """The layer's window; 0 for a global layer."""
-        return self.window if layer in self.local_layers else 0
+        """The layer's sliding window (0: it sees every earlier key)."""
+        return 0
+
+    @property
+    def looped(self) -> bool:
+        """Some layers run several times per token, as often as the operator's [looped] table
+        (EngineConfig.looped) or the request says."""
+        return False
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the model math needs; filled from config.json or GGUF metadata."""
+    """What the model math needs; filled from config.json or GGUF metadata by the family's parser.
+    The architecture is checked where a config is made or read (models/registry.py, loader/)."""
 
-    architecture: str  # a registered model family (models/registry.py): "llama" | "qwen3"
+    architecture: str  # a registered model family (models/registry.py): "llama" | "qwen3" | ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -160,17 +64,11 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    hybrid: HybridConfig | None = None  # Gated DeltaNet layers beside attention; None: every layer attends
-    looped: LoopedConfig | None = None  # prelude / core x R / coda; None: each layer runs once
-    sliding: SlidingWindow | None = None  # local (windowed) layers; None: every layer sees all keys
     attention_scale: float | None = None  # q·k multiplier; None: head_dim ** -0.5
+    # the family's own settings (its ModelFamily.config_class): Gated DeltaNet layers, loops, local layers...
+    family_config: FamilyConfig = field(default_factory=FamilyConfig)
 
     def __post_init__(self) -> None:
-        # NOTE: imported here, not at the top: the registry imports the model classes (torch),
-        # and this module must stay torch-free (server/config.py checks a config file first).
-        from .models.registry import family
-
-        family(self.architecture)  # an unknown architecture is refused, naming the supported ones
         for name in (
             "vocab_size",
             "hidden_size",
@@ -187,22 +85,13 @@ class ModelConfig:
             raise ModelLoadError(
                 f"model config: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
-        if self.looped is not None and self.looped.prelude + self.looped.core + self.looped.coda != self.num_layers:
-            raise ModelLoadError(f"model config: prelude + core + coda layers != {self.num_layers} layers")
-        if self.sliding is not None and any(not 0 <= i < self.num_layers for i in self.sliding.local_layers):
-            raise ModelLoadError(
-                f"model config: sliding-window layers {self.sliding.local_layers} outside 0..{self.num_layers - 1}"
-            )
         if self.attention_scale is not None and not self.attention_scale > 0:
             raise ModelLoadError(f"model config: attention_scale must be positive, got {self.attention_scale}")
-        if self.hybrid is not None and len(self.hybrid.layer_types) != self.num_layers:
+        if not isinstance(self.family_config, FamilyConfig):
             raise ModelLoadError(
-                f"model config: {len(self.hybrid.layer_types)} layer types for {self.num_layers} layers"
+                f"model config: family_config must be a FamilyConfig, got {type(self.family_config).__name__}"
             )
-
-    def window_of(self, layer: int) -> int:
-        """Layer's sliding window (0: it sees every earlier key)."""
-        return 0 if self.sliding is None else self.sliding.window_of(layer)
+        self.family_config.check(self)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -163,7 +163,7 @@ def engine_decode_graphs(model, caches, config, max_model_len: int) -> DecodeGra
     state updates have not been run under capture."""
     if not wants_decode_graphs(config) or model.device.type != "cuda":
         return None
-    looped = getattr(model.config, "looped", None) is not None
+    looped = model.config.family_config.looped
     if caches.spec.recurrent_layers or looped or caches.kv.scratch_slot is None:
         return None
     max_blocks = -(-max_model_len // caches.block_size)

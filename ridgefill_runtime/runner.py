@@ -62,7 +62,7 @@ class Runner:
         # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.terminal_state)
         self.has_terminal_shift = _holds_terminal_shift(maps, self.caches.spec, self.fill_config.split)
         terminal = maps.terminal_shift if self.has_terminal_shift else None
-        self.looped = getattr(model.config, "looped", None) is not None
+        self.looped = model.config.family_config.looped
         self.drafter = SelfDrafter(model, self.caches, self._slots) if self.looped else None
         self.planner = FillPlanner(
             self.fill_config,

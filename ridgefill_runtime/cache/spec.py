@@ -142,7 +142,7 @@ class CacheSpec:
     @classmethod
     def dense(cls, config, dtype: torch.dtype) -> CacheSpec:
         """Every layer attends (Llama, Qwen3): what a model without its own cache_spec() keeps."""
-        window_of = getattr(config, "window_of", lambda layer: 0)
+        window_of = config.family_config.window_of
         layers = tuple(
             AttentionCache(config.num_kv_heads, config.head_dim, window_of(i)) for i in range(config.num_layers)
         )
@@ -229,4 +229,4 @@ def spec_of(model, looped=None) -> CacheSpec:
     declared = getattr(model, "cache_spec", None)
     if not callable(declared):
         return CacheSpec.dense(model.config, model.dtype)
-    return declared(looped) if getattr(model.config, "looped", None) is not None else declared()
+    return declared(looped) if model.config.family_config.looped else declared()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import InputError
+from ..models.hybrid_config import HybridConfig
 from .corpus import read_text
 from .fitting import Document, fit_maps
 from .maps import FillMaps, add_terminal_shift
@@ -47,7 +48,7 @@ def run_fit(args, config) -> int:
     if bad:
         raise InputError(f"--splits: {bad[0]} is not a layer in 1..{model.config.num_layers - 1}")
     terminal = getattr(args, "terminal_state", None)
-    if terminal and model.config.hybrid is None:
+    if terminal and not isinstance(model.config.family_config, HybridConfig):
         raise InputError("--terminal-state: the model has no Gated DeltaNet layers to correct")
     if terminal and args.terminal_every < 1:
         raise InputError(f"--terminal-every must be >= 1, got {args.terminal_every}")

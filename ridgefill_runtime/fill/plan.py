@@ -67,7 +67,7 @@ class FillPlanner:
         self.width, self.num_layers = model_config.hidden_size, model_config.num_layers
         self.attention_layers = frozenset(range(self.num_layers) if attention_layers is None else attention_layers)
         self.terminal_shift = terminal_shift  # layer -> ΔM, when the terminal-state correction is on
-        window_of = getattr(model_config, "window_of", lambda layer: 0)
+        window_of = model_config.family_config.window_of
         late = [window_of(i) for i in range(config.split, self.num_layers) if i in self.attention_layers]
         self.late_window = max(late, default=0)  # NOTE: the widest: a narrower layer reads a subset
         self.defer_windows = (

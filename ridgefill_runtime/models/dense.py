@@ -60,7 +60,7 @@ class DenseLM:
 
     def window(self, layer: int) -> int:
         """The layer's sliding window (0: it sees every earlier key)."""
-        return self.config.window_of(layer)
+        return self.config.family_config.window_of(layer)
 
     def qkv(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Layer input [N, d] -> q [N, H, D], k/v [N, Hkv, D], RoPE applied."""

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from ..config import ModelConfig
+from ..config import FamilyConfig, ModelConfig
+from ..errors import ModelLoadError
 
 # GGUF metadata lookup: full key (e.g. "llama.block_count") and a default -> the value.
 MetadataLookup = Callable[[str, Any], Any]
@@ -68,6 +69,8 @@ class ModelFamily:
       Hugging Face name (see loader/checkpoint.py).
     parse_hf_config: config.json (+ generation_config.json) -> ModelConfig.
     weight_names: the Hugging Face tensor names a complete checkpoint of `config` holds.
+    config_class: the type of its configs' `family_config`, its own settings (a FamilyConfig
+      subclass defined beside the family; FamilyConfig itself when it has none).
     qk_norm: per-head RMSNorm on queries and keys before RoPE (Qwen3).
     gguf: how its GGUF files are written; None when GGUF files of this family are not read.
     """
@@ -76,6 +79,7 @@ class ModelFamily:
     model_class: Callable[..., Any]
     parse_hf_config: HFConfigParser
     weight_names: Callable[[ModelConfig], list[str]]
+    config_class: type[FamilyConfig] = FamilyConfig
     qk_norm: bool = False
     gguf: GGUFFormat | None = None
     # its model class takes a GGUF's quantized linear weights packed (GroupedInts; ops/packed_linear)
@@ -87,14 +91,29 @@ class ModelFamily:
         for field_name in ("model_class", "parse_hf_config", "weight_names"):
             if not callable(getattr(self, field_name)):
                 raise ValueError(f"ModelFamily({self.name!r}).{field_name} must be callable")
+        if not (isinstance(self.config_class, type) and issubclass(self.config_class, FamilyConfig)):
+            raise ValueError(f"ModelFamily({self.name!r}).config_class must be a FamilyConfig subclass")
 
     def config_from_hf(self, raw: dict, generation: dict, where: str) -> ModelConfig:
-        return self.parse_hf_config(self, raw, generation, where)
+        return self.checked(self.parse_hf_config(self, raw, generation, where), where)
 
     def config_from_gguf(self, metadata: MetadataLookup, tensors: dict, tokenizer, rope_freqs) -> ModelConfig:
         if self.gguf is None:
             raise ValueError(f"model family {self.name!r} has no GGUF format")
-        return self.gguf.parse_config(self, metadata, tensors, tokenizer, rope_freqs)
+        config = self.gguf.parse_config(self, metadata, tensors, tokenizer, rope_freqs)
+        return self.checked(config, f"GGUF ({self.gguf.architecture})")
 
     def build_model(self, config: ModelConfig, tensors: dict, dtype, device):
-        return self.model_class(config, tensors, dtype=dtype, device=device)
+        return self.model_class(self.checked(config, "model config"), tensors, dtype=dtype, device=device)
+
+    def checked(self, config: ModelConfig, where: str) -> ModelConfig:
+        """`config`, refused unless it is one of this family's: its architecture and its own settings.
+        NOTE: ModelConfig cannot check these itself: it knows no family (config.py imports no model)."""
+        if config.architecture != self.name:
+            raise ModelLoadError(f"{where}: architecture {config.architecture!r} is not {self.name!r}")
+        if not isinstance(config.family_config, self.config_class):
+            raise ModelLoadError(
+                f"{where}: a {self.name} config needs a {self.config_class.__name__} family_config, "
+                f"got {type(config.family_config).__name__}"
+            )
+        return config

@@ -6,9 +6,11 @@ own RoPE base) interleaved with global ones. Read from config.json (`gemma3_text
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..config import ModelConfig, SlidingWindow
+from ..config import FamilyConfig, ModelConfig
 from ..errors import ModelLoadError, UnsupportedError
 from ..layers.mlp import geglu_mlp
 from ..layers.rotary import RotaryTable
@@ -26,6 +28,33 @@ _FF_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 # -- config ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlidingWindow(FamilyConfig):
+    """Interleaved local and global attention (Gemma 3): a local layer's query at position p
+    sees only keys at p - window < position <= p, and its RoPE turns at its own base."""
+
+    window: int
+    local_layers: tuple[int, ...]
+    local_rope_theta: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
+        if self.window <= 0:
+            raise ModelLoadError(f"model config: sliding window must be positive, got {self.window}")
+        if self.local_rope_theta <= 0:
+            raise ModelLoadError(f"model config: local rope theta must be positive, got {self.local_rope_theta}")
+
+    def check(self, config: ModelConfig) -> None:
+        if any(not 0 <= i < config.num_layers for i in self.local_layers):
+            raise ModelLoadError(
+                f"model config: sliding-window layers {self.local_layers} outside 0..{config.num_layers - 1}"
+            )
+
+    def window_of(self, layer: int) -> int:
+        """The layer's window; 0 for a global layer."""
+        return self.window if layer in self.local_layers else 0
 
 
 def _local_layers(kinds, layers: int, pattern: int) -> tuple[int, ...]:
@@ -71,7 +100,7 @@ def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str)
             attention_bias=bool(raw.get("attention_bias", False)),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=decoder_config.as_id_tuple(eos),
-            sliding=SlidingWindow(
+            family_config=SlidingWindow(
                 window=int(raw["sliding_window"]),
                 local_layers=_local_layers(raw.get("layer_types"), layers, pattern),
                 local_rope_theta=float(local.get("rope_theta", raw.get("rope_local_base_freq", _LOCAL_THETA))),
@@ -93,7 +122,7 @@ def config_from_gguf(
     # query_pre_attn_scalar is d / heads; the GGUF keeps neither, so the rule is repeated here.
     scalar = base.head_dim if base.num_layers != 62 else base.hidden_size // base.num_heads
     return base.replace(
-        sliding=SlidingWindow(
+        family_config=SlidingWindow(
             window=int(window),
             local_layers=_local_layers(None, base.num_layers, _PATTERN),
             local_rope_theta=_LOCAL_THETA,
@@ -125,7 +154,7 @@ class Gemma3LM(DenseLM):
         device: torch.device | str = "cpu",
     ):
         super().__init__(config, tensors, dtype, device)
-        if config.sliding is None:
+        if not isinstance(config.family_config, SlidingWindow):
             raise ModelLoadError("gemma3 needs its sliding-window layers in the config")
         plus = lambda name: _one_plus(tensors, name, dtype, self.device)  # noqa: E731
         for i, w in enumerate(self.weights.layers):
@@ -137,7 +166,7 @@ class Gemma3LM(DenseLM):
         ]  # per layer (pre, post) [d] each
         self.weights.final_norm = plus("model.norm.weight")
         self.local_rotary = RotaryTable(
-            config.replace(rope_theta=config.sliding.local_rope_theta, rope_scaling=None), self.device
+            config.replace(rope_theta=config.family_config.local_rope_theta, rope_scaling=None), self.device
         )
         # transformers multiplies by sqrt(d) rounded to the run dtype
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype).item()
@@ -166,6 +195,7 @@ GEMMA3 = ModelFamily(
     model_class=Gemma3LM,
     parse_hf_config=config_from_hf,
     weight_names=weight_names,
+    config_class=SlidingWindow,
     packed_weights=True,
     qk_norm=True,
     gguf=GGUFFormat(

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 
-from ..config import LoopedConfig, ModelConfig
+from ..config import ModelConfig
 from ..errors import ModelLoadError, UnsupportedError
 from .family import ModelFamily
 from .looped import LoopedLM
+from .looped_config import LoopedConfig
 from .looped_weights import BLOCK_PARTS, block_prefix
 
 
@@ -64,7 +65,7 @@ def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str)
             tie_word_embeddings=bool(raw.get("tie_embeddings", True)),
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
-            looped=looped,
+            family_config=looped,
         )
     except KeyError as e:
         raise ModelLoadError(f"{where}: missing key {e.args[0]!r}") from None
@@ -73,7 +74,7 @@ def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str)
 
 
 def huginn_weight_names(config: ModelConfig) -> list[str]:
-    lc = config.looped
+    lc = config.family_config
     names = ["transformer.wte.weight", "transformer.adapter.weight", "transformer.ln_f.weight"]
     if lc.adapter_bias:
         names.append("transformer.adapter.bias")
@@ -86,5 +87,9 @@ def huginn_weight_names(config: ModelConfig) -> list[str]:
 
 
 HUGINN_RAVEN = ModelFamily(
-    name="huginn_raven", model_class=LoopedLM, parse_hf_config=config_from_hf, weight_names=huginn_weight_names
+    name="huginn_raven",
+    model_class=LoopedLM,
+    parse_hf_config=config_from_hf,
+    weight_names=huginn_weight_names,
+    config_class=LoopedConfig,
 )

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..cache.build import kv_pool_of
 from ..cache.spec import AttentionCache, CacheSpec, RecurrentCache
 from ..config import ModelConfig
+from .hybrid_config import HybridConfig
 from ..layers.attention import AttentionBatch, paged_attention, paged_attention_rows
 from ..layers.gated_deltanet import gdn_mixer, state_shapes
 from ..layers.mlp import swiglu_mlp
@@ -36,11 +37,11 @@ class HybridLM:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        if config.hybrid is None:
+        if not isinstance(config.family_config, HybridConfig):
             raise ValueError(f"{type(self).__name__} needs a hybrid model config")
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.weights: HybridWeights = build_hybrid_weights(config, tensors, dtype, self.device)
-        self.rotary_dim = int(config.head_dim * config.hybrid.partial_rotary_factor)
+        self.rotary_dim = int(config.head_dim * config.family_config.partial_rotary_factor)
         self.rotary = RotaryTable(config.replace(head_dim=self.rotary_dim), self.device)
         self.scale = config.head_dim**-0.5
 
@@ -48,10 +49,10 @@ class HybridLM:
         """GDN layers keep a conv + recurrent state per sequence (float32); attention layers paged K/V;
         the fill's stash keeps hidden-size split states."""
         cfg = self.config
-        gdn = RecurrentCache(state_shapes(cfg.hybrid), dtype=torch.float32, rollback_parts=("conv", "ssm"))
+        gdn = RecurrentCache(state_shapes(cfg.family_config), dtype=torch.float32, rollback_parts=("conv", "ssm"))
         att = AttentionCache(cfg.num_kv_heads, cfg.head_dim)
         return CacheSpec(
-            tuple(gdn if cfg.hybrid.is_linear(i) else att for i in range(cfg.num_layers)),
+            tuple(gdn if cfg.family_config.is_linear(i) else att for i in range(cfg.num_layers)),
             self.dtype,
             stash_width=cfg.hidden_size,
         )
@@ -100,7 +101,7 @@ class HybridLM:
         w, cfg = self.weights.layers[i], self.config
         x = zero_centred_rms_norm(h, w.post_norm, cfg.rms_norm_eps)
         if isinstance(w.mlp, MoEWeights):
-            return h + sparse_moe(x, w.mlp, cfg.hybrid.moe.top_k, cfg.hybrid.moe.norm_topk_prob)
+            return h + sparse_moe(x, w.mlp, cfg.family_config.moe.top_k, cfg.family_config.moe.norm_topk_prob)
         return h + swiglu_mlp(x, w.mlp.gate_up, w.mlp.down)
 
     def kv_only(self, layer: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,12 +120,12 @@ class HybridLM:
         on_q(layer, q) sees an attention layer's queries once the cache holds its K/V."""
         cfg, w = self.config, self.weights.layers[i]
         x = zero_centred_rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-        if cfg.hybrid.is_linear(i):
+        if cfg.family_config.is_linear(i):
             states = caches.states
             mixed = gdn_mixer(
                 x,
                 w.mixer,
-                cfg.hybrid,
+                cfg.family_config,
                 batch,
                 states.state(i),
                 cfg.rms_norm_eps,

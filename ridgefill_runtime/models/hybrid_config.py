@@ -1,4 +1,4 @@
-"""The hybrid families' config.json -> ModelConfig (with its HybridConfig).
+"""The hybrid families' own settings (HybridConfig, MoEConfig) and their config.json -> ModelConfig.
 
 The attention-side fields parse as for the dense families (decoder_config.config_from_hf); the
 GDN geometry, the layer pattern, the partial rotary and the MoE settings are added here. A
@@ -8,10 +8,85 @@ under `text_config`; only its text path is served.
 
 from __future__ import annotations
 
-from ..config import HybridConfig, ModelConfig, MoEConfig
+from dataclasses import dataclass
+
+from ..config import FamilyConfig, ModelConfig
 from ..errors import ModelLoadError
 from . import decoder_config
 from .family import ModelFamily
+
+LAYER_KINDS = ("full_attention", "linear_attention")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLP (Qwen3-Next): per token, the top `top_k` of `num_experts` routed
+    experts (router softmax, renormalised over the chosen when `norm_topk_prob`) plus a shared
+    expert scaled by sigmoid(its gate). Layers (i + 1) % sparse_step == 0 that are not in
+    `mlp_only_layers` use it; the others keep the dense MLP."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_intermediate_size: int
+    norm_topk_prob: bool = True
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        for name in ("num_experts", "top_k", "expert_intermediate_size", "shared_intermediate_size", "sparse_step"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"model config: moe.{name} must be positive, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ModelLoadError(f"model config: moe.top_k {self.top_k} exceeds num_experts {self.num_experts}")
+
+    def sparse_at(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
+class HybridConfig(FamilyConfig):
+    """Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next): which layers attend, the linear-attention
+    (GDN) geometry, and the attention layers' partial rotary. Seed 000 §2.3."""
+
+    layer_types: tuple[str, ...]  # per layer: "full_attention" | "linear_attention"
+    conv_kernel: int  # depthwise causal conv width over q, k, v
+    key_heads: int
+    value_heads: int  # a multiple of key_heads
+    key_head_dim: int
+    value_head_dim: int
+    partial_rotary_factor: float = 0.25  # share of each attention head's dims that rotate
+    moe: MoEConfig | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = [t for t in self.layer_types if t not in LAYER_KINDS]
+        if bad:
+            raise ModelLoadError(f"model config: unknown layer type {bad[0]!r} (known: {', '.join(LAYER_KINDS)})")
+        for name in ("conv_kernel", "key_heads", "value_heads", "key_head_dim", "value_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.value_heads % self.key_heads:
+            raise ModelLoadError(
+                f"model config: linear value heads {self.value_heads} are not a multiple of key heads {self.key_heads}"
+            )
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ModelLoadError(
+                f"model config: partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
+
+    def check(self, config: ModelConfig) -> None:
+        if len(self.layer_types) != config.num_layers:
+            raise ModelLoadError(f"model config: {len(self.layer_types)} layer types for {config.num_layers} layers")
+
+    def is_linear(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v go through one depthwise conv: 2 * key dims + value dims."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
 
 
 def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str) -> ModelConfig:
@@ -34,7 +109,7 @@ def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str)
         raise ModelLoadError(f"{where}: missing key {e.args[0]!r}") from None
     except ModelLoadError as e:
         raise ModelLoadError(f"{where}: {e}") from None
-    return base.replace(hybrid=hybrid)
+    return base.replace(family_config=hybrid)
 
 
 def _layer_types(text: dict, num_layers: int) -> tuple[str, ...]:

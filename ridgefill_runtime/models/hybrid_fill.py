@@ -49,7 +49,7 @@ def two_sweep(model, batch: ForwardBatch) -> ForwardOutput:
 
 def _write_filled_kv(model, kv, x_split: torch.Tensor, rope, fill: FillStep) -> None:
     """Filled rows [F, d] at the split -> their K/V in every late attention layer."""
-    hybrid = model.config.hybrid
+    hybrid = model.config.family_config
     for layer in range(fill.split, model.config.num_layers):
         if not hybrid.is_linear(layer):
             k, v = model.kv_only(layer, fill.predict(layer, x_split), rope)
@@ -69,7 +69,7 @@ def _late_layers(model, h: torch.Tensor, rope, fill: FillStep, caches, kv, on_q)
     carried = _filled_or_none(fill, h)  # which rows' gates count as filled in ρ's sums
     for i in range(fill.split, cfg.num_layers):
         w = model.weights.layers[i]
-        if cfg.hybrid.is_linear(i):
+        if cfg.family_config.is_linear(i):
             x_in = h
             if filled is not None:
                 x_in = h.clone()
@@ -80,7 +80,7 @@ def _late_layers(model, h: torch.Tensor, rope, fill: FillStep, caches, kv, on_q)
             mixed = gdn_mixer(
                 xn,
                 w.mixer,
-                cfg.hybrid,
+                cfg.family_config,
                 fill.late_batch,
                 state,
                 cfg.rms_norm_eps,

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import HybridConfig, ModelConfig
+from ..config import ModelConfig
+from .hybrid_config import HybridConfig
 from ..layers.gated_deltanet import GDNWeights
 from ..layers.moe import MoEWeights
 from .weights import _Fetcher
@@ -56,7 +57,7 @@ def text_prefix(tensors: dict) -> str:
 def build_hybrid_weights(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, device) -> HybridWeights:
     f = _Fetcher(tensors, dtype, device)
     root = text_prefix(tensors)
-    d, hy = cfg.hidden_size, cfg.hybrid
+    d, hy = cfg.hidden_size, cfg.family_config
 
     def zero_centred(name: str, size: int) -> torch.Tensor:
         return 1.0 + _Fetcher(tensors, torch.float32, device).get(name, (size,))
@@ -99,7 +100,7 @@ def _attention(f: _Fetcher, p: str, cfg: ModelConfig, zero_centred) -> Attention
 
 
 def _gdn(f: _Fetcher, p: str, cfg: ModelConfig) -> GDNWeights:
-    hy, d = cfg.hybrid, cfg.hidden_size
+    hy, d = cfg.family_config, cfg.hidden_size
     fused = f.has(p + "in_proj_qkvz.weight")  # Qwen3-Next's layout
     hv, vd = hy.value_heads, hy.value_heads * hy.value_head_dim
     in_proj = (
@@ -142,7 +143,7 @@ def _dense_mlp(f: _Fetcher, p: str, cfg: ModelConfig) -> DenseMLPWeights:
 
 
 def _moe(f: _Fetcher, p: str, cfg: ModelConfig) -> MoEWeights:
-    moe, d = cfg.hybrid.moe, cfg.hidden_size
+    moe, d = cfg.family_config.moe, cfg.hidden_size
     inter, shared = moe.expert_intermediate_size, moe.shared_intermediate_size
     experts = [_dense_mlp_sized(f, f"{p}experts.{e}.", d, inter) for e in range(moe.num_experts)]
     shared_mlp = _dense_mlp_sized(f, p + "shared_expert.", d, shared)
@@ -173,8 +174,8 @@ def hybrid_weight_names(cfg: ModelConfig, fused_gdn: bool) -> list[str]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + n for n in (gdn if cfg.hybrid.is_linear(i) else attn)]
-        moe = cfg.hybrid.moe
+        names += [p + n for n in (gdn if cfg.family_config.is_linear(i) else attn)]
+        moe = cfg.family_config.moe
         if moe is not None and moe.sparse_at(i):
             names += [
                 f"{p}mlp.experts.{e}.{m}.weight"

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..cache.spec import AttentionCache, CacheSpec, LoopPlanesCache
 from ..config import LoopConfig, ModelConfig
+from .looped_config import LoopedConfig
 from ..layers.attention import AttentionBatch, paged_attention
 from ..layers.loop_attention import LoopAttention, LoopRead, default_reads
 from ..layers.mlp import swiglu_mlp
@@ -35,13 +36,13 @@ class LoopedLM:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        if config.looped is None:
+        if not isinstance(config.family_config, LoopedConfig):
             raise ValueError(f"{type(self).__name__} needs a looped model config")
         self.config, self.dtype, self.device = config, dtype, torch.device(device)
         self.weights: LoopedWeights = build_looped_weights(config, tensors, dtype, self.device)
         self.rotary = RotaryTable(config, self.device)
         self.scale = config.head_dim**-0.5
-        lc = config.looped
+        lc = config.family_config
         self.prelude = range(lc.prelude)
         self.core = range(lc.prelude, lc.prelude + lc.core)
         self.coda = range(lc.prelude + lc.core, config.num_layers)
@@ -73,7 +74,7 @@ class LoopedLM:
         storage: LoopPlanesCache = caches.spec.layers[self.core[0]]
         reads = reads or default_reads(storage, batch.num_seqs)
         rope = self.rope(positions)
-        h = self.weights.embed[input_ids] * self.config.looped.embed_scale  # [N, d]
+        h = self.weights.embed[input_ids] * self.config.family_config.embed_scale  # [N, d]
         for layer in self.prelude:
             h = self.block(layer, h, rope, self._paged(layer, batch, caches))
         s = self.loop(
@@ -153,7 +154,7 @@ class LoopedLM:
 def loop_cache_spec(cfg: ModelConfig, serve: LoopConfig | None, dtype: torch.dtype) -> CacheSpec:
     """Prelude and coda layers: paged K/V; core layers: the loop planes the operator chose
     (default: the full cache at the model's mean_recurrence)."""
-    lc = cfg.looped
+    lc = cfg.family_config
     loops = (serve.loops if serve is not None else None) or lc.mean_recurrence
     kind = serve.cache if serve is not None else "full"
     window = serve.window if kind == "ripe" else 0
@@ -190,7 +191,7 @@ def initial_state(seed: int, position: int, width: int, std: float, scale: float
 
 def initial_states(seeds: torch.Tensor, positions: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """[N, d] float32, one initial state per row (seeds [N], positions [N])."""
-    lc = config.looped
+    lc = config.family_config
     rows = [
         initial_state(int(s), int(p), config.hidden_size, lc.init_std, lc.embed_scale)
         for s, p in zip(seeds.tolist(), positions.tolist())

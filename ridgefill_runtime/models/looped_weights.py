@@ -49,7 +49,7 @@ class LoopedWeights:
 
 def block_prefix(config: ModelConfig, layer: int) -> str:
     """transformer.prelude.{i}. / transformer.core_block.{i}. / transformer.coda.{i}. of layer index `layer`."""
-    lc = config.looped
+    lc = config.family_config
     if layer < lc.prelude:
         return f"transformer.prelude.{layer}."
     if layer < lc.prelude + lc.core:
@@ -67,7 +67,7 @@ def build_looped_weights(
     for layer in range(cfg.num_layers):
         p = block_prefix(cfg, layer)
         q_bias = k_bias = None
-        if cfg.looped.qk_bias:
+        if cfg.family_config.qk_bias:
             q_bias, k_bias = f.get(p + "attn.qk_bias", (2, 1, heads, hd))[:, 0].unbind(0)  # [H, D] each
         blocks.append(
             SandwichWeights(
@@ -89,7 +89,7 @@ def build_looped_weights(
         embed=embed,
         blocks=blocks,
         adapter=f.get("transformer.adapter.weight", (d, 2 * d)),
-        adapter_bias=f.get("transformer.adapter.bias", (d,)) if cfg.looped.adapter_bias else None,
+        adapter_bias=f.get("transformer.adapter.bias", (d,)) if cfg.family_config.adapter_bias else None,
         final_norm=f.get("transformer.ln_f.weight", (d,)),
         lm_head=lm_head,
     )

@@ -13,6 +13,7 @@ QWEN3_5_TEXT = ModelFamily(
     model_class=HybridLM,
     parse_hf_config=hybrid_config.config_from_hf,
     weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False),
+    config_class=hybrid_config.HybridConfig,
     qk_norm=True,
 )
 QWEN3_5 = ModelFamily(
@@ -20,5 +21,6 @@ QWEN3_5 = ModelFamily(
     model_class=HybridLM,
     parse_hf_config=hybrid_config.config_from_hf,
     weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False),
+    config_class=hybrid_config.HybridConfig,
     qk_norm=True,
 )

@@ -13,5 +13,6 @@ QWEN3_NEXT = ModelFamily(
     model_class=HybridLM,
     parse_hf_config=hybrid_config.config_from_hf,
     weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=True),
+    config_class=hybrid_config.HybridConfig,
     qk_norm=True,
 )

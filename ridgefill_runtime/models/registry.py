@@ -1,18 +1,20 @@
 """The one table of supported model families, keyed by Hugging Face `model_type`.
 
-Both loaders (loader/hf.py by `model_type`, loader/gguf.py by `general.architecture`),
-ModelConfig's validation and llm.build_engine (which model class to build) read it; nothing else
-lists architectures.
+Both loaders (loader/hf.py by `model_type`, loader/gguf.py by `general.architecture`), the
+conversion cache's config reader (loader/checkpoint.py) and llm.build_engine (which model class to
+build) read it; nothing else lists architectures, and config.py knows none (ModelConfig refuses no
+architecture: `family(name)` here does).
 
 Adding a family: write `ridgefill_runtime/models/<name>.py` defining a `ModelFamily` (see
-family.py; llama.py and qwen3.py are examples), and add it to BUILT_IN below. A test or plugin
+family.py; llama.py and qwen3.py are examples; gemma3.py also defines its own settings, a
+FamilyConfig subclass named in `config_class`), and add it to BUILT_IN below. A test or plugin
 can add one at run time instead:
 
     from ridgefill_runtime.models.registry import register, unregister
-    register(ModelFamily(name="tiny-loop", model_class=TinyLoopLM,
-                         parse_hf_config=my_parser, weight_names=my_names))
-    ...  # ModelConfig(architecture="tiny-loop", ...) now validates; HF folders with
-    ...  # model_type "tiny-loop" load; build_engine builds TinyLoopLM
+    register(ModelFamily(name="tiny-loop", model_class=TinyLoopLM, parse_hf_config=my_parser,
+                         weight_names=my_names, config_class=TinyLoopConfig))
+    ...  # HF folders with model_type "tiny-loop" load (my_parser puts a TinyLoopConfig in
+    ...  # ModelConfig.family_config); build_engine builds TinyLoopLM
     unregister("tiny-loop")
 
 `register` refuses a name (or GGUF architecture) already taken unless `replace=True`.

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from . import op_available
+from .extension import op_available
 
 _L2_EPS = 1e-6  # transformers' (and FLA's) l2norm epsilon
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import op_available
+from .extension import op_available
 
 _OP_NAME = "ridgefill::int8_map_gemm"
 GROUP = 128  # format constant; the kernel is compiled for it

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import op_available
+from .extension import op_available
 
 PANEL = 16
 _KERNEL = torch.ops.ridgefill.packed_linear.default if op_available("packed_linear") else None

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from . import op_available
+from .extension import op_available
 
 _OP_NAME = "ridgefill::ripe_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import extension_loaded
+from .extension import extension_loaded
 
 _OP_NAME = "ridgefill::rms_norm"
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

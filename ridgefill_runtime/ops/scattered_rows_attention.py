@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import op_available
+from .extension import op_available
 
 _OP_NAME = "ridgefill::scattered_rows_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

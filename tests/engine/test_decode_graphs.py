@@ -15,7 +15,7 @@ import torch
 
 from ridgefill_runtime import decode_graphs
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FamilyConfig, SchedulerConfig
 from ridgefill_runtime.decode_graphs import DecodeGraphs, capture_sizes, engine_decode_graphs
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
@@ -129,7 +129,7 @@ def test_a_forward_that_cannot_be_captured_decodes_eagerly(monkeypatch, caplog):
 
     monkeypatch.setattr(decode_graphs, "DecodeGraphs", refuse)
     monkeypatch.setattr(decode_graphs, "cuda_capture", lambda: None)
-    model = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace())
+    model = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(family_config=FamilyConfig()))
     caches = SimpleNamespace(
         spec=SimpleNamespace(recurrent_layers=()), kv=SimpleNamespace(scratch_slot=64), block_size=16
     )

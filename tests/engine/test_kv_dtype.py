@@ -13,7 +13,7 @@ import torch
 
 from ridgefill_runtime.cache.build import CacheBudget, build_caches
 from ridgefill_runtime.cache.spec import CacheSpec
-from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
+from ridgefill_runtime.config import CacheConfig, EngineConfig, FamilyConfig, SchedulerConfig
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import build_tiny
@@ -22,7 +22,8 @@ from tiny_models import build_tiny
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_pool_stores_rounded_and_reads_back_the_model_dtype(dtype):
     spec = CacheSpec.dense(
-        type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=2, hidden_size=16))(), torch.float32
+        type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=2, hidden_size=16, family_config=FamilyConfig()))(),
+        torch.float32,
     )
     caches = build_caches(spec, CacheBudget(block_size=4, num_blocks=4, kv_dtype=dtype), "cpu")
     g = torch.Generator().manual_seed(0)
@@ -37,7 +38,8 @@ def test_pool_stores_rounded_and_reads_back_the_model_dtype(dtype):
 
 def test_pool_holds_twice_the_positions_in_the_same_memory():
     spec = CacheSpec.dense(
-        type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=3, hidden_size=16))(), torch.float32
+        type("C", (), dict(num_kv_heads=2, head_dim=8, num_layers=3, hidden_size=16, family_config=FamilyConfig()))(),
+        torch.float32,
     )
     wide = build_caches(spec, CacheBudget(kv_cache_gib=0.001), "cpu")
     narrow = build_caches(spec, CacheBudget(kv_cache_gib=0.001, kv_dtype=torch.bfloat16), "cpu")

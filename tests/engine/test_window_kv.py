@@ -285,7 +285,7 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
     late_rows = sorted(set(seq.exact_rows) | set(range(seq.fill_boundary, len(ids))))
     slots = runner._seq_slots(seq, 0, seq.fill_boundary)
     written = ~torch.isnan(runner.kv.k[2][runner.kv.physical(2, slots)]).flatten(1).any(1)  # layer 2: late, windowed
-    assert model.config.window_of(2) == WINDOW and split <= 2
+    assert model.config.family_config.window_of(2) == WINDOW and split <= 2
     for p in range(seq.fill_boundary):
         if p in seq.exact_rows:
             continue

@@ -88,7 +88,7 @@ def test_ridgefill_rows_write_the_layers_own_kv_of_x_hat(tiny, placement):
 def reached(model, layer: int, first: int) -> torch.Tensor:
     """The filled rows (no exact prefix rows) whose K/V the fill writes at `layer`: all of them, or at
     a sliding-window layer those the tail reaches (fewer than `window` positions before it)."""
-    window = model.config.window_of(layer)
+    window = model.config.family_config.window_of(layer)
     return torch.arange(max(0, first - window + 1) if window else 0, first)
 
 

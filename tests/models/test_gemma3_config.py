@@ -30,10 +30,12 @@ V4 = dict(
 
 def test_v4_keys_give_the_pattern_bases_and_scale():
     cfg = GEMMA.config_from_hf(V4, {}, "config.json")
-    assert cfg.sliding.local_layers == tuple(i for i in range(18) if i not in (5, 11, 17))
-    assert (cfg.rope_theta, cfg.sliding.local_rope_theta, cfg.sliding.window) == (1e6, 1e4, 512)
+    assert cfg.family_config.local_layers == tuple(i for i in range(18) if i not in (5, 11, 17))
+    assert (cfg.rope_theta, cfg.family_config.local_rope_theta, cfg.family_config.window) == (1e6, 1e4, 512)
     assert cfg.attention_scale == 256**-0.5 and cfg.qk_norm and cfg.tie_word_embeddings
-    assert cfg.eos_token_ids == (1, 106) and cfg.window_of(4) == 512 and cfg.window_of(5) == 0
+    assert (
+        cfg.eos_token_ids == (1, 106) and cfg.family_config.window_of(4) == 512 and cfg.family_config.window_of(5) == 0
+    )
 
 
 def test_v5_rope_parameters_and_layer_types():
@@ -47,8 +49,8 @@ def test_v5_rope_parameters_and_layer_types():
         },
     )
     cfg = GEMMA.config_from_hf(raw, {}, "config.json")
-    assert cfg.sliding.local_layers == tuple(range(1, 18, 2))
-    assert (cfg.rope_theta, cfg.sliding.local_rope_theta, cfg.attention_scale) == (5e5, 2e4, 144**-0.5)
+    assert cfg.family_config.local_layers == tuple(range(1, 18, 2))
+    assert (cfg.rope_theta, cfg.family_config.local_rope_theta, cfg.attention_scale) == (5e5, 2e4, 144**-0.5)
 
 
 @pytest.mark.parametrize(

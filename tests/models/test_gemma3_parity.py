@@ -42,8 +42,8 @@ def _ref_logprobs(ref, ids: list[int]) -> torch.Tensor:
 def test_config_is_gemma3_with_its_window(models):
     _, ours = models
     cfg = ours.engine.model.config
-    assert cfg.architecture == "gemma3_text" and cfg.sliding.window == WINDOW
-    assert cfg.sliding.local_layers == tuple(i for i in range(18) if i not in (5, 11, 17))
+    assert cfg.architecture == "gemma3_text" and cfg.family_config.window == WINDOW
+    assert cfg.family_config.local_layers == tuple(i for i in range(18) if i not in (5, 11, 17))
     assert ours.engine.model.weights.layers[0].qkv.__class__.__name__ == "PackedWeight"
 
 

@@ -102,7 +102,7 @@ def test_two_sweep_state_cache_and_output_equal_the_reference(tiny, split, chunk
     seq, stages = run_to_first_token(eng, ids)
     assert Stage.LOWER in stages and Stage.LATE in stages
     assert seq.output_ids[0] == int(ref_logits[-1].argmax())
-    slot, hybrid = seq.state_slot, model.config.hybrid
+    slot, hybrid = seq.state_slot, model.config.family_config
     for layer in range(split, model.config.num_layers):
         if hybrid.is_linear(layer):
             ours = eng.caches.states.state(layer)["ssm"][slot]
@@ -232,7 +232,7 @@ def test_terminal_state_correction_equals_the_reference(tiny, fitted, tmp_path):
 
     from ridgefill_runtime.fill.maps import FillMaps, add_terminal_shift
 
-    model, ids, hy = tiny["model"], tiny["ids"], tiny["model"].config.hybrid
+    model, ids, hy = tiny["model"], tiny["ids"], tiny["model"].config.family_config
     path = tmp_path / "maps.safetensors"
     shutil.copy(fitted, path)
     gen = torch.Generator().manual_seed(12)
@@ -335,7 +335,7 @@ def test_a_request_turns_the_correction_on_or_off(tiny, fitted, tmp_path):
     from ridgefill_runtime.errors import InputError
     from ridgefill_runtime.fill.maps import FillMaps, add_terminal_shift
 
-    model, ids, hy = tiny["model"], tiny["ids"], tiny["model"].config.hybrid
+    model, ids, hy = tiny["model"], tiny["ids"], tiny["model"].config.family_config
     path = tmp_path / "maps.safetensors"
     shutil.copy(fitted, path)
     shifts = {

@@ -33,9 +33,9 @@ def tiny(request, tmp_path_factory):
 
 def test_the_checkpoint_parses_as_a_hybrid(tiny):
     cfg = tiny["ours"].config
-    assert cfg.hybrid.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert cfg.family_config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
     assert spec_of(tiny["ours"]).recurrent_layers == (0, 1, 2) and spec_of(tiny["ours"]).attention_layers == (3,)
-    assert (cfg.hybrid.moe is not None) == (tiny["name"] == "qwen3_next_moe")
+    assert (cfg.family_config.moe is not None) == (tiny["name"] == "qwen3_next_moe")
 
 
 def test_one_prefill_matches(tiny):

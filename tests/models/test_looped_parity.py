@@ -48,8 +48,13 @@ def test_loads_huginn_names_and_config_keys(tiny):
     folder, _, model = tiny
     cfg = model.config
     assert cfg.architecture == "huginn_raven" and cfg.vocab_size == 64  # the padded table
-    assert (cfg.looped.prelude, cfg.looped.core, cfg.looped.coda, cfg.looped.mean_recurrence) == (2, 2, 1, 4)
-    assert cfg.looped.embed_scale == pytest.approx(32**0.5) and cfg.head_dim == 8
+    assert (
+        cfg.family_config.prelude,
+        cfg.family_config.core,
+        cfg.family_config.coda,
+        cfg.family_config.mean_recurrence,
+    ) == (2, 2, 1, 4)
+    assert cfg.family_config.embed_scale == pytest.approx(32**0.5) and cfg.head_dim == 8
 
 
 def test_refuses_what_it_does_not_run(tmp_path):
@@ -72,7 +77,7 @@ def test_adapter_bias_and_state_init_zero(tmp_path):
     tensors = write_tiny_huginn(tmp_path, raw)
     (tmp_path / "config.json").write_text(json.dumps(raw))
     ckpt = load_checkpoint(str(tmp_path))
-    assert ckpt.config.looped.adapter_bias and ckpt.config.looped.init_std == 0
+    assert ckpt.config.family_config.adapter_bias and ckpt.config.family_config.init_std == 0
     model = family("huginn_raven").build_model(ckpt.config, ckpt.tensors, dtype=torch.float64, device="cpu")
     harness = Harness(model)
     got = harness.step([(harness.new_seq(PROMPT), len(PROMPT))])[0]

@@ -29,7 +29,7 @@ def engine():
 
 def test_loads_by_name_with_its_tokenizer():
     ckpt = load_checkpoint("looped")
-    assert ckpt.config.architecture == "huginn_raven" and ckpt.config.looped.core == 4
+    assert ckpt.config.architecture == "huginn_raven" and ckpt.config.family_config.core == 4
     ids = ckpt.tokenizer.encode(TEXT)
     assert ckpt.tokenizer.decode(ids) == TEXT
 
