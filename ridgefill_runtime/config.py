@@ -557,7 +557,7 @@ class FillConfig:
     )
     maps: str | None = setting(
         None,
-        help="map file from `ridgefill fit`, required by the ridgefill arm; unset: the shipped maps for `split` "
+        help='map file from `ridgefill fit`, read by mode "plain"; unset: the shipped maps for `split` '
         "(embedded model only)",
         flag="--fill-maps",
         example='"/maps/my-llama.split15.safetensors"',

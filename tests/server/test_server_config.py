@@ -4,6 +4,7 @@ override the file; and `serve` as a real process (config logged, loopback, API k
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,13 @@ def test_example_documents_every_key_and_loads():
             table, _, leaf = key.rpartition(".")  # "corrections.key_rescale" sits in [fill.corrections]
             assert not table or f"[{section}.{table}]" in text, f"[{section}.{table}] is not documented"
             assert re.search(rf"^#? ?{leaf} = |: {leaf} = ", text, re.M), f"{section}.{key} is not documented"
+
+
+def test_example_is_generated_from_the_dataclasses():
+    script = runpy.run_path(str(EXAMPLE.parents[1] / "scripts" / "write_example_config.py"))
+    assert EXAMPLE.read_text(encoding="utf-8") == script["render"](), (
+        "examples/ridgefill.toml is not current: run python scripts/write_example_config.py"
+    )
 
 
 def test_values_reach_their_dataclasses(tmp_path):
