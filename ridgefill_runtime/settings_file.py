@@ -319,5 +319,11 @@ def given_flags(args: argparse.Namespace, dests: Mapping[str, str]) -> dict[str,
     return {key: getattr(args, dest) for dest, key in dests.items() if getattr(args, dest, None) is not None}
 
 
+def given_fields(args: argparse.Namespace, cls) -> dict[str, Any]:
+    """{field: value} of cls's flags that were given (the runtime's commands build cls from them)."""
+    given = {f.name: getattr(args, flag_dest(s), None) for f, s in settings_fields(cls) if s.flag is not None}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def _comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]

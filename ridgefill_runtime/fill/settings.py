@@ -10,7 +10,7 @@ given into the FillConfig, adding the shipped defaults.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,17 +188,25 @@ def _rows(model: str | None, fill_on: bool, given: dict[str, Any], origin: dict[
 
 
 def fill_for_arm(
-    arm: str | None, config_file: Path | None, *, model: str | None = None, selectors: Sequence[str] | None = None
+    arm: str | None,
+    config_file: Path | None,
+    *,
+    model: str | None = None,
+    selectors: Sequence[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
 ) -> FillConfig:
     """The FillConfig of `--fill-config`'s [fill] table (the keys of the server's [fill]; the
-    file's other tables are not read), with `arm` (--arm, when given) replacing fill.mode and
-    `selectors` (--selectors) replacing fill.rows.selectors. `model` None is the embedded
-    default model (see resolve_fill)."""
+    file's other tables are not read), under the fill `flags` given ({dotted key: value}, as
+    `serve`'s: --fill-mode, --fill-split, ...), with `arm` (--arm, FillConfig's word for
+    fill.mode) and `selectors` (--selectors) over those. `model` None is the embedded default
+    model (see resolve_fill)."""
     values, origin = new_fill_values(), {}
     if config_file is not None:
         for dotted, value in flatten(read_toml(config_file)):
             if dotted.partition(".")[0] == "fill":
                 put_fill_value(values, origin, dotted, value, str(config_file))
+    for dotted, value in (flags or {}).items():
+        put_fill_value(values, origin, dotted, value, "command line")
     if arm is not None:
         put_fill_value(values, origin, "fill.mode", MODE_OF_ARM.get(arm, arm), "command line")
     if selectors is not None:
