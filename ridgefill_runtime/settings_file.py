@@ -19,7 +19,7 @@ import dataclasses
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ class Setting:
 
     help: str  # one line or a paragraph: the flag's help and the example file's comment
     flag: str | None = None  # the command-line option ("--max-num-seqs"); None: the file only
-    aliases: tuple[str, ...] = ()  # older spellings of the flag, still accepted
+    aliases: tuple[str, ...] = ()  # older spellings of the flag, still accepted (not for bool fields)
     off_alias: str | None = None  # bool fields: an option that sets it false (vLLM's --enforce-eager)
     key: str | None = None  # the TOML key when it is not the field name ("path" for EngineConfig.model)
     table: str | None = None  # a sub-table the key is grouped in ("corrections": [fill.corrections])
@@ -63,13 +63,9 @@ def setting(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MI
     return dataclasses.field(default=default, default_factory=factory, metadata={METADATA_KEY: Setting(**declared)})
 
 
-def setting_of(f: dataclasses.Field) -> Setting | None:
-    return f.metadata.get(METADATA_KEY)
-
-
 def settings_fields(cls) -> list[tuple[dataclasses.Field, Setting]]:
     """cls's fields that are settings, in declaration order (nested config tables are not)."""
-    return [(f, s) for f in dataclasses.fields(cls) if (s := setting_of(f)) is not None]
+    return [(f, s) for f in dataclasses.fields(cls) if (s := f.metadata.get(METADATA_KEY)) is not None]
 
 
 def nested_tables(cls) -> list[tuple[str, type]]:
@@ -173,6 +169,23 @@ def renamed_keys(cls, section: str, *, nested: bool = True) -> dict[str, str]:
     return out
 
 
+def operator_tables(engine_cls, own: str = "model") -> list[tuple[type, str]]:
+    """(config dataclass, its TOML table) of the operator file's engine side: the engine's own
+    settings in [`own`], each nested config in the table of its field name, and theirs below it
+    ([fill], [fill.rows])."""
+    tables = [(engine_cls, own)]
+    for name, cls in nested_tables(engine_cls):
+        tables += _tables_below(cls, name)
+    return tables
+
+
+def _tables_below(cls, section: str) -> list[tuple[type, str]]:
+    tables = [(cls, section)]
+    for name, nested in nested_tables(cls):
+        tables += _tables_below(nested, f"{section}.{name}")
+    return tables
+
+
 def read_toml(path: Path) -> dict:
     try:
         with path.open("rb") as f:
@@ -258,23 +271,6 @@ def store(
 # -- Command-line flags -----------------------------------------------------------------------------
 
 
-def operator_tables(engine_cls, own: str = "model") -> list[tuple[type, str]]:
-    """(config dataclass, its TOML table) of the operator file's engine side: the engine's own
-    settings in [`own`], each nested config in the table of its field name, and theirs below it
-    ([fill], [fill.rows])."""
-    tables = [(engine_cls, own)]
-    for name, cls in nested_tables(engine_cls):
-        tables += _tables_below(cls, name)
-    return tables
-
-
-def _tables_below(cls, section: str) -> list[tuple[type, str]]:
-    tables = [(cls, section)]
-    for name, nested in nested_tables(cls):
-        tables += _tables_below(nested, f"{section}.{name}")
-    return tables
-
-
 def add_flags(parser: argparse.ArgumentParser, cls, section: str) -> dict[str, str]:
     """A flag for every setting of cls that declares one (its nested configs are tables of
     their own: see operator_tables); returns {argparse dest: dotted TOML key}. Every flag
@@ -288,25 +284,24 @@ def add_flags(parser: argparse.ArgumentParser, cls, section: str) -> dict[str, s
         dests[dest] = f"{section}.{key_name(f, s)}"
         help_text = s.help.replace("%", "%%")  # NOTE: argparse formats help with %
         if hints[f.name] is bool:
-            parser.add_argument(s.flag, *s.aliases, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(s.flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
             if s.off_alias:
                 parser.add_argument(
                     s.off_alias, dest=dest, action="store_const", const=False, help=f"the same as --no-{s.flag[2:]}"
                 )
             continue
         accepted, items = toml_types(hints[f.name])
-        kind = _comma_list if items is not None else accepted[-1]
-        choices = list(s.values) if s.values is not None else s.choices
-        parser.add_argument(
-            s.flag,
-            *s.aliases,
-            dest=dest,
-            type=kind,
-            choices=choices,
-            metavar="A,B" if items is not None else None,
-            default=None,
-            help=help_text,
-        )
+        value = {
+            "dest": dest,
+            "type": _list_of(items) if items is not None else accepted[-1],
+            "choices": list(s.values) if s.values is not None else s.choices,
+            "metavar": "A,B" if items is not None else None,
+            "default": None,
+        }
+        parser.add_argument(s.flag, help=help_text, **value)
+        # NOTE: an alias is an option of its own, so an error names the spelling given
+        for alias in s.aliases:
+            parser.add_argument(alias, help=f"the same as {s.flag}", **value)
     return dests
 
 
@@ -325,5 +320,10 @@ def given_fields(args: argparse.Namespace, cls) -> dict[str, Any]:
     return {name: value for name, value in given.items() if value is not None}
 
 
-def _comma_list(text: str) -> list[str]:
-    return [item.strip() for item in text.split(",") if item.strip()]
+def _list_of(items: type) -> Callable[[str], list]:
+    """A flag's comma-separated list ("special, digits") as a list of `items`."""
+
+    def comma_list(text: str) -> list:
+        return [items(item.strip()) for item in text.split(",") if item.strip()]
+
+    return comma_list

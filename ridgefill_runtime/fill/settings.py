@@ -127,12 +127,13 @@ def resolve_fill(
             raise ConfigError(f"{origin['fill.recipe']}: key 'fill.recipe': {e}") from None
         values = {**values, "rows": rows_given}
         origin = {"fill.mode": origin["fill.recipe"], **origin}
-    settings = FillSettings(MODE_OF_ARM[given.get("arm", "exact")], recipe)
-    if given.get("arm") == "ridgefill":
+    arm = given.get("arm", FillConfig.arm)
+    settings = FillSettings(MODE_OF_ARM[arm], recipe)
+    if arm == "ridgefill":
         if model in PACKAGED_MAPS and "split" not in given:
             given["split"] = PACKAGED_MAPS[model][1]
         given["maps"] = _maps_path(model, given, origin)
-    rows = _rows(model, given.get("arm", "exact") != "exact", values["rows"], origin, source)
+    rows = _rows(model, arm != "exact", values["rows"], origin, source)
     try:
         return settings, FillConfig(rows=rows, **given)
     except ValueError as e:
