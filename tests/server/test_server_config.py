@@ -45,6 +45,14 @@ def test_example_is_generated_from_the_dataclasses():
     )
 
 
+def test_every_flag_sets_a_key_of_the_file():
+    from server.cli_serve import _FLAG_KEYS
+    from server.config import _SCHEMA
+
+    keys = {f"{section}.{key}" for section, table in _SCHEMA.items() for key in table}
+    assert set(_FLAG_KEYS.values()) <= keys and len(set(_FLAG_KEYS.values())) == len(_FLAG_KEYS)
+
+
 def test_values_reach_their_dataclasses(tmp_path):
     f = _write(
         tmp_path,
