@@ -65,6 +65,11 @@ def test_values_reach_their_dataclasses(tmp_path):
     assert "k" not in str(server.redacted().values())
 
 
+def test_a_recipe_alone_turns_the_fill_on(tmp_path):
+    engine, _, fill = load_config(_write(tmp_path, '[fill]\nrecipe = "flash-next"\n'))
+    assert (engine.fill.arm, engine.fill.tail, fill.mode, fill.recipe) == ("ridgefill", 2048, "plain", "flash-next")
+
+
 def test_flags_override_the_file(tmp_path):
     f = _write(tmp_path, "[server]\nport = 9001\n[scheduler]\nmax_num_seqs = 4\n")
     engine, server, _ = load_config(f, {"server.port": 9002, "scheduler.max_num_seqs": None})
