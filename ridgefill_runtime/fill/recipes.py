@@ -18,16 +18,16 @@ from typing import Any
 # recipe -> ({fill key: value}, {fill.rows key: value}), keys as FillConfig / RowsConfig fields
 RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "qwen3.8-27b": (
-        {"mode": "plain", "tail": 4096, "value_rescale": True, "rescale_rows": 512},
+        {"arm": "ridgefill", "tail": 4096, "value_rescale": True, "rescale_rows": 512},
         {"selectors": ["special", "probe", "lexical"]},
     ),
-    "flash-next": ({"mode": "plain", "tail": 2048}, {"selectors": []}),
-    "flash-next-quality": ({"mode": "plain", "tail": 2048, "terminal_state": True}, {"selectors": ["protected"]}),
+    "flash-next": ({"arm": "ridgefill", "tail": 2048}, {"selectors": []}),
+    "flash-next-quality": ({"arm": "ridgefill", "tail": 2048, "terminal_state": True}, {"selectors": ["protected"]}),
 }
 
 
 def apply_recipe(name: str, fill: dict[str, Any], rows: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The [fill] values (FillConfig fields plus mode) and [fill.rows] values with the recipe's
+    """The [fill] values (FillConfig fields) and [fill.rows] values with the recipe's
     settings under those given. Raises ValueError for an unknown recipe."""
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r} (known: {', '.join(RECIPES)})")

@@ -2,22 +2,22 @@
 (generate, score), and the maps, exact-row selectors and unigram counts shipped for the
 embedded default model, which fill the settings a file leaves out.
 
-The keys (examples/ridgefill.toml documents each): fill.mode, split, tail, maps, placement,
-[fill.corrections] (value_rescale, key_rescale, rescale_rows; or `corrections = [names]`) and
-[fill.rows] (every RowsConfig field). `put_fill_value` checks one key as it is given (file or
-flag); `resolve_fill` turns what was given into the FillConfig, adding the shipped defaults.
+The keys are FillConfig's, RowsConfig's ([fill.rows]) and FillSettings' fields, declared there
+(settings_file.setting; examples/ridgefill.toml, generated from them, documents each).
+`put_fill_value` checks one key as it is given (file or flag); `resolve_fill` turns what was
+given into the FillConfig, adding the shipped defaults.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import SELECTORS, FillConfig, RowsConfig
+from ..config import FILL_MODES, SELECTORS, FillConfig, RowsConfig
 from ..errors import ConfigError
-from ..settings_file import Key, checked_key, flatten, read_toml, store
+from ..settings_file import Key, checked_key, flatten, read_toml, renamed_keys, setting, store, table_keys
 from .recipes import apply_recipe
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "maps"
@@ -64,76 +64,33 @@ def needs_counts(selectors: Sequence[str]) -> list[str]:
 
 # -- The schema ----------------------------------------------------------------------------------
 
-# Operator names for the prefill: "plain" is RidgeFill with the configured maps; "nofill" and
-# "identity" are the paper's ablation arms, accepted for evaluation runs.
-FILL_MODES = {"off": "exact", "plain": "ridgefill", "nofill": "nofill", "identity": "identity"}
 MODE_OF_ARM = {arm: mode for mode, arm in FILL_MODES.items()}
-CORRECTIONS = ("value_rescale", "key_rescale", "terminal_state")  # the boolean corrections a list may name
 
 
 @dataclass(frozen=True)
 class FillSettings:
-    """fill.mode, the operator's name for the arm; everything else about the fill is FillConfig."""
+    """The [fill] table beside FillConfig: the recipe key, and the mode the fill resolved to in
+    the file's words (FillConfig.arm's fill.mode; what the server reports and logs)."""
 
     mode: str = "off"
-
-    def __post_init__(self) -> None:
-        if self.mode not in FILL_MODES:
-            raise ValueError(f"fill.mode must be one of {', '.join(FILL_MODES)}, got {self.mode!r}")
-
-    @property
-    def arm(self) -> str:
-        return FILL_MODES[self.mode]
+    recipe: str | None = setting(
+        None,
+        help="presets for the keys left out (seed 000 Table 4): qwen3.8-27b | flash-next | flash-next-quality; "
+        "set split and maps for your model",
+        example='"flash-next"',
+    )
 
 
-# [fill.rows]: every RowsConfig field; tests/server/test_server_fill.py checks none is missing.
-_ROWS_KEYS = {
-    "selectors": Key((list,), "rows", "selectors", items=str),
-    "attention_share": Key((int, float), "rows", "attention_share"),
-    "attention_layers": Key((list,), "rows", "attention_layers", items=int),
-    "window": Key((int,), "rows", "window"),
-    "probe_window": Key((int,), "rows", "probe_window"),
-    "budget_factor": Key((int, float), "rows", "budget_factor"),
-    "base_attention_share": Key((int, float), "rows", "base_attention_share"),
-    "protected_share": Key((int, float), "rows", "protected_share"),
-    "lexical_cap": Key((int, float), "rows", "lexical_cap"),
-    "lexical_sentence_rows": Key((int,), "rows", "lexical_sentence_rows"),
-    "unigram": Key((str,), "rows", "unigram"),
-    "control": Key((str,), "rows", "control"),
-    "seed": Key((int,), "rows", "seed"),
-}
-
-# Keys inside [fill] (nested tables dotted). Target "fill" collects FillConfig fields plus "mode"
-# (FillSettings); "rows" collects RowsConfig fields.
-FILL_KEYS: dict[str, Key] = {
-    "mode": Key((str,), "fill", "mode"),
-    "recipe": Key((str,), "fill", "recipe"),  # fill/recipes.py: the seed's deployments as presets
-    "split": Key((int,), "fill", "split"),
-    "tail": Key((int,), "fill", "tail"),
-    "maps": Key((str,), "fill", "maps"),
-    "placement": Key((str,), "fill", "placement"),
-    "reuse_filled": Key((str,), "fill", "reuse_filled"),  # what a filled request takes from the prefix cache
-    # `corrections = ["value_rescale"]` (a list of names to switch on) or a table:
-    "corrections": Key((list,), "fill", "corrections", want="list or table"),
-    "corrections.value_rescale": Key((bool,), "fill", "value_rescale"),
-    "corrections.key_rescale": Key((bool,), "fill", "key_rescale"),
-    "corrections.rescale_rows": Key((int,), "fill", "rescale_rows"),
-    "corrections.terminal_state": Key((bool,), "fill", "terminal_state"),
-    **{f"rows.{name}": key for name, key in _ROWS_KEYS.items()},
-}
+# Keys inside [fill] (nested tables dotted: "corrections.key_rescale", "rows.window"), from the
+# fields of FillConfig, its RowsConfig (target "rows") and FillSettings (the recipe).
+FILL_TABLES = (FillConfig, FillSettings)
+FILL_KEYS: dict[str, Key] = {k: key for cls in FILL_TABLES for k, key in table_keys(cls, "fill").items()}
 _FILL_SCHEMA = {"fill": FILL_KEYS}
-
-# Spellings --fill-config once took (FillConfig's field names); named in the unknown-key error.
-_RENAMED = {
-    "fill.arm": "fill.mode: off, plain, nofill or identity",
-    "fill.value_rescale": "fill.corrections.value_rescale",
-    "fill.key_rescale": "fill.corrections.key_rescale",
-    "fill.rescale_rows": "fill.corrections.rescale_rows",
-}
+RENAMED_FILL_KEYS = renamed_keys(FillConfig, "fill")  # "fill.arm" -> "fill.mode", named in the unknown-key error
 
 
 def new_fill_values() -> dict[str, dict[str, Any]]:
-    """Where put_fill_value collects: "fill" (FillConfig fields and mode) and "rows"."""
+    """Where put_fill_value collects: "fill" (FillConfig and FillSettings fields) and "rows"."""
     return {"fill": {}, "rows": {}}
 
 
@@ -142,25 +99,13 @@ def put_fill_value(
 ) -> None:
     """Check one [fill] key ("fill.split", "fill.rows.window", ...) and collect its value;
     `origin` records where each came from, for errors found later. Raises ConfigError."""
-    if dotted in _RENAMED:
-        raise ConfigError(f"{source}: unknown key '{dotted}' (use {_RENAMED[dotted]})")
-    spec = checked_key(_FILL_SCHEMA, dotted, value, source)
+    spec = checked_key(_FILL_SCHEMA, dotted, value, source, RENAMED_FILL_KEYS)
     if dotted == "fill.rows.selectors":
         for item in value:
             if item not in SELECTORS:
                 raise ConfigError(
                     f"{source}: key 'fill.rows.selectors': unknown selector {item!r} (known: {', '.join(SELECTORS)})"
                 )
-    if dotted == "fill.corrections":
-        for item in value:
-            if item not in CORRECTIONS:
-                raise ConfigError(
-                    f"{source}: key 'fill.corrections': unknown correction {item!r} "
-                    f"(known: {', '.join(CORRECTIONS)}; rescale_rows needs the table form)"
-                )
-            values["fill"][item] = True
-            origin[f"fill.{item}"] = source
-        return
     store(values, origin, spec, dotted, value, source)
 
 
@@ -182,17 +127,15 @@ def resolve_fill(
             raise ConfigError(f"{origin['fill.recipe']}: key 'fill.recipe': {e}") from None
         values = {**values, "rows": rows_given}
         origin = {"fill.mode": origin["fill.recipe"], **origin}
-    try:
-        settings = FillSettings(given.pop("mode", "off"))
-    except ValueError as e:
-        raise ConfigError(f"{origin['fill.mode']}: {e}") from None
-    if settings.arm == "ridgefill":
+    arm = given.get("arm", FillConfig.arm)
+    settings = FillSettings(MODE_OF_ARM[arm], recipe)
+    if arm == "ridgefill":
         if model in PACKAGED_MAPS and "split" not in given:
             given["split"] = PACKAGED_MAPS[model][1]
         given["maps"] = _maps_path(model, given, origin)
-    rows = _rows(model, settings, values["rows"], origin, source)
+    rows = _rows(model, arm != "exact", values["rows"], origin, source)
     try:
-        return settings, FillConfig(arm=settings.arm, rows=rows, **given)
+        return settings, FillConfig(rows=rows, **given)
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from None
 
@@ -217,14 +160,11 @@ def rows_origin(origin: dict[str, str], source: str) -> str:
     return next((origin[k] for k in origin if k.startswith("fill.rows.")), origin.get("fill.mode", source))
 
 
-def _rows(
-    model: str | None, settings: FillSettings, given: dict[str, Any], origin: dict[str, str], source: str
-) -> RowsConfig:
+def _rows(model: str | None, fill_on: bool, given: dict[str, Any], origin: dict[str, str], source: str) -> RowsConfig:
     """The exact-row selection: the [fill.rows] keys given (others take RowsConfig's defaults),
     else SHIPPED_ROWS when the fill is on. With the fill on and no fill.rows.unigram, the
     embedded default model gets the shipped counts; another model must name its own when a
     selector reads them."""
-    fill_on = settings.arm != "exact"
     rows = dict(given) if given else (shipped_rows() if fill_on else {})
     where = rows_origin(origin, source)
     try:
@@ -249,17 +189,25 @@ def _rows(
 
 
 def fill_for_arm(
-    arm: str | None, config_file: Path | None, *, model: str | None = None, selectors: Sequence[str] | None = None
+    arm: str | None,
+    config_file: Path | None,
+    *,
+    model: str | None = None,
+    selectors: Sequence[str] | None = None,
+    flags: Mapping[str, Any] | None = None,
 ) -> FillConfig:
     """The FillConfig of `--fill-config`'s [fill] table (the keys of the server's [fill]; the
-    file's other tables are not read), with `arm` (--arm, when given) replacing fill.mode and
-    `selectors` (--selectors) replacing fill.rows.selectors. `model` None is the embedded
-    default model (see resolve_fill)."""
+    file's other tables are not read), under the fill `flags` given ({dotted key: value}, as
+    `serve`'s: --fill-mode, --fill-split, ...), with `arm` (--arm, FillConfig's word for
+    fill.mode) and `selectors` (--selectors) over those. `model` None is the embedded default
+    model (see resolve_fill)."""
     values, origin = new_fill_values(), {}
     if config_file is not None:
         for dotted, value in flatten(read_toml(config_file)):
             if dotted.partition(".")[0] == "fill":
                 put_fill_value(values, origin, dotted, value, str(config_file))
+    for dotted, value in (flags or {}).items():
+        put_fill_value(values, origin, dotted, value, "command line")
     if arm is not None:
         put_fill_value(values, origin, "fill.mode", MODE_OF_ARM.get(arm, arm), "command line")
     if selectors is not None:

@@ -35,7 +35,7 @@ def _tail_nll(llm, fill: FillConfig, ids: list[int]) -> torch.Tensor:
 
 
 def test_server_settings_pick_the_gemma_maps_and_split():
-    values = {"fill": {"mode": "plain"}, "rows": {}}
+    values = {"fill": {"arm": "ridgefill"}, "rows": {}}
     _, fill = resolve_fill(values, {"fill.mode": "test"}, model="gemma3-270m", source="test")
     assert fill.split == SPLIT and Path(fill.maps) == shipped_maps(SPLIT, "gemma3-270m")
 

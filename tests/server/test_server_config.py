@@ -4,6 +4,7 @@ override the file; and `serve` as a real process (config logged, loopback, API k
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,21 @@ def test_example_documents_every_key_and_loads():
             assert re.search(rf"^#? ?{leaf} = |: {leaf} = ", text, re.M), f"{section}.{key} is not documented"
 
 
+def test_example_is_generated_from_the_dataclasses():
+    script = runpy.run_path(str(EXAMPLE.parents[1] / "scripts" / "write_example_config.py"))
+    assert EXAMPLE.read_text(encoding="utf-8") == script["render"](), (
+        "examples/ridgefill.toml is not current: run python scripts/write_example_config.py"
+    )
+
+
+def test_every_flag_sets_a_key_of_the_file():
+    from server.cli_serve import _FLAG_KEYS
+    from server.config import _SCHEMA
+
+    keys = {f"{section}.{key}" for section, table in _SCHEMA.items() for key in table}
+    assert set(_FLAG_KEYS.values()) <= keys and len(set(_FLAG_KEYS.values())) == len(_FLAG_KEYS)
+
+
 def test_values_reach_their_dataclasses(tmp_path):
     f = _write(
         tmp_path,
@@ -47,6 +63,11 @@ def test_values_reach_their_dataclasses(tmp_path):
     assert engine.dtype == "bfloat16" and engine.cache.kv_cache_gib == 2.0 and engine.cache.num_blocks == 64
     assert engine.scheduler.chunk_size == 128 and (server.port, server.api_key, server.threads) == (9001, "k", 2)
     assert "k" not in str(server.redacted().values())
+
+
+def test_a_recipe_alone_turns_the_fill_on(tmp_path):
+    engine, _, fill = load_config(_write(tmp_path, '[fill]\nrecipe = "flash-next"\n'))
+    assert (engine.fill.arm, engine.fill.tail, fill.mode, fill.recipe) == ("ridgefill", 2048, "plain", "flash-next")
 
 
 def test_flags_override_the_file(tmp_path):

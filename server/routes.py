@@ -1,0 +1,330 @@
+"""The HTTP routes (one APIRouter over the app's ServerState, `request.app.state.ridgefill`).
+
+/v1/completions and /v1/chat/completions run one flow, `generate`: check the request, resolve
+its fill and sampling settings, tokenize, submit one engine sequence per choice, then stream
+or collect the answer. What differs, how the prompt is built and how the answer is shaped, is
+a `Generation` each (COMPLETIONS, CHAT).
+
+With an API key, /v1/*, /tokenize, /detokenize and /metrics (unless server.metrics_public) need
+it; /health stays open for supervisors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ridgefill_runtime.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
+from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.loop_plan import field_of
+from ridgefill_runtime.sequence import SamplingParams
+
+from . import requests as rq
+from .access import deadline_for, note_usage
+from .config import ServerConfig
+from .errors import HTTPError
+from .logprobs import TokenStrings
+from .metrics import CONTENT_TYPE
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    new_id,
+    usage_of,
+)
+from .streaming import (
+    CompletionChoiceStream,
+    Echo,
+    chat_choice,
+    collect,
+    completion_choice,
+    stream_chat,
+    stream_completion,
+)
+
+
+def _state(request: Request):
+    """The app's ServerState (server/app.py)."""
+    return request.app.state.ridgefill
+
+
+async def require_key(request: Request) -> None:
+    key = _state(request).config.api_key
+    if key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        raise HTTPError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+
+async def require_metrics_key(request: Request) -> None:
+    """/metrics needs the key too, unless server.metrics_public."""
+    if not _state(request).config.metrics_public:
+        await require_key(request)
+
+
+router = APIRouter()
+keyed = [Depends(require_key)]
+
+
+@router.get("/health")
+async def health(request: Request):
+    state = _state(request)
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    if state.engine is None:
+        status = "error" if state.load_error else "loading"
+        return JSONResponse({"status": status, "detail": state.load_error}, status_code=503)
+    engine_health = state.engine.health()
+    if engine_health.status != "ok":  # "stalled": no step finished for a while with work in flight
+        return JSONResponse(
+            {
+                "status": engine_health.status,
+                "detail": (
+                    f"no engine progress for {engine_health.seconds_since_progress:.0f} s with "
+                    f"{engine_health.in_flight} requests in flight"
+                ),
+            },
+            status_code=503,
+        )
+    return {"status": "ok"}
+
+
+@router.get("/metrics", dependencies=[Depends(require_metrics_key)])
+async def metrics(request: Request):
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models", dependencies=keyed)
+async def models(request: Request):
+    state = _state(request)
+    eng = state.ready()
+    return ModelList(data=[ModelCard(id=state.config.served_model_name, max_model_len=eng.engine.max_model_len)])
+
+
+@router.post("/tokenize", dependencies=keyed)
+async def tokenize(body: TokenizeRequest, request: Request):
+    state = _state(request)
+    _check_model(state.config, body.model)
+    eng = state.ready()
+    tok = eng.engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise HTTPError(400, "send exactly one of 'prompt' or 'messages'", "prompt")
+    # NOTE: tokenizing megabytes takes seconds; a worker thread keeps the loop serving.
+    if body.messages is not None:
+        rq.check_messages(body.messages)
+        ids = await asyncio.to_thread(rq.chat_prompt, body.messages, tok)
+    else:
+        rq.check_text(body.prompt, "prompt")
+        ids = await asyncio.to_thread(rq.tokenize_text, tok, body.prompt, body.add_special_tokens)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=eng.engine.max_model_len)
+
+
+@router.post("/detokenize", dependencies=keyed)
+async def detokenize(body: DetokenizeRequest, request: Request):
+    state = _state(request)
+    _check_model(state.config, body.model)
+    eng = state.ready()
+    text = await asyncio.to_thread(rq.detokenize_ids, eng.engine.tokenizer, body.tokens)
+    return DetokenizeResponse(prompt=text)
+
+
+# -- generation: one flow, two shapes ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a generation route does its own way; `generate` runs the rest.
+
+    logprobs(body) -> (top logprobs asked or None, whether the prompt rows are scored), after
+      the route's own checks of the body; check_prompt(body, max_model_len) before tokenizing;
+      sampling(body, server config) the base sampling parameters; prompt(body, tokenizer) the
+      token ids (run in a worker thread); fit(body, params, prompt length, max_model_len) the
+      parameters once the prompt length is known; shape(body, prompt, tokenizer, strings) what
+      `stream` and `respond` shape the answer with (made before anything is submitted)."""
+
+    id_prefix: str
+    logprobs: Callable[[Any], tuple[int | None, bool]]
+    check_prompt: Callable[[Any, int], None]
+    sampling: Callable[[Any, ServerConfig], SamplingParams]
+    prompt: Callable[[Any, Any], list[int]]
+    fit: Callable[[Any, SamplingParams, int, int], SamplingParams]
+    shape: Callable[[Any, list[int], Any, TokenStrings | None], Any]
+    stream: Callable[..., AsyncIterator[str]]  # (eng, handles, id, model, usage, shape) -> SSE chunks
+    respond: Callable[..., Any]  # (id, model, handles, outs, shape) -> the response body
+
+
+@dataclass(frozen=True)
+class _CompletionShape:
+    """A completion's answer: the echoed prompt (if asked) before each choice's text."""
+
+    echo: Echo
+    strings: TokenStrings | None
+
+    def choices(self, handles) -> list[CompletionChoiceStream]:
+        return [CompletionChoiceStream(i, h, self.strings, self.echo) for i, h in enumerate(handles)]
+
+
+def _completion_logprobs(body: CompletionRequest) -> tuple[int | None, bool]:
+    rq.check_best_of(body)
+    logprobs = rq.completion_logprobs(body)
+    return logprobs, bool(body.echo and logprobs is not None)
+
+
+def _completion_shape(body: CompletionRequest, prompt, tokenizer, strings) -> _CompletionShape:
+    echo = Echo(rq.echo_text(body, prompt, tokenizer), tuple(prompt)) if body.echo else Echo()
+    return _CompletionShape(echo, strings)
+
+
+COMPLETIONS = Generation(
+    id_prefix="cmpl",
+    logprobs=_completion_logprobs,
+    check_prompt=rq.check_completion_prompt,
+    sampling=lambda body, config: rq.sampling_params(
+        body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, config.max_stop_strings
+    ),
+    prompt=rq.completion_prompt,
+    fit=lambda body, params, prompt_len, max_model_len: params,
+    shape=_completion_shape,
+    stream=lambda eng, handles, rid, model, usage, shape: stream_completion(
+        eng, handles, rid, model, usage, shape.choices(handles)
+    ),
+    respond=lambda rid, model, handles, outs, shape: CompletionResponse(
+        id=rid,
+        model=model,
+        usage=usage_of(handles),
+        choices=[completion_choice(c, out) for c, out in zip(shape.choices(handles), outs)],
+    ),
+)
+
+CHAT = Generation(
+    id_prefix="chatcmpl",
+    logprobs=lambda body: (rq.chat_logprobs(body), False),
+    check_prompt=lambda body, max_model_len: rq.check_messages(body.messages),
+    sampling=lambda body, config: rq.chat_sampling_params(
+        body, config.default_chat_max_tokens, config.max_stop_strings
+    ),
+    prompt=lambda body, tokenizer: rq.chat_prompt(body.messages, tokenizer),
+    fit=rq.fit_default_limit,
+    shape=lambda body, prompt, tokenizer, strings: strings,  # a chat choice needs only the token texts
+    stream=stream_chat,
+    respond=lambda rid, model, handles, outs, strings: ChatCompletionResponse(
+        id=rid,
+        model=model,
+        usage=usage_of(handles),
+        choices=[chat_choice(i, strings, out) for i, out in enumerate(outs)],
+    ),
+)
+
+
+@router.post("/v1/completions", dependencies=keyed)
+async def completions(body: CompletionRequest, request: Request):
+    return await generate(COMPLETIONS, body, request)
+
+
+@router.post("/v1/chat/completions", dependencies=keyed)
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    return await generate(CHAT, body, request)
+
+
+async def generate(route: Generation, body, request: Request):
+    """Check, settle the sampling and fill settings, tokenize, submit, then stream or collect."""
+    state = _state(request)
+    config: ServerConfig = state.config
+    _check_model(config, body.model)
+    rq.check_common(body)
+    logprobs, scores_prompt = route.logprobs(body)
+    fill = rq.wants_fill(body, scores_prompt)
+    eng = state.ready()
+    strings = state.token_strings(logprobs)
+    rows, terminal, reuse = _fill_for(body, eng)
+    route.check_prompt(body, eng.engine.max_model_len)
+    params = rq.with_logprobs(route.sampling(body, config), logprobs, prompt=scores_prompt)
+    params = rq.with_speculation(body, params, eng.engine.speculative)
+    params = rq.with_loops(body, params)
+    # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
+    prompt = await asyncio.to_thread(route.prompt, body, eng.engine.tokenizer)
+    params = route.fit(body, params, len(prompt), eng.engine.max_model_len)
+    shape = route.shape(body, prompt, eng.engine.tokenizer, strings)
+    handles = _submit(state, request, body, prompt, params, fill, rows, terminal, reuse)
+    rid, model = new_id(route.id_prefix), config.served_model_name
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse_response(request, handles, route.stream(eng, handles, rid, model, usage, shape))
+    outs = await collect(eng, handles, request)
+    note_usage(request, len(prompt), sum(h.num_output_tokens for h in handles))
+    _raise_if_failed(outs)
+    return route.respond(rid, model, handles, outs, shape)
+
+
+def _check_model(config: ServerConfig, name: str | None) -> None:
+    if name is not None and name != config.served_model_name:
+        raise HTTPError(404, f"model {name!r} does not exist; this server serves {config.served_model_name!r}", "model")
+
+
+def _fill_for(body, eng: AsyncEngine):
+    """The request's (exact-row selectors, terminal-state correction, prefix-cache reuse of
+    filled blocks) over the server's."""
+    tok = eng.engine.tokenizer
+    rows = rq.request_rows(body, eng.engine.fill.rows, tok is not None and hasattr(tok, "token_type"))
+    return rows, rq.request_terminal_state(body, eng.engine), rq.request_reuse(body)
+
+
+def _submit(state, request: Request, body, prompt_ids, params, fill: bool, rows, terminal, reuse):
+    """One engine sequence per choice (n); if one cannot be queued, those already are aborted."""
+    eng = state.ready()
+    deadline = deadline_for(body.timeout, state.config.request_timeout_s)
+    note_usage(request, len(prompt_ids))
+    handles = []
+    try:
+        for choice in rq.choice_params(params, body.n):
+            handles.append(
+                eng.submit(
+                    prompt_ids, choice, fill, rows, deadline=deadline, terminal_state=terminal, reuse_filled=reuse
+                )
+            )
+    except InputError as e:
+        _abort_all(eng, handles)
+        raise HTTPError(400, str(e), field_of(str(e)) or "prompt") from None
+    except (EngineOverloaded, EngineStopped) as e:
+        _abort_all(eng, handles)
+        raise HTTPError(503, str(e), headers={"Retry-After": str(state.config.retry_after_s)}) from None
+    return handles
+
+
+def _raise_if_failed(outs) -> None:
+    for out in outs:
+        if out.error:
+            raise HTTPError(500, out.error)
+
+
+def _abort_all(eng: AsyncEngine, handles) -> None:
+    for handle in handles:
+        eng.abort(handle)
+
+
+def _sse_response(request: Request, handles, chunks) -> StreamingResponse:
+    async def counted():
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:  # NOTE: before the access log line, which is written when the response ends
+            note_usage(request, handles[0].num_prompt_tokens, sum(h.num_output_tokens for h in handles))
+
+    return StreamingResponse(
+        counted(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
