@@ -39,14 +39,17 @@ class SequenceDriver:
         max_tokens: int | None = None,
         block_size: int = BLOCK_SIZE,
         defer_windows: bool = False,
+        num_layers: int | None = None,
     ):
         """Admits `seq` (started: Sequence.start_prefill) into caches with room for `max_tokens`
-        positions (None: its known tokens). fill, maps, defer_windows: the Runner's."""
+        positions (None: its known tokens). fill, maps, defer_windows: the Runner's. num_layers:
+        only the first layers get a cache (None: every layer), for a caller that runs no later one."""
         room = seq.num_tokens if max_tokens is None else max_tokens
         if room < seq.num_tokens:
             raise ValueError(f"max_tokens {room} is below the sequence's {seq.num_tokens} known tokens")
         self.model, self.seq = model, seq
-        self.caches = build_caches(spec_of(model), CacheBudget.for_tokens(room, block_size), model.device)
+        spec = spec_of(model) if num_layers is None else spec_of(model).first_layers(num_layers)
+        self.caches = build_caches(spec, CacheBudget.for_tokens(room, block_size), model.device)
         self.manager = self.caches.manager()
         self.runner = Runner(model, self.caches, block_size, fill, maps, defer_windows=defer_windows)
         self.manager.allocate(seq, seq.num_tokens)

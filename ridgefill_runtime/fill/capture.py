@@ -11,11 +11,12 @@ from ..sequence import SamplingParams, Sequence
 from ..sequence_driver import SequenceDriver
 
 
-def document_driver(model, ids: list[int]) -> SequenceDriver:
-    """A driver holding the document `ids` as one sequence, nothing computed yet."""
+def document_driver(model, ids: list[int], num_layers: int | None = None) -> SequenceDriver:
+    """A driver holding the document `ids` as one sequence, nothing computed yet; caches for the
+    first `num_layers` layers (None: every layer)."""
     seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0))
     seq.start_prefill()
-    return SequenceDriver(model, seq)
+    return SequenceDriver(model, seq, num_layers=num_layers)
 
 
 @torch.inference_mode()
@@ -23,8 +24,9 @@ def run_layer_inputs(
     model, ids: list[int], consume: Callable[[int, torch.Tensor], None], upto: int | None = None
 ) -> None:
     """Exact prefill of one sequence; calls consume(layer, x_layer [n, d]) for each layer
-    input 0..upto (default: every layer), in order."""
-    layer_inputs(model, document_driver(model, ids), consume, upto)
+    input 0..upto (default: every layer), in order. NOTE: only the layers run get a cache."""
+    upto = model.config.num_layers - 1 if upto is None else upto
+    layer_inputs(model, document_driver(model, ids, upto + 1), consume, upto)
 
 
 @torch.inference_mode()
