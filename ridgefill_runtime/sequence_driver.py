@@ -21,9 +21,8 @@ from .runner import Runner, StepLogits
 from .scheduler import ScheduledSeq, StepResult
 from .sequence import Sequence
 
-BLOCK_SIZE = (
-    CacheConfig().block_size
-)  # NOTE: the engine's default, so a driven sequence sits in the cache as a served one
+# NOTE: the engine's default block size, so a driven sequence sits in the cache as a served one does
+BLOCK_SIZE = CacheConfig().block_size
 
 
 class SequenceDriver:
