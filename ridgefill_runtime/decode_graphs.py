@@ -13,7 +13,7 @@ one launch. A graph is a fixed sequence of kernels over fixed buffers, so:
   slot (KVPool.scratch_slot): it writes and reads there and nowhere else. Padding is reset before
   every replay, as a larger step's real rows would otherwise be left behind in it.
 
-The forward itself is the model's ordinary one (run_model), so a graph computes what an eager
+The forward itself is the model's ordinary one (model.run), so a graph computes what an eager
 step computes. `capture` turns a forward into a replay; cuda_capture is the real one, and the
 tests pass `eager` to run the same static-buffer path on the CPU.
 """
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from .layers.attention import AttentionBatch, PagedRows
-from .models.forward import ForwardBatch, run_model
+from .models.forward import ForwardBatch
 
 log = logging.getLogger("ridgefill.engine")
 
@@ -147,7 +147,7 @@ class DecodeGraphs:
         step = ForwardBatch(self.ids[:size], self.positions[:size], batch, self.caches)
 
         def forward() -> torch.Tensor:
-            return run_model(self.model, step).logits  # [size, V]
+            return self.model.run(step).logits  # [size, V]
 
         return forward
 

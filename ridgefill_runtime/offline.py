@@ -1,17 +1,18 @@
-"""Full logits of a prompt's exactly computed rows, through the engine's own runner: for the
-evaluation tools and tests, which need whole distributions, not sampled tokens."""
+"""Full logits of a prompt's exactly computed rows, through the engine's own runner (one
+SequenceDriver per prompt): for the evaluation tools and tests, which need whole distributions,
+not sampled tokens."""
 
 from __future__ import annotations
 
 import torch
 
-from .cache.build import CacheBudget, build_caches
 from .cache.spec import spec_of
 from .config import FillConfig, RowsConfig
 from .engine import apply_fill, carries_late_state
 from .fill.select import RowSelector
 from .runner import Runner
 from .sequence import SamplingParams, Sequence
+from .sequence_driver import BLOCK_SIZE, SequenceDriver
 from .stages import Stage, advance, next_item
 
 
@@ -22,7 +23,7 @@ class PromptLogits:
         fill: FillConfig | None = None,
         maps=None,
         chunk: int = 512,
-        block_size: int = 16,
+        block_size: int = BLOCK_SIZE,
         selector: RowSelector | None = None,
     ):
         self.model, self.fill, self.maps = model, fill or FillConfig(), maps
@@ -58,12 +59,12 @@ class PromptLogits:
         layer reads it (the splice measurements edit the filled cache there). at_prefix_end(runner,
         seq), on a hybrid, runs once the late sweep has carried the recurrent states to the prefix's
         end, before any tail row reads them (the state splice replaces them there)."""
-        caches = build_caches(spec_of(self.model), CacheBudget.for_tokens(len(ids), self.block_size), self.model.device)
-        # NOTE: a splice edits every filled row's late K/V, so every one must be written first
-        runner = Runner(self.model, caches, self.block_size, self.fill, self.maps, defer_windows=after_fill is None)
-        held = caches.manager()
         seq = self.new_sequence(ids, rows, hide_from)
-        held.allocate(seq, len(ids))
+        # NOTE: a splice edits every filled row's late K/V, so every one must be written first
+        drive = SequenceDriver(
+            self.model, seq, self.fill, self.maps, block_size=self.block_size, defer_windows=after_fill is None
+        )
+        runner = drive.runner
         first = max(seq.fill_boundary, logits_from)
         scoring, silent = seq.params, SamplingParams(max_tokens=0)
         parts, hooked = [], after_fill is None or seq.fill_boundary == 0
@@ -75,11 +76,11 @@ class PromptLogits:
             if item.kind is Stage.FULL and item.start < first < item.end:
                 item.num_tokens = first - item.start  # NOTE: rows before `first` need no logits
             seq.params = scoring if item.end > first else silent
-            step = runner.forward([item])
+            step = drive.forward(item)
             advance(item, step.row_scores[0], self.select)
             if at_prefix_end is not None and item.kind is Stage.LATE and item.end == seq.fill_boundary:
                 at_prefix_end(runner, seq)  # NOTE: a hybrid's late chunks end there (stages.next_item)
-            held.settle(seq)  # NOTE: as the scheduler does: the stash goes when the prefill ends
+            drive.settle()
             if item.kind.reaches_top and item.end > first:
                 logits = step.logits
                 parts.append(logits[max(0, logits.shape[0] - (item.end - first)) :])

@@ -15,7 +15,7 @@ from .decode_graphs import DecodeGraphs
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.stash import SplitStash
 from .layers.attention import AttentionBatch, ContextSlots
-from .models.forward import ForwardBatch, ForwardOutput, run_model
+from .models.forward import ForwardBatch, ForwardOutput
 from .sampling import sample_token
 from .self_draft import SelfDrafter, loop_read
 from .speculative import accept_greedy
@@ -92,8 +92,7 @@ class Runner:
         ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items)
-        out = run_model(
-            self.model,
+        out = self.model.run(
             ForwardBatch(
                 ids, positions, batch, self.caches, rows, None if plan is None else plan.step, self._loop_reads(items)
             ),

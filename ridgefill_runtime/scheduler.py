@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .cache.block_manager import BlockManager
 from .cache.manager import CacheManager
 from .config import SchedulerConfig
 from .sequence import Sequence, SeqStatus, TokenLogprobs
@@ -20,13 +19,12 @@ from .stages import ScheduledSeq, Select, Stage, advance, next_item, resume_from
 __all__ = ["Scheduler", "ScheduledSeq", "SpecCounts", "StepResult"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepResult:
     """What the runner hands back, as plain Python values, one entry per scheduled item."""
 
-    # per item, its new tokens in order: one sampled token, or a verified draft's accepted run
-    # (None: the item samples nothing). A bare int is taken as a run of one, so single-token
-    # runners (and tests) may hand back plain tokens.
+    # per item, its new tokens in order: a run of one sampled token, or a verified draft's
+    # accepted run (None: the item samples nothing, or its sequence keeps none: max_tokens == 0)
     next_tokens: list[list[int] | None]
     # (first position, logp, argmax), and with params.prompt_top_logprobs each row's top pairs
     prompt_logprobs: list[tuple | None]
@@ -35,7 +33,13 @@ class StepResult:
     token_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.next_tokens = [[t] if isinstance(t, int) else t for t in self.next_tokens]
+        if len(self.prompt_logprobs) != len(self.next_tokens):
+            raise ValueError(
+                f"a step result has {len(self.next_tokens)} token entries, {len(self.prompt_logprobs)} prompt scores"
+            )
+        for run in self.next_tokens:
+            if run is not None and not isinstance(run, list):
+                raise TypeError(f"an item's new tokens are a list (a run) or None, got {type(run).__name__}")
 
     def token(self, k: int) -> int | None:
         """Item k's first new token (all there is without speculation), or None."""
@@ -56,16 +60,14 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        caches: CacheManager | BlockManager,
+        caches: CacheManager,
         select: Select = _no_selection,
         propose: Propose = no_drafts,
     ):
-        """`caches`: the manager of every cache's ids; a bare BlockManager gets one state slot
-        per sequence that may run (no pool behind them: the fake-runner tests). `propose`
-        drafts tokens for sequences that speculate (seq.spec_tokens > 0)."""
+        """`caches`: the manager of every cache's ids (ModelCaches.manager(), or a bare
+        CacheManager with no pools behind it: the fake-runner tests). `propose` drafts tokens
+        for sequences that speculate (seq.spec_tokens > 0)."""
         self.config = config
-        if isinstance(caches, BlockManager):
-            caches = CacheManager(caches, config.max_num_seqs)
         self.caches = caches
         self.blocks = caches.blocks
         self.select = select  # chooses a filled sequence's exact prefix rows after its lower sweep

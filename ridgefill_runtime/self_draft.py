@@ -14,7 +14,7 @@ import torch
 
 from .layers.attention import AttentionBatch
 from .layers.loop_attention import LoopRead
-from .models.forward import ForwardBatch, run_model
+from .models.forward import ForwardBatch
 from .sequence import Sequence
 
 
@@ -62,5 +62,5 @@ class SelfDrafter:
         )
         reads = tuple(loop_read(it.seq, draft=True) for it in live)
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)
-        out = run_model(self.model, ForwardBatch(ids, positions.to(device), batch, self.caches, None, None, reads))
+        out = self.model.run(ForwardBatch(ids, positions.to(device), batch, self.caches, None, None, reads))
         return out.logits

@@ -96,7 +96,9 @@ class ModelCaches:
 
 
 def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
-    """The K/V pool inside what the runner hands a model (a bare pool passes through)."""
+    """The K/V pool inside the ModelCaches a model is handed (the runner and the driver hand
+    nothing else). NOTE: a pool passes through: the dense family takes it out once per forward
+    and hands the pool itself to each of its layers."""
     return caches.kv if isinstance(caches, ModelCaches) else caches
 
 

@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.build import CacheBudget, build_caches
-from ..cache.spec import spec_of
+from ..cache.kv_pool import slots_for
 from ..config import FillConfig, RowsConfig
 from ..engine import apply_fill
 from ..fill.select import RowSelector
-from ..runner import Runner
-from ..sequence import SamplingParams, Sequence
 from ..fill.stash import SplitStash
+from ..sequence import SamplingParams, Sequence
+from ..sequence_driver import SequenceDriver
 from ..stages import ScheduledSeq, Stage, advance, finish_lower, next_item
 
 CHUNK = 2048  # NOTE: big chunks: the CPU's masked-attention path for later chunks is slower
@@ -48,27 +47,34 @@ class PromptSession:
         chunk: int = CHUNK,
     ):
         self.model, self.fill, self.selector, self.chunk = model, fill, selector, chunk
-        cfg, bs = model.config, 16
-        caches = build_caches(spec_of(model), CacheBudget.for_tokens(len(ids) + max_new, bs), model.device)
-        kv = caches.kv
-        self.runner = Runner(model, caches, bs, fill, maps)
         seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=0))
         # NOTE: the attention selector's scores are recorded whatever the arms are
         apply_fill(seq, fill, True, fill.rows.replace(selectors=("attention",)), hide_from)
         seq.start_prefill()
-        caches.manager().allocate(seq, caches.num_blocks * bs)
-        self.seq = seq
+        self.drive = SequenceDriver(model, seq, fill, maps, max_tokens=len(ids) + max_new)
+        self.runner, self.seq = self.drive.runner, seq
         while seq.num_computed < seq.num_tokens:  # NOTE: not advance(): the selection happens per arm
             item = next_item(seq, chunk, chunk)
-            step = self.runner.forward([item])
+            step = self.drive.forward(item)
             seq.num_computed = item.end
             seq.row_scores.update(step.row_scores[0] or {})
-        late = range(fill.split, cfg.num_layers)
-        self._k = {i: kv.k[i].clone() for i in late}
-        self._v = {i: kv.v[i].clone() for i in late}
+        self._late_kv = self._read_late_kv()
         stash = self.runner.stash(seq)
         self._x = stash.x.clone()
         self._scores = dict(seq.row_scores)
+
+    def _prompt_slots(self) -> torch.Tensor:
+        """Cache slots [N] of the prompt's positions."""
+        seq, block_size = self.seq, self.drive.caches.block_size
+        return torch.tensor(slots_for(seq.block_table, 0, seq.num_tokens, block_size), device=self.model.device)
+
+    def _read_late_kv(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The prompt's K/V [N, Hkv, D] at every attention layer from the split on, as the lower
+        sweep left them. NOTE: a run's decode writes each later position before any row reads it,
+        so those need no snapshot."""
+        kv, slots = self.drive.caches.kv, self._prompt_slots()
+        late = [i for i in self.drive.caches.spec.attention_layers if i >= self.fill.split]
+        return {i: kv.read(i, slots) for i in late}
 
     def run(self, rows: RowsConfig, max_new: int = 0, score: bool = False, done=None) -> Outcome:
         """Restore the snapshot, choose rows with `rows`, run probe + late sweep, then either
@@ -81,11 +87,11 @@ class PromptSession:
         while not seq.stage.done:
             item = next_item(seq, self.chunk, self.chunk)
             if item.samples and not score:
-                result = runner.run([item])
+                result = self.drive.run(item)
                 first = result.token(0)
                 advance(item, result.row_scores[0], self.selector)
                 continue
-            step = runner.forward([item])
+            step = self.drive.forward(item)
             if score and item.kind is Stage.LATE:
                 logits.append(step.logits)
             advance(item, step.row_scores[0], self.selector)
@@ -94,16 +100,16 @@ class PromptSession:
         while len(outputs) < max_new and not (done and done(outputs)):
             seq.output_ids = list(outputs)
             item = ScheduledSeq(seq, seq.num_computed, 1)
-            outputs.append(runner.run([item]).token(0))
+            outputs.append(self.drive.run(item).token(0))
             seq.num_computed += 1
         seq.output_ids = []
         return Outcome(list(seq.exact_rows), outputs, torch.cat(logits) if score else None)
 
     def _restore(self, rows: RowsConfig, score: bool):
         seq, runner = self.seq, self.runner
-        for i, k in self._k.items():
-            runner.kv.k[i].copy_(k)
-            runner.kv.v[i].copy_(self._v[i])
+        kv, slots = self.drive.caches.kv, self._prompt_slots()
+        for i, (k, v) in self._late_kv.items():
+            kv.write(i, slots, k, v)
         # NOTE: the last run's late sweep dropped the stash; put a fresh copy of the snapshot back
         stash = SplitStash.new(seq.num_tokens, self._x.shape[1], seq.fill_boundary, self._x.dtype, self._x.device)
         stash.x.copy_(self._x)
@@ -116,15 +122,12 @@ class PromptSession:
 
 def exact_answer(model, ids: list[int], max_new: int, chunk: int = 8192, done=None) -> list[int]:
     """Greedy tokens of the exact model, through the same runner (stopping once done(tokens))."""
-    bs = 16
-    caches = build_caches(spec_of(model), CacheBudget.for_tokens(len(ids) + max_new, bs), model.device)
-    runner = Runner(model, caches, bs, FillConfig(), None)
     seq = Sequence(prompt_ids=list(ids), params=SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True))
     seq.start_prefill()
-    caches.manager().allocate(seq, caches.num_blocks * bs)
+    drive = SequenceDriver(model, seq, max_tokens=len(ids) + max_new)
     while len(seq.output_ids) < max_new and not (done and seq.output_ids and done(seq.output_ids)):
         item = next_item(seq, chunk, chunk)
-        token = runner.run([item]).token(0)
+        token = drive.run(item).token(0)
         seq.num_computed = item.end
         if item.samples:
             seq.output_ids.append(token)

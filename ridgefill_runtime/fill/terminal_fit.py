@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.spec import RecurrentCache
-from ..layers.attention import AttentionBatch
-from ..layers.gated_deltanet import gdn_mixer, state_shapes
-from ..layers.zero_centred_norm import zero_centred_rms_norm
 from ..errors import InputError
-from .capture import run_layer_inputs
+from ..scheduler import ScheduledSeq
+from ..sequence_driver import SequenceDriver
+from .capture import document_driver, layer_inputs
 
 
 @torch.inference_mode()
@@ -33,10 +31,11 @@ def fit_terminal_shift(
             if layer == split or layer in late:
                 xs[layer] = h
 
-        run_layer_inputs(model, ids, keep)
+        drive = document_driver(model, ids)
+        layer_inputs(model, drive, keep)
         for layer in late:
-            exact = _states_every(model, layer, xs[layer], every)
-            filled = _states_every(model, layer, maps.predict(layer, xs[split]), every)
+            exact = _states_every(model, drive, layer, xs[layer], every)
+            filled = _states_every(model, drive, layer, maps.predict(layer, xs[split]), every)
             diff = (exact - filled).sum(0)  # [Hv, Dk, Dv]
             sums[layer] = diff if layer not in sums else sums[layer] + diff
         count += len(ids) // every
@@ -45,30 +44,17 @@ def fit_terminal_shift(
     return {layer: (s / count).float() for layer, s in sums.items()}, count
 
 
-def _states_every(model, layer: int, x: torch.Tensor, every: int) -> torch.Tensor:
-    """Layer `layer`'s recurrent state after rows [0, t) of input x [n, d], for t = every, 2·every, ...
-    -> [len(x) // every, Hv, Dk, Dv] (float64)."""
-    cfg, w = model.config, model.weights.layers[layer]
-    parts = RecurrentCache(state_shapes(cfg.family_config), dtype=torch.float32).parts
-    state = {name: torch.zeros((1, *shape), dtype=torch.float32, device=x.device) for name, shape in parts}
+def _states_every(model, drive: SequenceDriver, layer: int, x: torch.Tensor, every: int) -> torch.Tensor:
+    """Layer `layer`'s recurrent state after rows [0, t) of input x [n, d] (the driver's
+    sequence's positions), for t = every, 2·every, ... -> [len(x) // every, Hv, Dk, Dv] (float64).
+    NOTE: the layer runs from x, not from the layer below, in chunks of `every` rows over the
+    driver's state slot; the first chunk, at position 0, starts it from zero. Its output (the MLP
+    on top of the mixer) is not needed, only the state it leaves."""
+    seq = drive.seq
+    state = drive.caches.states.state(layer)
     out = []
     for start in range(0, len(x) - every + 1, every):
-        rows = x[start : start + every]
-        batch = AttentionBatch(
-            query_starts=[0, every],
-            context_lens=[start + every],
-            write_slots=rows.new_empty(0),
-            read_slots=[None],
-            state_slots=[0],
-            state_fresh=[start == 0],
-        )
-        gdn_mixer(
-            zero_centred_rms_norm(rows, w.input_norm, cfg.rms_norm_eps),
-            w.mixer,
-            cfg.family_config,
-            batch,
-            state,
-            cfg.rms_norm_eps,
-        )
-        out.append(state["ssm"][0].double().clone())
+        _, positions, batch = drive.tensors(ScheduledSeq(seq, start, every))
+        model.layer(layer, x[start : start + every], model.rope(positions), batch, drive.caches)
+        out.append(state["ssm"][seq.state_slot].double().clone())
     return torch.stack(out)

@@ -5,14 +5,20 @@ the model writes K/V and recurrent states into the caches it is given (it owns t
 returns everything else: logits, the split states of rows leaving at the fill's split, and the
 attention the selectors score prefix rows by. It writes into no other runner-owned tensor: the
 runner itself stores split states and scores in each sequence's stash.
+
+LanguageModel declares that boundary from the model's side: every family answers `run`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from ..cache.build import ModelCaches
+from ..cache.spec import CacheSpec
+from ..config import ModelConfig
 from ..fill.step import FillStep
 from ..layers.attention import AttentionBatch
 
@@ -22,7 +28,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [N] int64: the rows that start at layer 0 (with a fill step, its lower part)
     positions: torch.Tensor  # [N] int64
     attention: AttentionBatch  # layout of those N rows
-    caches: object  # the runner's ModelCaches (a KVPool for the hand-driven tests)
+    caches: ModelCaches  # what build_caches made for the model
     # [R] sorted rows, among those reaching the top layer, that need logits; None: every one
     logit_rows: torch.Tensor | None = None
     fill: FillStep | None = None  # the two-sweep prefill's plan for this step; None: exact
@@ -42,14 +48,20 @@ class ForwardOutput:
     late_mass: tuple[tuple[torch.Tensor, ...], ...] = ()
 
 
-def run_model(model, batch: ForwardBatch) -> ForwardOutput:
-    """The model's forward over `batch`. A family with only the tensor-level forward (ids,
-    positions, attention, caches, logit rows -> logits) has no two-sweep prefill."""
-    run = getattr(model, "run", None)
-    if run is not None:
-        return run(batch)
-    if batch.fill is not None:
-        raise ValueError(f"{type(model).__name__} has no two-sweep prefill")
-    return ForwardOutput(
-        model.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
-    )
+class LanguageModel(Protocol):
+    """What the engine needs of a model, whatever its family: one `run` per step, the caches it
+    declares, and where it lives. Every family's model class (models/registry.py) is one."""
+
+    config: ModelConfig
+    dtype: torch.dtype  # what its weights and activations run in (its cache spec's dtype)
+    device: torch.device
+
+    def cache_spec(self) -> CacheSpec:
+        """Per layer, what it keeps between steps (a looped model also takes the operator's
+        LoopConfig: the planes to store; cache/spec.spec_of asks)."""
+        ...
+
+    def run(self, batch: ForwardBatch) -> ForwardOutput:
+        """One step's forward: writes K/V and recurrent states into batch.caches, which it owns
+        the layout of, and returns everything else."""
+        ...

@@ -65,7 +65,7 @@ class FakeRunner:
         self.release.wait()
         if self.fail_if is not None and any(self.fail_if(it.seq) for it in items):
             raise RuntimeError("injected fault")
-        tokens = [(TOKEN if it.seq.params.max_tokens else None) if it.samples else None for it in items]
+        tokens = [([TOKEN] if it.seq.params.max_tokens else None) if it.samples else None for it in items]
         return StepResult(next_tokens=tokens, prompt_logprobs=[None] * len(items))
 
     def forget(self, seq_id: int) -> None:

@@ -63,7 +63,8 @@ def step(sched: Scheduler, rng: random.Random | None = None) -> list:
     items = sched.schedule()
     check_step(sched, items, had_work)
     tokens = [_token(it.seq, rng) if it.samples else None for it in items]
-    sched.postprocess(items, StepResult(next_tokens=tokens, prompt_logprobs=[None] * len(items)), eos_ids=(EOS,))
+    runs = [None if t is None else [t] for t in tokens]
+    sched.postprocess(items, StepResult(next_tokens=runs, prompt_logprobs=[None] * len(items)), eos_ids=(EOS,))
     return items
 
 
@@ -190,7 +191,7 @@ def run_to_end(sched: Scheduler, seqs: list[Sequence], limit: int) -> int:
 def test_three_long_prompts_outgrowing_a_128_block_pool_all_finish():
     """3 x 1,500 tokens on 128 blocks of 16 (2,048 slots): they were all prefilling at once, none
     could grow, and nothing decoded, so nothing was ever preempted."""
-    sched = Scheduler(SchedulerConfig(), BlockManager(128, 16))
+    sched = Scheduler(SchedulerConfig(), CacheManager(BlockManager(128, 16), SchedulerConfig().max_num_seqs))
     seqs = [new_request(sched, 1500, 8) for _ in range(3)]
     run_to_end(sched, seqs, 500)
     assert all(s.finish_reason == "length" and len(s.output_ids) == 8 for s in seqs)
@@ -198,7 +199,9 @@ def test_three_long_prompts_outgrowing_a_128_block_pool_all_finish():
 
 
 def test_four_7000_token_prompts_on_the_default_pool_all_finish():
-    sched = Scheduler(SchedulerConfig(), BlockManager(DEFAULT_POOL_BLOCKS, 16))
+    sched = Scheduler(
+        SchedulerConfig(), CacheManager(BlockManager(DEFAULT_POOL_BLOCKS, 16), SchedulerConfig().max_num_seqs)
+    )
     assert 4 * 7000 > DEFAULT_POOL_BLOCKS * 16 > 7000 + 16  # together too big, each fits alone
     seqs = [new_request(sched, 7000, 16) for _ in range(4)]
     run_to_end(sched, seqs, 2000)
@@ -212,7 +215,8 @@ def test_filled_prompts_with_probe_and_exact_rows_outgrowing_the_pool_all_finish
     fill = FillConfig(
         arm="identity", split=1, tail=100, rows=RowsConfig(selectors=("special", "probe"), probe_window=64)
     )
-    sched = Scheduler(SchedulerConfig(chunk_size=256, max_num_batched_tokens=512), BlockManager(128, 16), exact_rows)
+    config = SchedulerConfig(chunk_size=256, max_num_batched_tokens=512)
+    sched = Scheduler(config, CacheManager(BlockManager(128, 16), config.max_num_seqs), exact_rows)
     seqs = [new_request(sched, 1500, 8, fill) for _ in range(3)]
     run_to_end(sched, seqs, 1000)
     assert all(s.finish_reason == "length" and s.fill_boundary == 1400 for s in seqs)
@@ -222,7 +226,8 @@ def test_filled_prompts_with_probe_and_exact_rows_outgrowing_the_pool_all_finish
 def test_older_prefill_preempts_newer_decoders_and_drops_their_items():
     """An old prompt that cannot grow takes blocks back from a newer decoding sequence, and the
     step no longer carries the decode item of the sequence it preempted."""
-    sched = Scheduler(SchedulerConfig(chunk_size=8, max_num_batched_tokens=64), BlockManager(6, 4))
+    config = SchedulerConfig(chunk_size=8, max_num_batched_tokens=64)
+    sched = Scheduler(config, CacheManager(BlockManager(6, 4), config.max_num_seqs))
     old, young = new_request(sched, 20, 2), new_request(sched, 3, 6)
     step(sched)  # old: rows 0-7 (2 blocks); young: its prompt (1 block) and a first token
     step(sched)  # young decodes in its block; old: rows 8-15 (4 blocks); 1 block free

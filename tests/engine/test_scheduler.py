@@ -1,16 +1,15 @@
 """Scheduler policy on CPU with no model: budgets, chunking, decode-first, preemption."""
 
 from ridgefill_runtime.cache.block_manager import BlockManager
+from ridgefill_runtime.cache.manager import CacheManager
 from ridgefill_runtime.config import SchedulerConfig
 from ridgefill_runtime.scheduler import Scheduler, StepResult
 from ridgefill_runtime.sequence import SamplingParams, Sequence, SeqStatus
 
 
 def make(budget=64, chunk=32, max_seqs=8, blocks=64, block_size=4):
-    return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, chunk_size=chunk),
-        BlockManager(blocks, block_size),
-    )
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, chunk_size=chunk)
+    return Scheduler(config, CacheManager(BlockManager(blocks, block_size), max_seqs))
 
 
 def seq(n, max_tokens=4, **kw):
@@ -20,7 +19,7 @@ def seq(n, max_tokens=4, **kw):
 def fake_step(sched, token=7):
     items = sched.schedule()
     result = StepResult(
-        next_tokens=[token if it.samples else None for it in items], prompt_logprobs=[None] * len(items)
+        next_tokens=[[token] if it.samples else None for it in items], prompt_logprobs=[None] * len(items)
     )
     sched.postprocess(items, result, eos_ids=(2,))
     return items
@@ -54,9 +53,8 @@ def test_decodes_go_first_and_prefill_takes_the_rest():
 
 
 def test_prefill_budget_with_decodes_caps_prompt_rows_only_beside_decodes():
-    s = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64, chunk_size=32, prefill_budget_with_decodes=10), BlockManager(64, 4)
-    )
+    config = SchedulerConfig(max_num_batched_tokens=64, chunk_size=32, prefill_budget_with_decodes=10)
+    s = Scheduler(config, CacheManager(BlockManager(64, 4), config.max_num_seqs))
     first = seq(40, max_tokens=50)
     s.add(first)
     assert [i.num_tokens for i in fake_step(s)] == [32]  # no decodes yet: the chunk as usual

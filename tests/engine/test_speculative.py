@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ridgefill_runtime.cache.block_manager import BlockManager
+from ridgefill_runtime.cache.manager import CacheManager
 from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.models import registry
@@ -93,7 +94,9 @@ def _fake_step(sched: Scheduler, truth: list[int]) -> list:
 
 def test_scheduler_rolls_back_rejected_positions_and_blocks_and_stops_inside_a_run():
     blocks = BlockManager(num_blocks=32, block_size=4)
-    sched = Scheduler(SchedulerConfig(), blocks, propose=NgramProposer(NGRAM))
+    sched = Scheduler(
+        SchedulerConfig(), CacheManager(blocks, SchedulerConfig().max_num_seqs), propose=NgramProposer(NGRAM)
+    )
     prompt = [10, 11, 12, 13, 14, 10, 11, 12]
     truth = prompt + [13, 14, 10, 11, 99, 98, 10, 11, 12, 13, 14, 5, 6, 7, 8, 9]
     stop_at = truth.index(8, len(prompt))
@@ -113,7 +116,10 @@ def test_scheduler_rolls_back_rejected_positions_and_blocks_and_stops_inside_a_r
 
 
 def test_max_tokens_is_never_passed_inside_an_accepted_run():
-    sched = Scheduler(SchedulerConfig(), BlockManager(num_blocks=32, block_size=4), propose=NgramProposer(NGRAM))
+    blocks = BlockManager(num_blocks=32, block_size=4)
+    sched = Scheduler(
+        SchedulerConfig(), CacheManager(blocks, SchedulerConfig().max_num_seqs), propose=NgramProposer(NGRAM)
+    )
     prompt = [10, 11, 12, 13, 14, 15, 16, 10, 11, 12]
     truth = prompt + [13, 14, 15, 16, 10, 11, 12, 13]
     for max_tokens in (1, 2, 3, 5):

@@ -253,7 +253,7 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
     from ridgefill_runtime.loader.hf import load_hf_folder
     from ridgefill_runtime.models.registry import family
     from ridgefill_runtime.offline import PromptLogits
-    import ridgefill_runtime.offline as offline
+    import ridgefill_runtime.sequence_driver as sequence_driver
 
     ckpt = load_hf_folder(folder)
     model = family(ckpt.config.architecture).build_model(ckpt.config, ckpt.tensors, torch.float32, "cpu")
@@ -265,7 +265,7 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
         rows=ROWS.replace(selectors=("special", "attention"), attention_share=0.06),
     )
     ids = _prompts((120,), seed=11)[0]
-    real_build = offline.build_caches
+    real_build = sequence_driver.build_caches
 
     def poisoned(*a, **kw):
         caches = real_build(*a, **kw)
@@ -274,12 +274,12 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
                 t.fill_(float("nan"))
         return caches
 
-    offline.build_caches = poisoned
+    sequence_driver.build_caches = poisoned
     try:
         _, deferred, runner, seq = PromptLogits(model, fill, chunk=32, selector=SELECT)(ids)
         _, every, _, _ = PromptLogits(model, fill, chunk=32, selector=SELECT)(ids, after_fill=lambda r, s: None)
     finally:
-        offline.build_caches = real_build
+        sequence_driver.build_caches = real_build
     assert torch.isfinite(deferred).all()
     assert (deferred - every).abs().max() < 1e-4 * every.abs().max()
     late_rows = sorted(set(seq.exact_rows) | set(range(seq.fill_boundary, len(ids))))

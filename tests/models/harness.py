@@ -1,6 +1,7 @@
-"""Drives the runner's tensor preparation and a model's forward directly, over the caches the
+"""Drives the runner's tensor preparation and a model's run directly, over the caches the
 engine would build (paged K/V, a state slot per sequence), keeping every row's logits: the
-parity tests' harness, shared by every family."""
+parity tests' harness, shared by every family. Unlike the single-sequence driver
+(sequence_driver.py) it batches several sequences in one step, which is what those tests check."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from ridgefill_runtime.cache.block_manager import BlockManager
 from ridgefill_runtime.cache.build import CacheBudget, build_caches
 from ridgefill_runtime.cache.spec import spec_of
+from ridgefill_runtime.models.forward import ForwardBatch
 from ridgefill_runtime.runner import Runner
 from ridgefill_runtime.scheduler import ScheduledSeq
 from ridgefill_runtime.sequence import SamplingParams, Sequence
@@ -46,12 +48,12 @@ class Harness:
             out.append(ScheduledSeq(seq, seq.num_computed, n))
         return out
 
-    def step(self, spans: list[tuple[Sequence, int]], **model_args) -> list[torch.Tensor]:
+    def step(self, spans: list[tuple[Sequence, int]], reads: tuple | None = None) -> list[torch.Tensor]:
         """Compute `n` more rows for each (seq, n) in one flat batch; logits per seq.
-        `model_args` go to the model's forward (a looped model's per-sequence `reads`)."""
+        `reads`: a looped model's per-sequence loops and policy (ForwardBatch.loops)."""
         items = self.items(spans)
         ids, pos, batch = self.runner._prepare(items)
-        logits = self.model.forward(ids, pos, batch, self.caches, **model_args)
+        logits = self.model.run(ForwardBatch(ids, pos, batch, self.caches, loops=reads)).logits
         for item in items:
             item.seq.num_computed = item.end
         return list(logits.split([n for _, n in spans]))

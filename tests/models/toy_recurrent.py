@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ridgefill_runtime.cache.build import kv_pool_of
+from ridgefill_runtime.cache.build import ModelCaches
 from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec, RecurrentCache
 from ridgefill_runtime.config import ModelConfig
 from ridgefill_runtime.layers.attention import AttentionBatch, paged_attention
 from ridgefill_runtime.models.family import ModelFamily
+from ridgefill_runtime.models.forward import ForwardBatch, ForwardOutput
 
 NAME = "toy-recurrent"
 WEIGHTS = ("embed", "w0", "wq", "wk", "wv", "wo", "lm_head")
@@ -63,23 +64,28 @@ class ToyRecurrentLM:
         return CacheSpec(layers=(RecurrentCache((("sum", (d,)),)), AttentionCache(1, d)), dtype=self.dtype)
 
     @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> ForwardOutput:
+        """The runner's entry (models/forward.py): the exact forward; no two-sweep prefill."""
+        if batch.fill is not None:
+            raise ValueError("the toy family has no two-sweep prefill")
+        return ForwardOutput(
+            self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: AttentionBatch,
-        caches,
+        caches: ModelCaches,
         logit_rows: torch.Tensor | None = None,
-        fill=None,
     ) -> torch.Tensor:
-        """Rows [N] -> float logits [R, V]; caches: the runner's ModelCaches."""
-        if fill is not None:
-            raise ValueError("the toy family has no two-sweep prefill")
+        """Rows [N] -> float logits [R, V]."""
         e = self.w["embed"][input_ids]  # [N, d]
         h = e + torch.tanh(self._running_sums(e, batch, caches.states.state(0)["sum"]) @ self.w["w0"].T)
         q, k, v = (h @ self.w[n].T for n in ("wq", "wk", "wv"))  # [N, d] each
         d = self.config.hidden_size
-        attn = paged_attention(q[:, None], k[:, None], v[:, None], kv_pool_of(caches), 1, batch, d**-0.5)  # [N, d]
+        attn = paged_attention(q[:, None], k[:, None], v[:, None], caches.kv, 1, batch, d**-0.5)  # [N, d]
         y = h + attn @ self.w["wo"].T
         logits = (y @ self.w["lm_head"].T).float()  # [N, V]
         return logits if logit_rows is None else logits[logit_rows]
