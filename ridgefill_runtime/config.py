@@ -46,7 +46,8 @@ class FamilyConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model math needs; filled from config.json or GGUF metadata by the family's parser.
-    The architecture is checked where a config is made or read (models/registry.py, loader/)."""
+    NOTE: it knows no family: the architecture and the type of family_config are checked against
+    the registered family where a config is parsed, read back or built into a model (ModelFamily.checked)."""
 
     architecture: str  # a registered model family (models/registry.py): "llama" | "qwen3" | ...
     vocab_size: int
