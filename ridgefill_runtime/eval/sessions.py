@@ -20,7 +20,7 @@ from ..engine import apply_fill
 from ..fill.select import RowSelector
 from ..runner import Runner
 from ..sequence import SamplingParams, Sequence
-from ..fill.stash import SplitStash
+from ..cache.split_stash import SplitStash
 from ..stages import ScheduledSeq, Stage, advance, finish_lower, next_item
 
 CHUNK = 2048  # NOTE: big chunks: the CPU's masked-attention path for later chunks is slower

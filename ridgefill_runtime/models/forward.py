@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fill.step import FillStep
 from ..layers.attention import AttentionBatch
 
 
@@ -25,7 +24,9 @@ class ForwardBatch:
     caches: object  # the runner's ModelCaches (a KVPool for the hand-driven tests)
     # [R] sorted rows, among those reaching the top layer, that need logits; None: every one
     logit_rows: torch.Tensor | None = None
-    fill: FillStep | None = None  # the two-sweep prefill's plan for this step; None: exact
+    # the two-sweep prefill's plan for this step (fill/step.py's FillStep), which fill/two_sweep.py
+    # runs over the model's hooks (models/fill_hooks.py); None: the exact forward
+    fill: object | None = None
     # looped models: per sequence, its loops and cache policy (layers/loop_attention.LoopRead);
     # None: every sequence runs the storage's own policy
     loops: tuple | None = None
@@ -34,8 +35,8 @@ class ForwardBatch:
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor  # [R, V] float32
-    split_states: torch.Tensor | None = None  # [X, d] state at the split of fill.exit_rows, in order
-    # Per fill.lower_mass / fill.late_mass request, in order: the attention its key_pos received
+    split_states: torch.Tensor | None = None  # [X, d] state at the split of fill.lower.exit_rows, in order
+    # Per fill.lower.mass / fill.late.mass request, in order: the attention its key_pos received
     # at each of its layers, ascending ([K] float32 each). Kept per layer so the runner adds them
     # into the accumulators in the same order (and so the same float sums) as one pass would.
     lower_mass: tuple[tuple[torch.Tensor, ...], ...] = ()
@@ -43,13 +44,14 @@ class ForwardOutput:
 
 
 def run_model(model, batch: ForwardBatch) -> ForwardOutput:
-    """The model's forward over `batch`. A family with only the tensor-level forward (ids,
-    positions, attention, caches, logit rows -> logits) has no two-sweep prefill."""
+    """The model's exact forward over `batch`: its `run` where it has one, else the tensor-level
+    forward (ids, positions, attention, caches, logit rows -> logits). NOTE: a step with a fill
+    plan runs through fill/two_sweep.py instead, which calls the model's pieces itself."""
+    if batch.fill is not None:
+        raise ValueError("a two-sweep prefill step runs through fill/two_sweep.py, not run_model")
     run = getattr(model, "run", None)
     if run is not None:
         return run(batch)
-    if batch.fill is not None:
-        raise ValueError(f"{type(model).__name__} has no two-sweep prefill")
     return ForwardOutput(
         model.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
     )
