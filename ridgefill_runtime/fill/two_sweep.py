@@ -111,18 +111,19 @@ class _Rescales:
 
 
 def _late_rows(model: FillHooks, batch: ForwardBatch, fill: FillStep, h, rope, kv, found, rescales) -> LateRows:
-    """What the late layers read. h [M, d], rope: the late part at the split."""
+    """What the late layers read. h [M, d], rope: the late part at the split; found: the late
+    mass requests' lists the attention hook appends to."""
     on_q = mass_hook(fill.late.mass, kv, found, model.scale, model.window)
     on_kv = rescales.from_layer_kv if model.rescale_from_layer_kv and fill.late.rescales else None
+    part = fill.filled_late
     share = None
     if fill.terminal is not None:  # every late step carries the sums ρ is read from
-        share = fill.filled_late.filled if fill.filled_late is not None else h.new_zeros(h.shape[0], dtype=torch.bool)
-    part = fill.filled_late
+        share = part.filled if part is not None else h.new_zeros(h.shape[0], dtype=torch.bool)  # [M]
     if part is None:
         return LateRows(
             fill.late.batch, batch.caches, rope, fill.late.batch, share_filled=share, on_kv=on_kv, on_q=on_q
         )
-    x_filled = h[part.filled]  # [F, d] split states of the filled rows: each recurrent layer reads x̂_l of them
+    x_filled = h[part.filled]  # [F, d] the filled rows' split states: each recurrent layer reads x̂_l of them
     return LateRows(
         fill.late.batch,
         batch.caches,
