@@ -10,10 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from .cache.build import ModelCaches
+from .cache.split_stash import SplitStash
 from .config import FillConfig
 from .decode_graphs import DecodeGraphs
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
-from .fill.stash import SplitStash
+from .fill.two_sweep import two_sweep
 from .layers.attention import kv_slots
 from .models.forward import ForwardBatch, ForwardOutput
 from .sampling import sample_token
@@ -93,11 +94,11 @@ class Runner:
         ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items)
-        out = self.model.run(
-            ForwardBatch(
-                ids, positions, batch, self.caches, rows, None if plan is None else plan.step, self._loop_reads(items)
-            ),
+        step = ForwardBatch(
+            ids, positions, batch, self.caches, rows, None if plan is None else plan.step, self._loop_reads(items)
         )
+        # NOTE: the two-sweep prefill is the fill's driver over the model's hooks, not the model's forward
+        out = self.model.run(step) if plan is None else two_sweep(self.model, step)
         return StepLogits(out.logits, owners, self._keep_fill_outputs(items, plan, out), drafts)
 
     def _graphed(self, items: list[ScheduledSeq]) -> bool:
@@ -156,8 +157,8 @@ class Runner:
         """Store what the model measured for the fill in the stashes; per item, the selector
         scores finished this step."""
         if plan is not None:
-            _add_key_mass(plan.step.lower_mass, out.lower_mass, plan.lower_mass_into)
-            _add_key_mass(plan.step.late_mass, out.late_mass, plan.late_mass_into)
+            _add_key_mass(plan.step.lower.mass, out.lower_mass, plan.lower_mass_into)
+            _add_key_mass(plan.step.late.mass, out.late_mass, plan.late_mass_into)
         return self._after_step(items, out.split_states)
 
     def _after_step(self, items, split_states: torch.Tensor | None) -> list[dict | None]:

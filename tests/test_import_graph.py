@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 PACKAGE = "ridgefill_runtime"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
@@ -135,11 +134,6 @@ def test_config_imports_no_model_family():
     assert not [m for m in named if m.startswith("ridgefill_runtime.models")], sorted(named)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 28: models/dense.py, models/forward.py, models/hybrid_fill.py, layers/gated_deltanet.py and "
-    "cache/state_pool.py still import fill/ (another branch removes those imports; drop this mark after merging it)",
-)
 def test_nothing_below_fill_imports_fill():
     below = [m for m in MODULES if m.split(".")[1:2] and m.split(".")[1] in BELOW_FILL]
     found = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fill.stash import SplitStash
+from .split_stash import SplitStash
 from .spec import CacheSpec, LoopPlanesCache, RecurrentCache
 
 

@@ -17,7 +17,7 @@ from ..cache.kv_pool import slots_for
 from ..config import FillConfig, RowsConfig
 from ..engine import apply_fill
 from ..fill.select import RowSelector
-from ..fill.stash import SplitStash
+from ..cache.split_stash import SplitStash
 from ..sequence import SamplingParams, Sequence
 from ..sequence_driver import SequenceDriver
 from ..stages import ScheduledSeq, Stage, advance, finish_lower, next_item

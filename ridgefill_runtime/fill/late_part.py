@@ -1,6 +1,7 @@
 """The late part of a two-sweep step, assembled at the split: this step's stay rows (ordinary
 sequences running every layer) and the stashed split states of probe / exact / tail rows
-joining from earlier steps, each with its rotary angles. Shared by every family's fill."""
+joining from earlier steps, each with its rotary angles; and the selectors' attention-mass hook.
+Used by the two-sweep driver (two_sweep.py) for every family."""
 
 from __future__ import annotations
 
@@ -13,24 +14,21 @@ from .step import FillStep, MassRequest
 def late_part(h: torch.Tensor, rope: tuple[torch.Tensor, ...], rope_at, fill: FillStep):
     """h [N, d] at the split, rope: its rows' (cos, sin); rope_at(positions) -> (cos, sin) of
     other positions. Returns (h_late [M, d], rope_late)."""
-    h_late = h.new_empty(fill.late_size, h.shape[1])  # [M, d]
-    h_late[fill.stay_to] = h[fill.stay_rows]
-    h_late[fill.late_to] = fill.late_x
-    joining = rope_at(fill.late_pos)
+    lower, late = fill.lower, fill.late
+    h_late = h.new_empty(late.size, h.shape[1])  # [M, d]
+    h_late[late.stay_to] = h[lower.stay_rows]
+    h_late[late.to] = late.x
+    joining = rope_at(late.pos)
     rope_late = []
     for t, tj in zip(rope, joining):
-        part = t.new_empty((fill.late_size,) + tuple(t.shape[1:]))
-        part[fill.stay_to] = t[fill.stay_rows]
-        part[fill.late_to] = tj
+        part = t.new_empty((late.size,) + tuple(t.shape[1:]))
+        part[late.stay_to] = t[lower.stay_rows]
+        part[late.to] = tj
         rope_late.append(part)
     return h_late, tuple(rope_late)
 
 
-def _no_window(layer: int) -> int:
-    return 0
-
-
-def mass_hook(requests: list[MassRequest], kv, found: list[list[torch.Tensor]], scale: float, window_of=_no_window):
+def mass_hook(requests: tuple[MassRequest, ...], kv, found: list[list[torch.Tensor]], scale: float, window_of):
     """An on_q(layer, q) hook appending, per request, the attention its keys receive at each of
     its layers ([K] float32) to found[request]; the runner adds them into its accumulators.
     window_of(layer): that layer's sliding window (0: none). None when nothing is requested."""

@@ -18,7 +18,17 @@ from ..config import FillConfig
 from ..layers.attention import AttentionBatch
 from ..stages import Stage
 from ..step_layout import SeqLayout, attention_batch
-from .step import FillStep, MassRequest, Predictor, Rescale
+from .step import (
+    FilledLateRows,
+    FillStep,
+    LatePart,
+    LowerPart,
+    MassRequest,
+    Predictor,
+    Rescale,
+    TerminalCorrection,
+    WindowWrites,
+)
 
 SlotsOf = Callable[[object, torch.Tensor], torch.Tensor]  # (seq, positions [n]) -> cache slots [n]
 
@@ -26,7 +36,7 @@ SlotsOf = Callable[[object, torch.Tensor], torch.Tensor]  # (seq, positions [n])
 @dataclass(frozen=True)
 class PlannedFill:
     """What the model runs (`step`) and, runner-side, where its measurements are kept: per
-    step.lower_mass / step.late_mass request, the stash accumulator ([boundary] float32) that
+    step.lower.mass / step.late.mass request, the stash accumulator ([boundary] float32) that
     the attention its prefix keys receive adds into."""
 
     step: FillStep
@@ -313,31 +323,33 @@ class _Parts:
         batch = attention_batch(seqs, cat(self.write))
         filled, exact, exact_batch = self._exact_part(batch, device)
         late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
+        windows = None
+        if defer_windows:  # the rows a late row reaches first this step (maybe none)
+            window_x = torch.cat(self.window_x) if self.window_x else late_x.new_empty(0, width)
+            windows = WindowWrites(window_x, cat(self.window_pos), cat(self.window_slots))
         step = FillStep(
             split=split,
-            exit_rows=cat(self.exit_rows),
-            fill_rows=cat(self.fill_rows),
-            fill_slots=cat(self.fill_slots),
             predict=predict,
-            stay_rows=cat(self.stay_rows),
-            stay_to=cat(stay_to),
-            late_x=late_x,
-            late_pos=cat(self.late_pos),
-            late_to=cat(self.late_to),
-            late_size=self.late_size,
-            late_batch=batch,
-            lower_mass=self.lower_mass,
-            late_mass=self.late_mass,
-            rescales=self.rescales,
-            late_filled=filled,
-            late_exact=exact,
-            late_exact_batch=exact_batch,
-            prefix_ends=self.prefix_ends,
-            terminal_shift=terminal_shift,
-            defer_windows=defer_windows,
-            window_x=torch.cat(self.window_x) if self.window_x else None,
-            window_pos=cat(self.window_pos),
-            window_slots=cat(self.window_slots),
+            lower=LowerPart(
+                exit_rows=cat(self.exit_rows),
+                fill_rows=cat(self.fill_rows),
+                fill_slots=cat(self.fill_slots),
+                stay_rows=cat(self.stay_rows),
+                mass=tuple(self.lower_mass),
+            ),
+            late=LatePart(
+                size=self.late_size,
+                batch=batch,
+                stay_to=cat(stay_to),
+                x=late_x,
+                pos=cat(self.late_pos),
+                to=cat(self.late_to),
+                mass=tuple(self.late_mass),
+                rescales=tuple(self.rescales),
+            ),
+            filled_late=None if filled is None else FilledLateRows(filled, exact, exact_batch),
+            terminal=None if terminal_shift is None else TerminalCorrection(terminal_shift, tuple(self.prefix_ends)),
+            windows=windows,
         )
         return PlannedFill(step, self.lower_into, self.late_into)
 

@@ -1,10 +1,15 @@
-"""What one engine step asks of the fill: which rows stop at the split, which are filled, which
-join the late layers from the stash, and what attention to record. Built by the runner."""
+"""What one engine step asks of the fill (fill/two_sweep.py runs it): which rows stop at the split,
+which are filled, which join the late layers from the stash, what to correct and what attention to
+record. Built by the runner (fill/plan.py).
+
+A FillStep is a few named parts: the lower part (rows passed to the model, run below the split),
+the late part (rows run from the split on), and, where they apply, the hybrids' filled late rows,
+the terminal-state correction and the sliding-window writes deferred to the rows that reach them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -13,7 +18,7 @@ from ..layers.attention import AttentionBatch
 Predictor = Callable[[int, torch.Tensor], torch.Tensor]  # (late layer, x_S [F, d]) -> x̂ [F, d]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Rescale:
     """Per-KV-head norm correction (seed 000, §2.3): measured on some exact late rows,
     applied to one sequence's filled slots before anything reads them."""
@@ -23,8 +28,12 @@ class Rescale:
     values: bool
     keys: bool
 
+    def __post_init__(self):
+        if not (self.values or self.keys):
+            raise ValueError("a Rescale corrects values, keys or both")
 
-@dataclass
+
+@dataclass(frozen=True)
 class MassRequest:
     """Measure the attention some rows pay to a sequence's keys (seed 000, §2.4): at `layers`,
     rows `rows` of the part (positions q_pos) read keys at key_pos from key_slots. The model
@@ -37,45 +46,100 @@ class MassRequest:
     key_slots: torch.Tensor  # [K]
     key_pos: torch.Tensor  # [K] sorted
 
+    def __post_init__(self):
+        if len(self.rows) != len(self.q_pos) or len(self.key_slots) != len(self.key_pos):
+            raise ValueError("a MassRequest needs one position per row and one per key")
 
-@dataclass
+
+@dataclass(frozen=True)
+class LowerPart:
+    """The rows whose ids the model is given: they run the layers below the split. There
+    `exit_rows` stop (their states come back in ForwardOutput.split_states), `fill_rows` among
+    them write predicted late K/V, and `stay_rows` go on through every layer."""
+
+    exit_rows: torch.Tensor  # [X]
+    fill_rows: torch.Tensor  # [F]
+    fill_slots: torch.Tensor  # [F] their cache slots
+    stay_rows: torch.Tensor  # [S]
+    mass: tuple[MassRequest, ...] = ()  # rows index the lower part
+
+    def __post_init__(self):
+        if len(self.fill_rows) != len(self.fill_slots):
+            raise ValueError("every filled row needs its cache slot")
+
+
+@dataclass(frozen=True)
+class LatePart:
+    """The rows that run the layers from the split on: the lower part's stay rows and the split
+    states of probe / exact / tail rows stashed by earlier steps (`x`), `size` rows in all."""
+
+    size: int  # M = S + M2
+    batch: AttentionBatch  # attention layout of the M rows
+    stay_to: torch.Tensor  # [S] the stay rows' index in the late part
+    x: torch.Tensor  # [M2, d] split states joining at the split
+    pos: torch.Tensor  # [M2] their positions
+    to: torch.Tensor  # [M2] their index in the late part
+    mass: tuple[MassRequest, ...] = ()  # rows index the late part
+    rescales: tuple[Rescale, ...] = ()
+
+    def __post_init__(self):
+        if not self.x.shape[0] == len(self.pos) == len(self.to):
+            raise ValueError("every joining split state needs its position and late-part index")
+        if self.size != len(self.stay_to) + len(self.to):
+            raise ValueError(f"a late part of {self.size} rows is its stay rows and its joining rows")
+
+
+@dataclass(frozen=True)
+class FilledLateRows:
+    """Hybrids (seed 000 §2.4 "Two sweeps"): late-part rows that are filled prefix rows. They
+    update the late recurrent states from x̂_l and nothing else; the rows that attend and run the
+    MLP are `exact` (indices into the late part) laid out as `exact_batch`."""
+
+    filled: torch.Tensor  # [M] bool
+    exact: torch.Tensor  # [E]
+    exact_batch: AttentionBatch
+
+
+@dataclass(frozen=True)
+class TerminalCorrection:
+    """The terminal-state correction (fill/terminal_state.py): at the prefix's end each late
+    recurrent layer's state gets ρ·ΔM added."""
+
+    shift: Callable[[int], torch.Tensor]  # late recurrent layer -> its ΔM [Hv, Dk, Dv]
+    prefix_ends: tuple[int, ...]  # late-part sequences whose rows this step end at their prefix's end
+
+
+@dataclass(frozen=True)
+class WindowWrites:
+    """Sliding-window late layers: a filled row's K/V there is written only once a later row reaches
+    it (less than `window` positions after it). The lower part's fill rows then skip those layers,
+    and these rows, from the stash, are written there this step (fill/plan.py)."""
+
+    x: torch.Tensor  # [W, d] their split states
+    pos: torch.Tensor  # [W]
+    slots: torch.Tensor  # [W]
+
+    def __post_init__(self):
+        if not self.x.shape[0] == len(self.pos) == len(self.slots):
+            raise ValueError("every deferred window row needs its position and cache slot")
+
+
+@dataclass(frozen=True)
 class FillStep:
-    """A step's rows run in two parts. The lower part (ids passed to the model) runs layers
-    below the split; at the split its `exit_rows` stop (their states come back in the model's
-    ForwardOutput.split_states), `fill_rows` among them write predicted late K/V, and
-    `stay_rows` continue. The late part is stay rows plus `late_x` (split states of probe /
-    exact / tail rows from earlier steps)."""
+    """A step's rows run in two parts, `lower` below the split and `late` from it on."""
 
     split: int
-    exit_rows: torch.Tensor  # [X] lower-part rows that stop at the split
-    fill_rows: torch.Tensor  # [F] lower-part rows whose late K/V are predicted
-    fill_slots: torch.Tensor  # [F]
     predict: Predictor | None  # None: nofill writes no late K/V
-    stay_rows: torch.Tensor  # [S] lower-part rows that run every layer
-    stay_to: torch.Tensor  # [S] their index in the late part
-    late_x: torch.Tensor  # [M2, d] split states joining at the split
-    late_pos: torch.Tensor  # [M2] their positions
-    late_to: torch.Tensor  # [M2] their index in the late part
-    late_size: int  # M = S + M2
-    late_batch: AttentionBatch  # attention layout of the late part
-    lower_mass: list[MassRequest] = field(default_factory=list)  # rows index the lower part
-    late_mass: list[MassRequest] = field(default_factory=list)  # rows index the late part
-    rescales: list[Rescale] = field(default_factory=list)
-    # Hybrids (seed 000 §2.4 "Two sweeps"): late-part rows that are filled prefix rows. They
-    # update the late recurrent states from x̂_l and nothing else; the rows that attend and run
-    # the MLP are `late_exact` [E] (indices into the late part) laid out as `late_exact_batch`.
-    late_filled: torch.Tensor | None = None  # [M] bool; None: no filled row in the late part
-    late_exact: torch.Tensor | None = None  # [E]
-    late_exact_batch: AttentionBatch | None = None
-    # late_batch sequences whose rows this step end at their prefix's end (the terminal-state
-    # correction is added to their late recurrent states there)
-    prefix_ends: list[int] = field(default_factory=list)
-    # the terminal-state correction's ΔM of a late recurrent layer ([Hv, Dk, Dv]); None: off
-    terminal_shift: Callable[[int], torch.Tensor] | None = None
-    # Sliding-window late layers: a filled row's K/V there is written only once a later row
-    # reaches it (less than `window` positions after it). Then fill_rows skip those layers and
-    # these rows, from the stash, are written there this step (fill/plan.py).
-    defer_windows: bool = False
-    window_x: torch.Tensor | None = None  # [W, d] their split states
-    window_pos: torch.Tensor | None = None  # [W]
-    window_slots: torch.Tensor | None = None  # [W]
+    lower: LowerPart
+    late: LatePart
+    filled_late: FilledLateRows | None = None  # None: no filled row in the late part
+    terminal: TerminalCorrection | None = None  # None: the correction is off
+    windows: WindowWrites | None = None  # None: filled rows write every late layer at once
+
+    def __post_init__(self):
+        if self.split < 1:
+            raise ValueError(f"the split is a layer >= 1, got {self.split}")
+        if len(self.lower.stay_rows) != len(self.late.stay_to):
+            raise ValueError("every stay row needs its late-part index")
+        if self.filled_late is not None and self.filled_late.filled.shape[0] != self.late.size:
+            raise ValueError("the filled-row mask covers the late part")

@@ -8,25 +8,16 @@ At the end of the prefix, each late GDN layer's state gets ρ_l·ΔM_l added onc
         weight at the prefix end n is w_j = Π_{k=j+1..n} γ_k, and ρ = Σ_filled w_j / Σ_j w_j.
 
 ρ is carried per sequence as two running sums (all rows, filled rows) that a chunk of rows with
-log-gates g updates as A ← A·exp(Σg) + Σ_j exp(G_end − G_j), G the chunk's running sum of g.
+log-gates g updates as A ← A·exp(Σg) + Σ_j exp(G_end − G_j), G the chunk's running sum of g. The
+Gated DeltaNet mixer carries them with its state (layers/gated_deltanet.py's share_update), as it
+alone sees the gates.
 """
 
 from __future__ import annotations
 
 import torch
 
-
-def share_update(share: torch.Tensor, g: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
-    """share [2, Hv] (Σ_j w_j over all rows so far, over filled rows) after rows with log-gates
-    g [n, Hv] (each <= 0), filled [n] bool -> the new share [2, Hv]. float32 in, float32 out;
-    the sums are formed in float64."""
-    g64 = g.double()
-    cum = g64.cumsum(0)  # [n, Hv]
-    weights = (cum[-1:] - cum).exp()  # [n, Hv]: the gates after each row, to the chunk's end
-    decay = cum[-1].exp()  # [Hv]
-    new_all = share[0].double() * decay + weights.sum(0)
-    new_filled = share[1].double() * decay + (weights * filled[:, None].double()).sum(0)
-    return torch.stack([new_all, new_filled]).to(share.dtype)
+from .step import TerminalCorrection
 
 
 def filled_share(share: torch.Tensor) -> torch.Tensor:
@@ -37,3 +28,13 @@ def filled_share(share: torch.Tensor) -> torch.Tensor:
 def correct_state(state: torch.Tensor, rho: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """state [Hv, Dk, Dv] + ρ [Hv] · ΔM [Hv, Dk, Dv]."""
     return state + rho[:, None, None].to(state.dtype) * shift.to(state.dtype)
+
+
+def correct_terminal_states(c: TerminalCorrection, layer: int, state: dict[str, torch.Tensor], slots) -> None:
+    """At the prefix's end: S += ρ·ΔM in `layer`'s state (parts "ssm" [slots, Hv, Dk, Dv] and
+    "share" [slots, 2, Hv]) of each of c.prefix_ends, ρ from the sums the mixer just carried.
+    slots: the late part's state slot of each of its sequences."""
+    shift = c.shift(layer)  # [Hv, Dk, Dv]
+    for k in c.prefix_ends:
+        slot = slots[k]
+        state["ssm"][slot] = correct_state(state["ssm"][slot], filled_share(state["share"][slot]), shift)

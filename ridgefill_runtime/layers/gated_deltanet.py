@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..fill.terminal_state import share_update
 from ..ops.gdn import gdn_chunk, gdn_step
 from .attention import AttentionBatch
 
@@ -141,6 +140,20 @@ def _verify_rows(slot, lo, hi, mixed, g, beta, w, cfg, state, core, history) -> 
         history["ssm"][slot, j] = s[0]
     conv_state[slot] = conv_in[conv_in.shape[0] - width :]
     ssm[slot] = s[0]
+
+
+def share_update(share: torch.Tensor, g: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
+    """share [2, Hv] (Σ_j w_j over all rows so far, over filled rows) after rows with log-gates
+    g [n, Hv] (each <= 0), filled [n] bool -> the new share [2, Hv]. float32 in, float32 out;
+    the sums are formed in float64. NOTE: the terminal-state correction's running sums
+    (fill/terminal_state.py); they live here as only the mixer sees the gates."""
+    g64 = g.double()
+    cum = g64.cumsum(0)  # [n, Hv]
+    weights = (cum[-1:] - cum).exp()  # [n, Hv]: the gates after each row, to the chunk's end
+    decay = cum[-1].exp()  # [Hv]
+    new_all = share[0].double() * decay + weights.sum(0)
+    new_filled = share[1].double() * decay + (weights * filled[:, None].double()).sum(0)
+    return torch.stack([new_all, new_filled]).to(share.dtype)
 
 
 def _carry_share(share: torch.Tensor, g: torch.Tensor, filled: torch.Tensor, steps, runs) -> None:

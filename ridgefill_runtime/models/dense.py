@@ -1,8 +1,8 @@
 """Llama / Qwen3 decoder (GQA, RoPE, optional QK-norm) over the paged KV cache.
 
-The model sees flat rows, positions and an AttentionBatch (inside the runner's ForwardBatch); it
-knows nothing of requests, and returns its logits, split states and selector attention in a
-ForwardOutput rather than writing them into the runner's stash.
+The model sees flat rows, positions and an AttentionBatch; it knows nothing of requests. RidgeFill's
+two-sweep prefill (fill/two_sweep.py) runs it through the hooks of models/fill_hooks.py: every layer
+keeps K/V, and a late layer is the exact layer over the late part.
 """
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable, apply_rotary
 from ..ops.packed_linear import linear, weight_rows, weight_slice
 from ..ops.rms_norm import rms_norm
-from ..fill.corrections import rescale_filled
-from ..fill.late_part import late_part, mass_hook
-from ..fill.step import FillStep
+from .fill_hooks import LateRows
 from .forward import ForwardBatch, ForwardOutput
 from .weights import DenseWeights, build_weights
 
 
 class DenseLM:
+    # NOTE: the rescale reads the late rows' K/V as the layer made them (its on_kv hook)
+    rescale_from_layer_kv = True
+
     def __init__(
         self,
         config: ModelConfig,
@@ -61,6 +62,10 @@ class DenseLM:
     def window(self, layer: int) -> int:
         """The layer's sliding window (0: it sees every earlier key)."""
         return self.config.family_config.window_of(layer)
+
+    def keeps_kv(self, layer: int) -> bool:
+        """Every layer attends over paged K/V."""
+        return True
 
     def qkv(self, layer: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """Layer input [N, d] -> q [N, H, D], k/v [N, Hkv, D], RoPE applied."""
@@ -143,14 +148,12 @@ class DenseLM:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> ForwardOutput:
-        """The runner's entry (models/forward.py): the exact forward, or one step of the two-sweep
-        prefill. Writes K/V into the given caches and nothing else the runner owns."""
-        if batch.fill is None:
-            return ForwardOutput(
-                self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
-            )
-        return self._two_sweep(
-            batch.input_ids, batch.positions, batch.attention, kv_pool_of(batch.caches), batch.logit_rows, batch.fill
+        """The exact forward over the runner's batch (models/forward.py). NOTE: a step carrying a fill
+        plan runs through fill/two_sweep.py instead, which calls this model's hooks itself."""
+        if batch.fill is not None:
+            raise ValueError(f"{type(self).__name__}.run is the exact forward; a two-sweep step runs through fill/")
+        return ForwardOutput(
+            self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
         )
 
     @torch.inference_mode()
@@ -172,50 +175,7 @@ class DenseLM:
             h = self.layer(i, h, rope, batch, kv)
         return self.logits(self.layer(last, h, rope, batch, kv, rows=logit_rows))
 
-    def _two_sweep(self, input_ids, positions, batch: AttentionBatch, kv, logit_rows, fill: FillStep) -> ForwardOutput:
-        """One step of the two-sweep prefill (seed 000 Figure 5): the rows given here run the
-        layers below the split; there `fill.exit_rows` stop (their split states are returned)
-        and filled rows write their late K/V from the predicted input, while the late part (stay
-        rows plus stashed split states) runs every later layer; `logit_rows` index the late part."""
-        lower_mass, late_mass = [[] for _ in fill.lower_mass], [[] for _ in fill.late_mass]
-        h = self.embed(input_ids)
-        rope = self.rope(positions)
-        last = self.config.num_layers - 1
-        on_q = mass_hook(fill.lower_mass, kv, lower_mass, self.scale, self.window)
-        for i in range(fill.split if batch.num_seqs else 0):
-            h = self.layer(i, h, rope, batch, kv, on_q=on_q)
-        split_states = h[fill.exit_rows]  # [X, d]
-        h, rope, on_kv = self._enter_late_layers(h, rope, kv, fill)
-        on_q = mass_hook(fill.late_mass, kv, late_mass, self.scale, self.window)
-        if h.shape[0] == 0:  # only lower rows this step: write their late K/V, nothing attends
-            for i in range(fill.split, last + 1):
-                on_kv(i, None, None)
-        else:
-            for i in range(fill.split, last):
-                h = self.layer(i, h, rope, fill.late_batch, kv, on_kv=on_kv, on_q=on_q)
-            h = self.layer(last, h, rope, fill.late_batch, kv, rows=logit_rows, on_kv=on_kv, on_q=on_q)
-        return ForwardOutput(self.logits(h), split_states, tuple(map(tuple, lower_mass)), tuple(map(tuple, late_mass)))
-
-    def _enter_late_layers(self, h, rope, kv, fill: FillStep):
-        """Assemble the late part at the split: stay rows from this step, stashed split states of
-        probe / exact / tail rows; filled rows get a K/V writer for every late layer."""
-        x_fill = h[fill.fill_rows]  # [F, d]
-        rope_fill = tuple(t[fill.fill_rows] for t in rope)
-        h_late, rope_late = late_part(h, rope, self.rope, fill)
-        rescale_inputs = [(r, h_late[r.rows], tuple(t[r.rows] for t in rope_late)) for r in fill.rescales]
-        reached = fill.window_x is not None and len(fill.window_pos) > 0
-        rope_reached = self.rope(fill.window_pos) if reached else None
-
-        def on_kv(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-            windowed = self.window(layer) > 0
-            if fill.predict is not None and len(fill.fill_rows) and not (fill.defer_windows and windowed):
-                k_hat, v_hat = self.kv_only(layer, fill.predict(layer, x_fill), rope_fill)
-                kv.write(layer, fill.fill_slots, k_hat, v_hat)
-            if reached and windowed:  # filled rows a late row reaches first this step
-                k_hat, v_hat = self.kv_only(layer, fill.predict(layer, fill.window_x), rope_reached)
-                kv.write(layer, fill.window_slots, k_hat, v_hat)
-            for r, xs, rp in rescale_inputs:
-                k_pred, v_pred = self.kv_only(layer, fill.predict(layer, xs), rp)
-                rescale_filled(kv, layer, r, k[r.rows], v[r.rows], k_pred, v_pred)
-
-        return h_late, rope_late, on_kv
+    def late_layer(self, i: int, h: torch.Tensor, late: LateRows, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i of the two-sweep prefill's late part [M, d]: the exact layer (every late row is
+        exact here), its fresh K/V shown to late.on_kv before anything attends."""
+        return self.layer(i, h, late.rope, late.batch, late.caches, rows=rows, on_kv=late.on_kv, on_q=late.on_q)

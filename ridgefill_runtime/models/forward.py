@@ -19,7 +19,6 @@ import torch
 from ..cache.build import ModelCaches
 from ..cache.spec import CacheSpec
 from ..config import ModelConfig
-from ..fill.step import FillStep
 from ..layers.attention import AttentionBatch
 
 
@@ -31,7 +30,9 @@ class ForwardBatch:
     caches: ModelCaches  # what build_caches made for the model
     # [R] sorted rows, among those reaching the top layer, that need logits; None: every one
     logit_rows: torch.Tensor | None = None
-    fill: FillStep | None = None  # the two-sweep prefill's plan for this step; None: exact
+    # the two-sweep prefill's plan for this step (fill/step.py's FillStep), which fill/two_sweep.py
+    # runs over the model's hooks (models/fill_hooks.py); None: the exact forward
+    fill: object | None = None
     # looped models: per sequence, its loops and cache policy (layers/loop_attention.LoopRead);
     # None: every sequence runs the storage's own policy
     loops: tuple | None = None
@@ -40,8 +41,8 @@ class ForwardBatch:
 @dataclass(frozen=True)
 class ForwardOutput:
     logits: torch.Tensor  # [R, V] float32
-    split_states: torch.Tensor | None = None  # [X, d] state at the split of fill.exit_rows, in order
-    # Per fill.lower_mass / fill.late_mass request, in order: the attention its key_pos received
+    split_states: torch.Tensor | None = None  # [X, d] state at the split of fill.lower.exit_rows, in order
+    # Per fill.lower.mass / fill.late.mass request, in order: the attention its key_pos received
     # at each of its layers, ascending ([K] float32 each). Kept per layer so the runner adds them
     # into the accumulators in the same order (and so the same float sums) as one pass would.
     lower_mass: tuple[tuple[torch.Tensor, ...], ...] = ()

@@ -6,7 +6,9 @@ applied in float32). The attention layer (seed 000 §2.3): q_proj is twice as wi
 second half an output gate σ(g); q/k get the same zero-centred norm per head; RoPE turns only the
 first partial_rotary_factor of each head's dims.
 
-RidgeFill's two-sweep prefill on this family is in hybrid_fill.py.
+RidgeFill's two-sweep prefill (fill/two_sweep.py) runs it through the hooks of models/fill_hooks.py:
+a late Gated DeltaNet layer carries its state over every row of the late part, filled prefix rows
+included (from x̂_l, seed 000 §2.4 "Two sweeps"); only the exact rows attend and run the MLP.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from ..layers.mlp import swiglu_mlp
 from ..layers.moe import MoEWeights, sparse_moe
 from ..layers.rotary import RotaryTable, apply_rotary
 from ..layers.zero_centred_norm import zero_centred_rms_norm
+from .fill_hooks import LateRows
 from .forward import ForwardBatch, ForwardOutput
-from .hybrid_fill import two_sweep
 from .hybrid_weights import AttentionWeights, HybridWeights, build_hybrid_weights
 
 
 class HybridLM:
+    # NOTE: the gated attention hands out no K/V: the rescale projects the measuring rows' input
+    rescale_from_layer_kv = False
+
     def __init__(
         self,
         config: ModelConfig,
@@ -59,8 +64,10 @@ class HybridLM:
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> ForwardOutput:
+        """The exact forward over the runner's batch (models/forward.py). NOTE: a step carrying a fill
+        plan runs through fill/two_sweep.py instead, which calls this model's hooks itself."""
         if batch.fill is not None:
-            return two_sweep(self, batch)
+            raise ValueError(f"{type(self).__name__}.run is the exact forward; a two-sweep step runs through fill/")
         return ForwardOutput(
             self.forward(batch.input_ids, batch.positions, batch.attention, batch.caches, batch.logit_rows)
         )
@@ -95,6 +102,14 @@ class HybridLM:
         """Final hidden rows [R, d] -> float32 logits [R, V]."""
         x = zero_centred_rms_norm(h, self.weights.final_norm, self.config.rms_norm_eps)
         return F.linear(x, self.weights.lm_head).float()
+
+    def keeps_kv(self, layer: int) -> bool:
+        """Attention layers keep paged K/V; Gated DeltaNet layers a recurrent state."""
+        return not self.config.family_config.is_linear(layer)
+
+    def window(self, layer: int) -> int:
+        """No layer has a sliding window."""
+        return 0
 
     def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """Layer i's feed-forward half: h [N, d] -> h + mlp(norm(h))."""
@@ -138,6 +153,48 @@ class HybridLM:
             if rows is not None:
                 h = h[rows]
         return self.mlp(i, h + mixed)
+
+    def late_layer(self, i: int, h: torch.Tensor, late: LateRows, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer i of the two-sweep prefill's late part h [M, d], updated in place where some rows
+        are filled: a Gated DeltaNet layer carries its state over every row, from x̂_i on filled
+        rows (they compute only that state update: no output, no attention, no MLP); the exact
+        rows run everything, over the filled K/V. Returns h ([R, d] for `rows`)."""
+        cfg, w = self.config, self.weights.layers[i]
+        exact = late.exact
+        if cfg.family_config.is_linear(i):
+            x_in = h
+            if late.filled is not None:
+                x_in = h.clone()
+                x_in[late.filled] = late.predicted(i)  # x̂_i: filled rows only carry the state
+            xn = zero_centred_rms_norm(x_in, w.input_norm, cfg.rms_norm_eps)
+            states = late.caches.states
+            mixed = gdn_mixer(
+                xn,
+                w.mixer,
+                cfg.family_config,
+                late.batch,
+                states.state(i),
+                cfg.rms_norm_eps,
+                out_rows=exact,
+                filled=late.share_filled,
+                history=states.histories.get(i) if late.batch.verifies is not None else None,
+            )
+            h_exact = (x_in if exact is None else x_in[exact]) + mixed
+        elif exact is not None and exact.numel() == 0:
+            return h if rows is None else h[rows]  # every row of the step is filled: nothing attends
+        else:
+            h_exact = h if exact is None else h[exact]
+            x = zero_centred_rms_norm(h_exact, w.input_norm, cfg.rms_norm_eps)
+            h_exact = h_exact + self.attention(
+                i, x, late.rope, late.exact_batch, kv_pool_of(late.caches), on_q=late.on_q
+            )
+        if h_exact.shape[0]:
+            h_exact = self.mlp(i, h_exact)
+        if exact is None:
+            h = h_exact
+        else:
+            h[exact] = h_exact
+        return h if rows is None else h[rows]
 
     def attention(
         self, layer: int, x: torch.Tensor, rope, batch: AttentionBatch, kv, rows: torch.Tensor | None = None, on_q=None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ridgefill_runtime.fill.terminal_state import correct_state, filled_share, share_update
+from ridgefill_runtime.fill.terminal_state import correct_state, filled_share
+from ridgefill_runtime.layers.gated_deltanet import share_update
 
 HEADS, N = 3, 40
 

@@ -1,9 +1,11 @@
 """Per-sequence state the two-sweep prefill carries between steps: every row's split state x_S
 (the late sweep and the probe start from it) and the selectors' attention accumulators. Runner-
-owned: the model returns split states and attention (ForwardOutput), the runner writes them here.
+owned: a two-sweep step (fill/two_sweep.py) returns split states and attention (ForwardOutput),
+the runner writes them here.
 
-Stashes live in the state pool (cache/state_pool.py), one per state slot, and the cache
-manager frees them with the slot: at the end of the prefill, at a preemption, at the end."""
+Stashes live in the state pool (state_pool.py), one per state slot, and the cache manager frees
+them with the slot: at the end of the prefill, at a preemption, at the end. NOTE: here, below the
+fill, so that the pool can hold them."""
 
 from __future__ import annotations
 
