@@ -104,9 +104,9 @@ def carry_seconds(model, maps, ids: list[int], split: int, tail: int) -> float:
     norm, in_proj, conv and scan over the n - tail prefix rows (their states only)."""
     from ridgefill_runtime.cache.spec import RecurrentCache
     from ridgefill_runtime.fill.capture import run_layer_inputs
-    from ridgefill_runtime.layers.attention import AttentionBatch
     from ridgefill_runtime.layers.gated_deltanet import gdn_mixer, state_shapes
     from ridgefill_runtime.layers.zero_centred_norm import zero_centred_rms_norm
+    from ridgefill_runtime.step_layout import SeqLayout, attention_batch
 
     cfg = model.config
     xs = {}
@@ -120,9 +120,7 @@ def carry_seconds(model, maps, ids: list[int], split: int, tail: int) -> float:
             continue
         w = model.weights.layers[layer]
         state = {name: torch.zeros((1, *shape)) for name, shape in parts}
-        batch = AttentionBatch(
-            query_starts=[0, m], context_lens=[m], write_slots=x_split.new_empty(0), read_slots=[None], state_slots=[0]
-        )
+        batch = attention_batch([SeqLayout(rows=m, context_len=m, state_slot=0)], x_split.new_empty(0))
         xn = zero_centred_rms_norm(maps.predict(layer, x_split), w.input_norm, cfg.rms_norm_eps)
         gdn_mixer(
             xn, w.mixer, cfg.hybrid, batch, state, cfg.rms_norm_eps, out_rows=x_split.new_empty(0, dtype=torch.long)

@@ -27,6 +27,7 @@ import torch
 
 from .layers.attention import AttentionBatch, PagedRows
 from .models.forward import ForwardBatch, run_model
+from .step_layout import SeqLayout, attention_batch
 
 log = logging.getLogger("ridgefill.engine")
 
@@ -133,15 +134,14 @@ class DecodeGraphs:
             all_served=True,
             context_lens=self.context_lens[:size],
         )
-        # NOTE: the host-side lists are placeholders of the right length: with every row served by
-        # the batched kernel (paged_given), no layer reads them
-        batch = AttentionBatch(
-            query_starts=list(range(size + 1)),
-            context_lens=[1] * size,
-            write_slots=self.slots[:size],
-            read_slots=[None] * size,
-            block_tables=self.tables[:size],
+        # NOTE: the sequences' host-side layout is a placeholder of the right length (one row, a
+        # context of 1, no cache read): with every row served by the batched kernel (paged_given),
+        # no layer reads it
+        batch = attention_batch(
+            [SeqLayout(rows=1, context_len=1)] * size,
+            self.slots[:size],
             block_size=self.block_size,
+            block_tables=self.tables[:size],
             paged_given=paged,
         )
         step = ForwardBatch(self.ids[:size], self.positions[:size], batch, self.caches)

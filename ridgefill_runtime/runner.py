@@ -14,7 +14,7 @@ from .config import FillConfig
 from .decode_graphs import DecodeGraphs
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.stash import SplitStash
-from .layers.attention import AttentionBatch, ContextSlots
+from .layers.attention import kv_slots
 from .models.forward import ForwardBatch, ForwardOutput, run_model
 from .sampling import sample_token
 from .self_draft import SelfDrafter, loop_read
@@ -22,6 +22,7 @@ from .speculative import accept_greedy
 from .scheduler import ScheduledSeq, StepResult
 from .sequence import TokenLogprobs
 from .stages import Stage
+from .step_layout import SeqLayout, attention_batch, padded_block_tables
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Runner:
         self.has_terminal_shift = _holds_terminal_shift(maps, self.caches.spec, self.fill_config.split)
         terminal = maps.terminal_shift if self.has_terminal_shift else None
         self.looped = getattr(model.config, "looped", None) is not None
-        self.drafter = SelfDrafter(model, self.caches, self._slots) if self.looped else None
+        self.drafter = SelfDrafter(model, self.caches, self.block_size) if self.looped else None
         self.planner = FillPlanner(
             self.fill_config,
             self.predict,
@@ -193,52 +194,42 @@ class Runner:
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
-        starts = [0]
-        for item in items:
+        seqs: list[SeqLayout] = []
+        dev = self.device
+        tables = padded_block_tables([it.seq.block_table for it in items])  # [B, max_blocks] int32
+        for item, table in zip(items, tables):
             seq = item.seq
             tokens = item.token_ids()  # NOTE: a speculating decode ends with its draft
             if drafts and seq.seq_id in drafts:  # a looped model's own draft replaces the placeholders
                 tokens = tokens[: len(tokens) - len(item.draft)] + drafts[seq.seq_id]
             ids.extend(tokens)
             # NOTE: a recover item's rows are scattered positions, each reading the cache up to itself
-            pos.append(torch.arange(item.start, item.end) if item.positions is None else torch.tensor(item.positions))
-            starts.append(starts[-1] + item.num_tokens)
-        tables = _block_tables([it.seq.block_table for it in items])  # [B, max_blocks] int32
-        for i, p in enumerate(pos):
-            write.append(self._slots(tables[i].long(), p))
-        dev = self.device
+            p = torch.arange(item.start, item.end) if item.positions is None else torch.tensor(item.positions)
+            pos.append(p)
+            write.append(kv_slots(table.long(), p, self.block_size))
+            seqs.append(
+                SeqLayout(
+                    rows=item.num_tokens,
+                    context_len=item.end,
+                    # NOTE: a fresh prefill (start 0) has all its K/V in hand and reads no cache
+                    read_table=None if item.start == 0 and item.positions is None else seq.block_table,
+                    query_pos=None if item.positions is None else p.to(dev),
+                    state_slot=seq.state_slot,
+                    verifies=bool(item.draft),
+                )
+            )
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)  # noqa: E731
-        ends = [it.end for it in items]
-        # NOTE: a fresh prefill (start 0) has all its K/V in hand and reads no cache
-        read = ContextSlots(
-            [None if it.start == 0 and it.positions is None else it.seq.block_table for it in items],
-            ends,
-            self.block_size,
-            dev,
-        )
-        scattered = [p.to(dev) if it.positions is not None else None for it, p in zip(items, pos)]
-        batch = AttentionBatch(
-            query_starts=starts,
-            context_lens=ends,
-            write_slots=cat(write).to(dev),
-            read_slots=read,
-            query_pos=scattered if any(q is not None for q in scattered) else None,
-            state_slots=[it.seq.state_slot for it in items],
-            verifies=[bool(it.draft) for it in items] if any(it.draft for it in items) else None,
-            block_tables=tables.to(dev),
-            block_size=self.block_size,
+        batch = attention_batch(
+            seqs, cat(write).to(dev), block_size=self.block_size, device=dev, block_tables=tables.to(dev)
         )
         return torch.tensor(ids, dtype=torch.int64, device=dev), cat(pos).to(dev), batch
-
-    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _seq_slots(self, seq, start: int, end: int) -> torch.Tensor:
         return self._seq_slots_at(seq, torch.arange(start, end))
 
     def _seq_slots_at(self, seq, positions: torch.Tensor) -> torch.Tensor:
         table = torch.tensor(seq.block_table, dtype=torch.int64, device=positions.device)
-        return self._slots(table, positions).to(self.device)
+        return kv_slots(table, positions, self.block_size).to(self.device)
 
     def _logit_rows(self, items: list[ScheduledSeq], fill=None):
         """Rows needing logits: the last row of a sampling item, every row (from the fill
@@ -367,13 +358,6 @@ def _token_logprobs(
 def _pairs(ids: torch.Tensor, values: torch.Tensor) -> list[tuple[tuple[int, float], ...]]:
     """Rows of top-k (ids [T, k], logprobs [T, k]) as tuples of (id, logprob) pairs."""
     return [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-
-
-def _block_tables(tables: list[list[int]]) -> torch.Tensor:
-    """int32 [B, max_blocks], each sequence's table padded with block 0 (never read: a row reads
-    positions below its context length only)."""
-    width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).reshape(len(tables), width)
 
 
 def _scored(item: ScheduledSeq) -> bool:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from .layers.attention import AttentionBatch
+from .layers.attention import kv_slots
 from .layers.loop_attention import LoopRead
 from .models.forward import ForwardBatch, run_model
 from .sequence import Sequence
+from .step_layout import SeqLayout, attention_batch
 
 
 def loop_read(seq: Sequence, draft: bool = False) -> LoopRead:
@@ -29,9 +30,8 @@ def loop_read(seq: Sequence, draft: bool = False) -> LoopRead:
 
 
 class SelfDrafter:
-    def __init__(self, model, caches, slots_at):
-        """slots_at(table [blocks] int64, positions [n]) -> cache slots [n]."""
-        self.model, self.caches, self.slots_at = model, caches, slots_at
+    def __init__(self, model, caches, block_size: int):
+        self.model, self.caches, self.block_size = model, caches, block_size
 
     def __call__(self, items) -> dict[int, list[int]]:
         spec = [it for it in items if it.draft]
@@ -48,18 +48,15 @@ class SelfDrafter:
         """One d-loop pass: row k is token k at position start + g of live[k]'s sequence."""
         device = self.model.device
         positions = torch.tensor([it.start + g for it in live], dtype=torch.int64)
-        write, read = [], []
+        write, seqs = [], []
         for it, p in zip(live, positions.tolist()):
             table = torch.tensor(it.seq.block_table, dtype=torch.int64)
-            write.append(self.slots_at(table, torch.tensor([p])))
-            read.append(self.slots_at(table, torch.arange(p + 1)).to(device))
-        batch = AttentionBatch(
-            query_starts=list(range(len(live) + 1)),
-            context_lens=[p + 1 for p in positions.tolist()],
-            write_slots=torch.cat(write).to(device),
-            read_slots=read,
-            state_slots=[it.seq.state_slot for it in live],
-        )
+            write.append(kv_slots(table, torch.tensor([p]), self.block_size))
+            seqs.append(
+                SeqLayout(rows=1, context_len=p + 1, read_table=it.seq.block_table, state_slot=it.seq.state_slot)
+            )
+        # NOTE: no block tables: the pass's paged layers (prelude, coda) take the per-sequence path, not the batched kernel
+        batch = attention_batch(seqs, torch.cat(write).to(device), block_size=self.block_size, device=device)
         reads = tuple(loop_read(it.seq, draft=True) for it in live)
         ids = torch.tensor(tokens, dtype=torch.int64, device=device)
         out = run_model(self.model, ForwardBatch(ids, positions.to(device), batch, self.caches, None, None, reads))

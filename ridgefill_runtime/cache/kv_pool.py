@@ -120,8 +120,3 @@ class KVPool:
             return 0
         k = next(iter(slabs.values()))
         return 2 * len(slabs) * k.shape[1] * k.shape[2] * k.element_size()
-
-
-def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Slots of positions [start, end) under a block table."""
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]

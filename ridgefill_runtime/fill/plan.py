@@ -17,6 +17,7 @@ import torch
 from ..config import FillConfig
 from ..layers.attention import AttentionBatch
 from ..stages import Stage
+from ..step_layout import SeqLayout, attention_batch
 from .step import FillStep, MassRequest, Predictor, Rescale
 
 SlotsOf = Callable[[object, torch.Tensor], torch.Tensor]  # (seq, positions [n]) -> cache slots [n]
@@ -296,17 +297,20 @@ class _Parts:
             for k in range(len(self.ctx))
             if self.q_pos[k] is None
         ]
-        batch = AttentionBatch(
-            query_starts=self.starts,
-            context_lens=self.ctx,
-            write_slots=cat(self.write),
-            read_slots=self.read,
-            query_pos=self.q_pos,
-            key_pos=self.k_pos,
-            state_slots=self.slots,
-            state_fresh=self.fresh,
-            verifies=self.verifies if any(self.verifies) else None,
-        )
+        seqs = [
+            SeqLayout(
+                rows=self.starts[k + 1] - self.starts[k],
+                context_len=self.ctx[k],
+                read_slots=self.read[k],
+                query_pos=self.q_pos[k],
+                key_pos=self.k_pos[k],
+                state_slot=self.slots[k],
+                fresh=self.fresh[k],
+                verifies=self.verifies[k],
+            )
+            for k in range(len(self.ctx))
+        ]
+        batch = attention_batch(seqs, cat(self.write))
         filled, exact, exact_batch = self._exact_part(batch, device)
         late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
         step = FillStep(
@@ -359,13 +363,9 @@ class _Parts:
             k_pos.append(self.k_pos[k])
             slots.append(self.slots[k])
         exact = (~filled).nonzero().flatten()  # [E]
-        exact_batch = AttentionBatch(
-            query_starts=starts,
-            context_lens=ctx,
-            write_slots=batch.write_slots[exact],
-            read_slots=read,
-            query_pos=q_pos,
-            key_pos=k_pos,
-            state_slots=slots,
-        )
+        seqs = [
+            SeqLayout(rows=hi - lo, context_len=c, read_slots=r, query_pos=q, key_pos=kp, state_slot=slot)
+            for lo, hi, c, r, q, kp, slot in zip(starts, starts[1:], ctx, read, q_pos, k_pos, slots)
+        ]
+        exact_batch = attention_batch(seqs, batch.write_slots[exact])
         return filled, exact, exact_batch

@@ -16,9 +16,16 @@ from ..ops.scattered_rows_attention import compiled_for, scattered_rows_attentio
 CPU_PAGED_MAX_ROWS = 32
 
 
-@dataclass
+def kv_slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots [n] int64 of positions [n] under one sequence's block table [blocks] int64:
+    position p lives at offset p % block_size of block table[p // block_size]."""
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+@dataclass(frozen=True)
 class AttentionBatch:
-    """Where each sequence's rows sit in the flat batch and where its K/V live.
+    """Where each sequence's rows sit in the flat batch and where its K/V live. Built by
+    step_layout.attention_batch from each sequence's layout.
 
     Sequence i owns rows query_starts[i]:query_starts[i+1]; they are its last positions,
     so it sees positions 0..context_lens[i]-1 after this step's rows are written.
@@ -27,7 +34,7 @@ class AttentionBatch:
     query_starts: list[int]  # [B+1]
     context_lens: list[int]  # [B]
     write_slots: torch.Tensor  # [N] int64, cache slot of each row
-    read_slots: list[torch.Tensor | None]  # per sequence [ctx] int64; None: all context is in this step
+    read_slots: ContextSlots  # per sequence the slots [K_i] int64 of its keys; None: all context is in this step
     # Scattered rows (RidgeFill's exact prefix rows, the probe): per sequence the rows' own
     # positions [n_i] and the positions of the keys in read_slots [ctx_i]; a row sees the keys
     # at positions <= its own. None: the rows are the last positions and keys are 0..ctx-1.
@@ -43,7 +50,7 @@ class AttentionBatch:
     # its state after every row (StatePool.history) so the rejected rows can be rolled back.
     verifies: list[bool] | None = None
     # The paged cache's layout, for the batched kernel: int32 [B, max_blocks] block tables (each
-    # padded with 0) and the block size; None where the caller built read_slots by hand.
+    # padded with 0) and the block size; None where every sequence attends on its own path.
     block_tables: torch.Tensor | None = None
     block_size: int = 0
     # The batched kernel's rows, given rather than built from the lists above: a replayed decode
@@ -71,9 +78,7 @@ class AttentionBatch:
 
     def reads_cache(self, i: int) -> bool:
         """Sequence i reads K/V from the cache (not all of its context is in this step)."""
-        if isinstance(self.read_slots, ContextSlots):
-            return self.read_slots.reads(i)
-        return self.read_slots[i] is not None
+        return self.read_slots.reads(i)
 
     def scattered(self, i: int) -> bool:
         return self.query_pos is not None and self.query_pos[i] is not None
@@ -93,28 +98,45 @@ class AttentionBatch:
 
 
 class ContextSlots:
-    """An AttentionBatch's read_slots, each computed on first use from its block table: the
-    batched kernel reads the tables themselves, so a decode step builds no per-position list;
-    only the per-sequence paths (a prefill chunk, the probe) gather and ask for one."""
+    """An AttentionBatch's read_slots: per sequence, the cache slots its rows read keys from, or
+    None where all of its context is in this step (a fresh prefill reads no cache).
 
-    def __init__(self, tables: list[list[int] | None], lens: list[int], block_size: int, device):
+    A sequence reading positions 0..ctx_i-1 through its block table (`tables`) has its slots made
+    on first use: the batched kernel reads the tables themselves, so a decode step builds no
+    per-position list; only the per-sequence paths (a prefill chunk, a draft pass) gather and ask
+    for one. A sequence reading chosen keys (the fill's late part, AttentionBatch.key_pos) comes
+    with its slots made (`given`)."""
+
+    def __init__(
+        self,
+        tables: list[list[int] | None],
+        lens: list[int],
+        block_size: int,
+        device,
+        given: list[torch.Tensor | None] | None = None,
+    ):
+        given = given if given is not None else [None] * len(tables)
+        if not len(tables) == len(lens) == len(given):
+            raise ValueError(f"ContextSlots: {len(tables)} tables, {len(lens)} lengths, {len(given)} given slot lists")
+        if any(t is not None and s is not None for t, s in zip(tables, given)):
+            raise ValueError("ContextSlots: a sequence reads through its block table or from given slots, not both")
         self._tables, self._lens, self._block, self._device = tables, lens, block_size, device
-        self._made: dict[int, torch.Tensor] = {}
+        self._made: dict[int, torch.Tensor] = {i: s for i, s in enumerate(given) if s is not None}
 
     def __len__(self) -> int:
         return len(self._tables)
 
     def reads(self, i: int) -> bool:
-        return self._tables[i] is not None
+        return self._tables[i] is not None or i in self._made
 
     def __getitem__(self, i: int) -> torch.Tensor | None:
-        """Slots [ctx_i] int64 of positions 0..ctx_i-1; None: all of the context is in this step."""
-        if self._tables[i] is None:
-            return None
+        """Slots [K_i] int64 (positions 0..ctx_i-1 through the table); None: all of the context is
+        in this step."""
         if i not in self._made:
-            pos = torch.arange(self._lens[i])
+            if self._tables[i] is None:
+                return None
             table = torch.tensor(self._tables[i], dtype=torch.int64)
-            self._made[i] = (table[pos // self._block] * self._block + pos % self._block).to(self._device)
+            self._made[i] = kv_slots(table, torch.arange(self._lens[i]), self._block).to(self._device)
         return self._made[i]
 
     def __iter__(self):
