@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.kv_pool import slots_for
 from ..config import FillConfig, RowsConfig
 from ..engine import apply_fill
+from ..layers.attention import kv_slots
 from ..fill.select import RowSelector
 from ..cache.split_stash import SplitStash
 from ..sequence import SamplingParams, Sequence
@@ -66,7 +66,8 @@ class PromptSession:
     def _prompt_slots(self) -> torch.Tensor:
         """Cache slots [N] of the prompt's positions."""
         seq, block_size = self.seq, self.drive.caches.block_size
-        return torch.tensor(slots_for(seq.block_table, 0, seq.num_tokens, block_size), device=self.model.device)
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        return kv_slots(table, torch.arange(seq.num_tokens), block_size).to(self.model.device)
 
     def _read_late_kv(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The prompt's K/V [N, Hkv, D] at every attention layer from the split on, as the lower
