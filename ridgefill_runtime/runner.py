@@ -340,7 +340,7 @@ def _token_logprobs(
         return {}
     logp = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(-1)  # [T, V]
     chosen = logp.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-    k = max(item.seq.params.logprobs for item, _ in asking)
+    k = max(item.seq.params.logprobs or 0 for item, _ in asking)  # every asking item has logprobs set
     if k:
         best = logp.topk(k, -1)
         top = _pairs(best.indices, best.values)

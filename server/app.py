@@ -101,6 +101,7 @@ class ServerState:
         step that hangs must not keep the process alive)."""
         self.begin_shutdown()
         if self._stopper is not None:
+            assert self._stop_by is not None, "begin_shutdown sets the deadline with the stopper"
             await asyncio.to_thread(self._stopper.join, max(0.0, self._stop_by - time.monotonic()))
 
 

@@ -83,7 +83,7 @@ class GuardedH11Protocol(H11Protocol):
         """No request in progress: idle, or its request head has not fully arrived."""
         return self.cycle is None or self.cycle.response_complete
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if not self._guard.admit(self):
             transport.write(_refusal(self._guard.cap))

@@ -88,6 +88,7 @@ class ServerMetrics(EngineObserver):
 
     def on_finish(self, handle: RequestHandle) -> None:
         t = handle.times
+        assert t.finished is not None, "on_finish runs once the request has finished"
         self.e2e.observe(t.finished - t.arrival)
         if t.scheduled is not None:
             self.queue_time.observe(t.scheduled - t.arrival)

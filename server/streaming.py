@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -66,7 +66,9 @@ def sse(payload: BaseModel | dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def choice_events(engine: AsyncEngine, handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamEvent]]:
+async def choice_events(
+    engine: AsyncEngine, handles: list[RequestHandle]
+) -> AsyncGenerator[tuple[int, StreamEvent], None]:
     """Every choice's events, tagged with its index, as they arrive; if the consumer stops
     early (a disconnect, an error), abort every choice not yet finished."""
     open_choices = set(range(len(handles)))
@@ -172,7 +174,7 @@ def completion_choice(stream: CompletionChoiceStream, out: Outcome) -> Completio
     pieces = stream.pieces(event)
     logprobs = None
     if stream.logprobs:
-        logprobs = sum((p.logprobs for p in pieces[1:]), pieces[0].logprobs)
+        logprobs = sum((p.logprobs for p in pieces[1:]), pieces[0].logprobs)  # type: ignore[type-var]  # stream.logprobs: every piece has them
     return CompletionChoice(
         index=stream.index, text="".join(p.text for p in pieces), logprobs=logprobs, finish_reason=out.finish_reason
     )

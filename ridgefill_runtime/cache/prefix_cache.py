@@ -106,7 +106,10 @@ class PrefixCache:
             return NO_HIT
         bs, prompt = self.block_size, seq.prompt_ids
         ids = (EXACT,) if seq.cache_identity == EXACT else (EXACT, seq.cache_identity)
-        blocks, keys, exact, parent, waits = [], [], [], ROOT, False
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        exact: list[int] = []
+        parent, waits = ROOT, False
         for i in range((len(prompt) - 1) // bs):
             tokens = prompt[i * bs : (i + 1) * bs]
             found = next(

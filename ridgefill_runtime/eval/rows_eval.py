@@ -255,8 +255,8 @@ def main(argv=None) -> int:
 
 def report(out: Path, arms_arg: str = DEFAULT_ARMS) -> str:
     """Merge the shards in `out` into summary.json and table.md."""
-    needles = sum((json.loads(p.read_text()) for p in sorted(out.glob("needles.*.json"))), [])
-    docs = sum((json.loads(p.read_text()) for p in sorted(out.glob("docs.*.json"))), [])
+    needles: list[dict] = sum((json.loads(p.read_text()) for p in sorted(out.glob("needles.*.json"))), [])
+    docs: list[dict] = sum((json.loads(p.read_text()) for p in sorted(out.glob("docs.*.json"))), [])
     arms = arm_list(arms_arg.split(","))
     summary = summarize(needles, docs, arms)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -137,7 +137,7 @@ def content_window(ids: Sequence[int], table: TokenTable, window_end: int, n: in
     """Positions of the last n content tokens before window_end: in a chat prompt, the end of the
     user's last turn, which is where the question usually is."""
     mask = template_mask(ids, table, window_end)
-    out = []
+    out: list[int] = []
     for p in range(len(mask) - 1, -1, -1):
         if len(out) >= n:
             break

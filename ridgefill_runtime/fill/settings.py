@@ -201,7 +201,8 @@ def fill_for_arm(
     `serve`'s: --fill-mode, --fill-split, ...), with `arm` (--arm, FillConfig's word for
     fill.mode) and `selectors` (--selectors) over those. `model` None is the embedded default
     model (see resolve_fill)."""
-    values, origin = new_fill_values(), {}
+    values = new_fill_values()
+    origin: dict[str, str] = {}
     if config_file is not None:
         for dotted, value in flatten(read_toml(config_file)):
             if dotted.partition(".")[0] == "fill":

@@ -35,7 +35,8 @@ def two_sweep(model, batch: ForwardBatch) -> ForwardOutput:
         raise ValueError(f"{type(model).__name__} has no two-sweep prefill")
     fill: FillStep = batch.fill
     kv = kv_pool_of(batch.caches)
-    lower_mass, late_mass = [[] for _ in fill.lower.mass], [[] for _ in fill.late.mass]
+    lower_mass: list[list[torch.Tensor]] = [[] for _ in fill.lower.mass]
+    late_mass: list[list[torch.Tensor]] = [[] for _ in fill.late.mass]
     h = model.embed(batch.input_ids)  # [N, d]
     rope = model.rope(batch.positions)
     on_q = mass_hook(fill.lower.mass, kv, lower_mass, model.scale, model.window)

@@ -92,7 +92,7 @@ class AttentionBatch:
     def row_positions(self, i: int, device) -> torch.Tensor:
         """Positions [n_i] of sequence i's rows."""
         if self.scattered(i):
-            return self.query_pos[i]
+            return self.query_pos[i]  # type: ignore[return-value]  # scattered(i): query_pos[i] is set
         lo, hi = self.query_starts[i], self.query_starts[i + 1]
         return torch.arange(self.context_lens[i] - (hi - lo), self.context_lens[i], device=device)
 
@@ -286,7 +286,7 @@ def _context(k_new, v_new, kv, layer: int, batch: AttentionBatch, i: int, window
         first = batch.first_row_position(i) - window + 1
         if k_pos is None:
             keep = max(first, 0)
-            return *kv.read(layer, slots[keep:]), torch.arange(keep, len(slots), device=slots.device)
+            return *kv.read(layer, slots[keep:]), torch.arange(keep, len(slots), device=slots.device)  # type: ignore[call-overload]
         visible = k_pos >= first
         slots, k_pos = slots[visible], k_pos[visible]
     return *kv.read(layer, slots), k_pos

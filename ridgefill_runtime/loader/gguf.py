@@ -146,7 +146,7 @@ def packed_tensors(path: Path, config: ModelConfig) -> dict:
 
     reader = open_gguf(path)
     family = family_for_gguf(_field(reader, "general.architecture"), str(path))
-    out = {}
+    out: dict[str, object] = {}
     if not family.packed_weights:
         return out
     for tensor in reader.tensors:

@@ -488,8 +488,8 @@ def _tokenizer_from_hf_folder(folder: Path) -> Tokenizer:
     if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
 
         def wrapping(name: str, flag: str) -> tuple[str, int] | None:
-            wanted = config.get(flag) and ids[name] is not None
-            return (template_tokens[name], ids[name]) if wanted else None
+            token_id = ids[name]
+            return (template_tokens[name], token_id) if config.get(flag) and token_id is not None else None
 
         backend.post_processor = _bos_eos_post_processor(
             wrapping("bos_token", "add_bos_token"), wrapping("eos_token", "add_eos_token")

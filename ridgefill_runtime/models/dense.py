@@ -55,7 +55,7 @@ class DenseLM:
         A family may return more tensors (one pair per RoPE base); layer_rope picks a layer's."""
         return self.rotary.lookup(positions, self.dtype)
 
-    def layer_rope(self, layer: int, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_rope(self, layer: int, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The (cos, sin) pair of `rope` that `layer` turns by."""
         return rope
 

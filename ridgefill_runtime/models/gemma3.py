@@ -178,7 +178,7 @@ class Gemma3LM(DenseLM):
         """(cos, sin) of the global base, then of the local base: each [N, 1, D/2]."""
         return self.rotary.lookup(positions, self.dtype) + self.local_rotary.lookup(positions, self.dtype)
 
-    def layer_rope(self, layer: int, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_rope(self, layer: int, rope: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         return rope[2:] if self.window(layer) else rope[:2]
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ class GroupedInts:
             raise ValueError(f"min must be {self.scale.dtype} {groups}, got {self.min.dtype} {tuple(self.min.shape)}")
 
     @property
-    def shape(self) -> tuple[int, int]:
+    def shape(self) -> tuple[int, ...]:
         return tuple(self.q.shape)
 
 
