@@ -87,7 +87,7 @@ class FillPlanner:
 
     def build(self, items, batch: AttentionBatch) -> PlannedFill:
         """batch: the lower part's layout (one entry per full / lower item, in item order)."""
-        acc = _Parts()
+        acc = _Parts(self.device)
         lower_k = 0
         for item in items:
             if item.kind.from_tokens:
@@ -104,13 +104,7 @@ class FillPlanner:
             else:
                 self._late_item(item, acc)
         return acc.finish(
-            self.config.split,
-            self.predict,
-            self.width,
-            self.dtype,
-            self.device,
-            self.terminal_shift,
-            self.defer_windows,
+            self.config.split, self.predict, self.width, self.dtype, self.terminal_shift, self.defer_windows
         )
 
     # -- the three kinds of item ----------------------------------------------------------------
@@ -122,8 +116,7 @@ class FillPlanner:
         acc.exit_rows.append(rows)
         if self.predict is not None and seq.fill_arm != "nofill":
             n_fill = max(0, min(seq.fill_boundary - item.start, item.num_tokens))
-            acc.fill_rows.append(rows[:n_fill])
-            acc.fill_slots.append(slots[:n_fill])
+            acc.fills.append((rows[:n_fill], slots[:n_fill]))
         if seq.rows.lower_attention:
             self._window_mass(item, rows, acc)
 
@@ -138,10 +131,8 @@ class FillPlanner:
             return
         keys = torch.arange(item.end, device=self.device)
         pick = rows[lo - item.start : hi - item.start]
-        acc.lower_mass.append(
-            MassRequest(layers, pick, torch.arange(lo, hi, device=self.device), self.slots_of(seq, keys), keys)
-        )
-        acc.lower_into.append(self.states.stash(seq.state_slot).attention)
+        request = MassRequest(layers, pick, torch.arange(lo, hi, device=self.device), self.slots_of(seq, keys), keys)
+        acc.lower_mass.append((request, self.states.stash(seq.state_slot).attention))
 
     def _stay_item(self, item, rows, batch: AttentionBatch, k: int, acc: _Parts) -> None:
         seq = item.seq
@@ -153,16 +144,16 @@ class FillPlanner:
             )
             read = self.slots_of(seq, key_pos)
         acc.stay_rows.append(rows)
-        acc.add_late(
-            item.num_tokens,
-            batch.write_slots[rows],
-            item.end,
-            read,
-            None,
-            key_pos,
-            seq.state_slot,
+        layout = SeqLayout(
+            rows=item.num_tokens,
+            context_len=item.end,
+            read_slots=read,
+            key_pos=key_pos,
+            state_slot=seq.state_slot,
+            fresh=item.end == item.num_tokens,  # its recurrent states start afresh iff it starts the prompt
             verifies=bool(item.draft),
         )
+        acc.add_late(layout, batch.write_slots[rows])
 
     def _late_item(self, item, acc: _Parts) -> None:
         seq = item.seq
@@ -172,31 +163,24 @@ class FillPlanner:
         read = self.slots_of(seq, keys if keys is not None else torch.arange(item.end, device=self.device))
         if self.defer_windows and seq.fill_arm != "nofill" and not seq.carry_all_rows:
             self._window_writes(seq, stash, pos, acc)
-        start = acc.late_size
-        acc.late_x.append(stash.x[pos])
-        acc.late_pos.append(pos)
-        acc.late_to.append(torch.arange(start, start + item.num_tokens, device=self.device))
         # NOTE: the probe's first rows start a scratch recurrent state (seed 000 §2.4: thrown away;
         # the late sweep starts afresh at position 0), the late sweep's first rows a real one.
-        acc.add_late(
-            item.num_tokens,
-            self.slots_of(seq, pos),
-            read.shape[0],
-            read,
-            pos,
-            keys,
-            seq.state_slot,
+        layout = SeqLayout(
+            rows=item.num_tokens,
+            context_len=read.shape[0],
+            read_slots=read,
+            query_pos=pos,
+            key_pos=keys,
+            state_slot=seq.state_slot,
             fresh=seq.queue_done == 0,
-            filled=self._filled(item, pos),
         )
+        rows = acc.add_late(layout, self.slots_of(seq, pos), x=stash.x[pos], filled=self._filled(item, pos))
         if seq.terminal_state and item.kind is Stage.LATE and item.end == seq.fill_boundary:
-            acc.prefix_ends.append(len(acc.ctx) - 1)
-        rows = torch.arange(start, start + item.num_tokens, device=self.device)
+            acc.prefix_ends.append(len(acc.late) - 1)
         if item.kind is Stage.PROBE:
             key_pos = keys if keys is not None else torch.arange(item.end, device=self.device)
             layers = frozenset(range(self.config.split, self.num_layers)) & self.attention_layers
-            acc.late_mass.append(MassRequest(layers, rows, pos, read, key_pos))
-            acc.late_into.append(stash.probe)
+            acc.late_mass.append((MassRequest(layers, rows, pos, read, key_pos), stash.probe))
         elif self._rescales(seq) and self._measures_rescale(item):
             c = min(self.config.rescale_rows, item.num_tokens)
             acc.rescales.append(
@@ -221,9 +205,7 @@ class FillPlanner:
         if len(need) == 0:
             return
         stash.window_written[need] = True
-        acc.window_x.append(stash.x[need])
-        acc.window_pos.append(need)
-        acc.window_slots.append(self.slots_of(seq, need))
+        acc.windows.append((stash.x[need], need, self.slots_of(seq, need)))
 
     def _filled(self, item, pos: torch.Tensor) -> torch.Tensor | None:
         """[n] bool: which of a late item's rows are filled prefix rows (hybrids walk them too)."""
@@ -271,113 +253,104 @@ class FillPlanner:
         return seq.fill_arm in ("identity", "ridgefill") and (self.config.value_rescale or self.config.key_rescale)
 
 
+@dataclass(frozen=True)
+class _LateEntry:
+    """One item's rows in the late part: where they sit in it, their layout, and where they write."""
+
+    to: torch.Tensor  # [n] int64: the rows' indices in the late part
+    layout: SeqLayout
+    write: torch.Tensor  # [n] int64: their cache slots
+    x: torch.Tensor | None = None  # [n, width]: a queued item's stashed split states (None: a `full` item's rows)
+    filled: torch.Tensor | None = None  # [n] bool: filled prefix rows (a hybrid's late sweep walks them)
+
+
 class _Parts:
-    """Accumulates a FillStep's pieces item by item."""
+    """Accumulates a FillStep's pieces item by item: the lower part's row sets, one _LateEntry per
+    item in the late part, and the measurements asked for (each with its stash accumulator)."""
 
-    def __init__(self):
-        self.exit_rows, self.fill_rows, self.fill_slots, self.stay_rows = [], [], [], []
-        self.late_x, self.late_pos, self.late_to = [], [], []
-        self.starts, self.ctx, self.read, self.q_pos, self.k_pos, self.write = [0], [], [], [], [], []
-        self.lower_mass, self.late_mass, self.rescales = [], [], []
-        self.lower_into, self.late_into = [], []  # the stash accumulator of each mass request
-        self.slots, self.fresh, self.filled, self.prefix_ends, self.verifies = [], [], [], [], []
-        self.window_x, self.window_pos, self.window_slots = [], [], []  # filled rows first reached
+    def __init__(self, device):
+        self.device = device
+        self.exit_rows: list[torch.Tensor] = []  # rows that leave the lower part at the split
+        self.fills: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, slots) writing filled late K/V
+        self.stay_rows: list[torch.Tensor] = []  # rows of `full` items, which go on into the late part
+        self.late: list[_LateEntry] = []
+        self.late_size = 0
+        self.lower_mass: list[tuple[MassRequest, torch.Tensor]] = []  # (request, stash accumulator)
+        self.late_mass: list[tuple[MassRequest, torch.Tensor]] = []
+        self.rescales: list[Rescale] = []
+        self.prefix_ends: list[int] = []  # late entries that end a prefix (the terminal correction)
+        self.windows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (x, pos, slots) first reached
 
-    @property
-    def late_size(self) -> int:
-        return self.starts[-1]
+    def add_late(self, layout: SeqLayout, write, x=None, filled=None) -> torch.Tensor:
+        """Append one item's rows to the late part; returns their indices in it ([n] int64)."""
+        start, self.late_size = self.late_size, self.late_size + layout.rows
+        to = torch.arange(start, self.late_size, device=self.device)
+        self.late.append(_LateEntry(to, layout, write, x, filled))
+        return to
 
-    def add_late(self, n, write, ctx, read, q_pos, k_pos, slot, fresh=None, filled=None, verifies=False) -> None:
-        """fresh None: the rows' recurrent states start from zero iff they start at position 0."""
-        self.slots.append(slot)
-        self.verifies.append(verifies)
-        self.fresh.append(fresh if fresh is not None else ctx == n)
-        self.filled.append(filled)
-        self.starts.append(self.starts[-1] + n)
-        self.ctx.append(ctx)
-        self.read.append(read)
-        self.q_pos.append(q_pos)
-        self.k_pos.append(k_pos)
-        self.write.append(write)
-
-    def finish(self, split, predict, width, dtype, device, terminal_shift=None, defer_windows=False) -> PlannedFill:
+    def finish(self, split, predict, width, dtype, terminal_shift=None, defer_windows=False) -> PlannedFill:
+        device = self.device
         cat = lambda xs: torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64, device=device)  # noqa: E731
-        stay_to = [
-            torch.arange(self.starts[k], self.starts[k + 1], device=device)
-            for k in range(len(self.ctx))
-            if self.q_pos[k] is None
-        ]
-        seqs = [
-            SeqLayout(
-                rows=self.starts[k + 1] - self.starts[k],
-                context_len=self.ctx[k],
-                read_slots=self.read[k],
-                query_pos=self.q_pos[k],
-                key_pos=self.k_pos[k],
-                state_slot=self.slots[k],
-                fresh=self.fresh[k],
-                verifies=self.verifies[k],
-            )
-            for k in range(len(self.ctx))
-        ]
-        batch = attention_batch(seqs, cat(self.write))
-        filled, exact, exact_batch = self._exact_part(batch, device)
-        late_x = torch.cat(self.late_x) if self.late_x else torch.empty(0, width, dtype=dtype, device=device)
+        queued = [e for e in self.late if e.x is not None]
+        batch = attention_batch([e.layout for e in self.late], cat([e.write for e in self.late]))
+        filled, exact, exact_batch = self._exact_part(batch)
+        late_x = torch.cat([e.x for e in queued]) if queued else torch.empty(0, width, dtype=dtype, device=device)
         windows = None
         if defer_windows:  # the rows a late row reaches first this step (maybe none)
-            window_x = torch.cat(self.window_x) if self.window_x else late_x.new_empty(0, width)
-            windows = WindowWrites(window_x, cat(self.window_pos), cat(self.window_slots))
+            window_x = torch.cat([w[0] for w in self.windows]) if self.windows else late_x.new_empty(0, width)
+            windows = WindowWrites(window_x, cat([w[1] for w in self.windows]), cat([w[2] for w in self.windows]))
         step = FillStep(
             split=split,
             predict=predict,
             lower=LowerPart(
                 exit_rows=cat(self.exit_rows),
-                fill_rows=cat(self.fill_rows),
-                fill_slots=cat(self.fill_slots),
+                fill_rows=cat([rows for rows, _ in self.fills]),
+                fill_slots=cat([slots for _, slots in self.fills]),
                 stay_rows=cat(self.stay_rows),
-                mass=tuple(self.lower_mass),
+                mass=tuple(m for m, _ in self.lower_mass),
             ),
             late=LatePart(
                 size=self.late_size,
                 batch=batch,
-                stay_to=cat(stay_to),
+                stay_to=cat([e.to for e in self.late if e.x is None]),
                 x=late_x,
-                pos=cat(self.late_pos),
-                to=cat(self.late_to),
-                mass=tuple(self.late_mass),
+                pos=cat([e.layout.query_pos for e in queued]),
+                to=cat([e.to for e in queued]),
+                mass=tuple(m for m, _ in self.late_mass),
                 rescales=tuple(self.rescales),
             ),
             filled_late=None if filled is None else FilledLateRows(filled, exact, exact_batch),
             terminal=None if terminal_shift is None else TerminalCorrection(terminal_shift, tuple(self.prefix_ends)),
             windows=windows,
         )
-        return PlannedFill(step, self.lower_into, self.late_into)
+        return PlannedFill(step, [into for _, into in self.lower_mass], [into for _, into in self.late_mass])
 
-    def _exact_part(self, batch: AttentionBatch, device):
+    def _exact_part(self, batch: AttentionBatch):
         """With filled rows in the late part: the mask, the other rows' indices and their own
         attention layout (sequences left with no such row drop out of it)."""
-        if all(f is None or not bool(f.any()) for f in self.filled):
+        if all(e.filled is None or not bool(e.filled.any()) for e in self.late):
             return None, None, None
         masks = [
-            f if f is not None else torch.zeros(self.starts[k + 1] - self.starts[k], dtype=torch.bool, device=device)
-            for k, f in enumerate(self.filled)
+            e.filled if e.filled is not None else torch.zeros(e.layout.rows, dtype=torch.bool, device=self.device)
+            for e in self.late
         ]
         filled = torch.cat(masks)  # [M]
-        starts, ctx, read, q_pos, k_pos, slots = [0], [], [], [], [], []
-        for k, mask in enumerate(masks):
+        seqs = []
+        for e, mask in zip(self.late, masks):
             keep = (~mask).nonzero().flatten()
             if len(keep) == 0:
                 continue
-            starts.append(starts[-1] + len(keep))
-            ctx.append(self.ctx[k])
-            read.append(self.read[k])
-            q_pos.append(None if self.q_pos[k] is None else self.q_pos[k][keep])
-            k_pos.append(self.k_pos[k])
-            slots.append(self.slots[k])
+            q = e.layout.query_pos
+            # NOTE: the exact rows' own layout carries no fresh/verifies flags: it serves attention only
+            seqs.append(
+                SeqLayout(
+                    rows=len(keep),
+                    context_len=e.layout.context_len,
+                    read_slots=e.layout.read_slots,
+                    query_pos=None if q is None else q[keep],
+                    key_pos=e.layout.key_pos,
+                    state_slot=e.layout.state_slot,
+                )
+            )
         exact = (~filled).nonzero().flatten()  # [E]
-        seqs = [
-            SeqLayout(rows=hi - lo, context_len=c, read_slots=r, query_pos=q, key_pos=kp, state_slot=slot)
-            for lo, hi, c, r, q, kp, slot in zip(starts, starts[1:], ctx, read, q_pos, k_pos, slots)
-        ]
-        exact_batch = attention_batch(seqs, batch.write_slots[exact])
-        return filled, exact, exact_batch
+        return filled, exact, attention_batch(seqs, batch.write_slots[exact])
