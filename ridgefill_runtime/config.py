@@ -474,10 +474,11 @@ class FillConfig:
     rows: RowsConfig = field(default_factory=RowsConfig)  # exact prefix rows
     reuse_filled: str = setting(
         "reselect",
-        help="what a filled request takes from the prefix cache (cache/prefix_cache.py): reselect (cached "
-        "filled blocks; its own selectors choose its exact rows again, and chosen rows the cache holds filled "
-        "are remade exact) | as-is (cached blocks and their exact rows unchanged, new exact rows only among "
-        "the rows it computes) | never (filled blocks serve only the byte-identical request again)",
+        help="what a filled request takes from the prefix cache (cache/prefix_cache.py; never exact blocks): "
+        "reselect (cached filled blocks; its own selectors choose its exact rows again and the cached rows are "
+        "remade to that choice, so it answers as a fresh fill; no cached blocks with the probe selector) | "
+        "as-is (cached blocks and their exact rows unchanged, new exact rows only among the rows it computes) "
+        "| never (filled blocks serve only the byte-identical request again)",
         choices=REUSE_POLICIES,
     )
 

@@ -144,7 +144,7 @@ class Scheduler:
         (preempting the newest running sequences for the room); False when seq gave way itself.
         NOTE: alone, it holds them alone and needs no copy, so it always runs in the end."""
         seq = item.seq
-        indices = sorted({r // self.blocks.block_size for r in seq.remade_rows})
+        indices = sorted({r // self.blocks.block_size for r in seq.queue})  # NOTE: the rows it recovers
         if not self._preempt_until(seq, step, lambda: self.blocks.num_free >= self.caches.copies_needed(seq, indices)):
             return False
         item.copies = self.caches.make_private(seq, indices)

@@ -9,9 +9,10 @@ offline driver so both walk the same stages.
          chunks; their K/V overwrite the filled ones. The last chunk samples the first token.
          On a hybrid (seq.carry_all_rows) every prefix row takes part: filled rows update the
          late recurrent states from their predicted inputs and nothing else.
-  recover  (reuse_filled = "reselect") prefix rows that came from the prefix cache filled and
-         that the new selection makes exact run the lower layers again, as scattered rows over the
-         cached lower K/V, to recover their split states; the late sweep then takes them too
+  recover  (reuse_filled = "reselect") cached rows whose late K/V the new selection changes (past
+         the first row it chooses otherwise) run the lower layers again, as scattered rows over the
+         cached lower K/V, to recover their split states; rows no longer chosen write their filled
+         late K/V there, and the late sweep takes the chosen ones
   full   an ordinary sequence: no fill, or the fill is done (decode)
 """
 
@@ -154,17 +155,25 @@ def resume_from_cache(seq: Sequence, hit) -> None:
 
 
 def usable_hit(seq: Sequence, hit):
-    """The part of a prefix hit the sequence may start from. Under "reselect" a selector that
-    reads the lower sweep's or the probe's attention needs its window rows computed, so the hit
-    ends before them (token selectors read the prompt alone)."""
-    if not (seq.reselect and seq.fill_boundary and seq.rows.lower_attention):
+    """The part of a prefix hit the sequence may start from. A filled sequence's tail runs every
+    layer: the hit ends before the first cached row at or past its fill boundary that was filled.
+    Under "reselect" a selector that reads the lower sweep's attention needs its window rows
+    computed, so the hit ends before them (token selectors read the prompt alone); the probe reads
+    the late K/V of a prefix filled on every row, which cached blocks are not (their exact rows),
+    so it takes no cached blocks."""
+    if not seq.fill_boundary:
         return hit
+    if hit.num_tokens > seq.fill_boundary:
+        exact = set(hit.exact_rows)
+        filled_tail = next((r for r in range(seq.fill_boundary, hit.num_tokens) if r not in exact), None)
+        if filled_tail is not None:
+            hit = hit.cut(filled_tail)
+    if not (seq.reselect and seq.rows.lower_attention):
+        return hit
+    if "probe" in seq.rows.selectors:
+        return hit.cut(0)
     end = seq.hide_from if seq.hide_from is not None else len(seq.prompt_ids)
-    first = end - max(
-        seq.rows.window if "attention" in seq.rows.selectors else 0,
-        seq.rows.probe_window if "probe" in seq.rows.selectors else 0,
-    )
-    return hit.cut(max(0, first))
+    return hit.cut(max(0, end - seq.rows.window))
 
 
 def probe_rows(seq: Sequence) -> list[int]:
@@ -187,16 +196,30 @@ def finish_lower(seq: Sequence, select: Select) -> None:
 def _enter_late(seq: Sequence, select: Select) -> None:
     chosen = set(select(seq))
     cached_exact = {r for r in seq.exact_rows if r < seq.num_cached}  # from the prefix cache (resume_from_cache)
-    # NOTE: rows below num_cached came from the prefix cache as they were made. "as-is" keeps
-    # them so: only rows the sequence computes itself can be chosen. "reselect" remakes the chosen
-    # ones the cache holds filled, after recovering their split states.
-    seq.remade_rows = sorted(r for r in chosen - cached_exact if r < seq.num_cached) if seq.reselect else []
     new = {r for r in chosen if r >= seq.num_cached}
-    seq.exact_rows = sorted(cached_exact | new | set(seq.remade_rows))
-    if seq.remade_rows:
-        seq.stage, seq.queue, seq.queue_done = Stage.RECOVER, list(seq.remade_rows), 0
-    else:
+    seq.remade_rows = []
+    if not seq.reselect:
+        # NOTE: rows below num_cached came from the prefix cache as they were made. "as-is" keeps
+        # them so: only rows the sequence computes itself can be chosen.
+        seq.exact_rows = sorted(cached_exact | new)
         _start_late_sweep(seq)
+        return
+    # NOTE: "reselect" ends with the fresh fill's rows. A filled row's late K/V depend on its
+    # tokens alone, an exact row's on which rows before it are exact: the cache holds the fresh
+    # fill's K/V below the first row the two choices differ at, and from there on every chosen
+    # row (tail rows included) is remade exact and every other cached exact row is filled again
+    # (undone), both after recovering their split states (issue 32)
+    seq.exact_rows = sorted(chosen)
+    differ = (cached_exact ^ chosen) & set(range(min(seq.num_cached, seq.fill_boundary)))
+    if not differ:
+        _start_late_sweep(seq)
+        return
+    first = min(differ)
+    tail = set(range(max(first, seq.fill_boundary), seq.num_cached))  # cached tail rows: exact, over other rows
+    remade = {r for r in chosen if first <= r < seq.num_cached} | tail
+    undone = {r for r in cached_exact - chosen if r >= first}
+    seq.remade_rows = sorted(remade)
+    seq.stage, seq.queue, seq.queue_done = Stage.RECOVER, sorted(remade | undone), 0
 
 
 def _start_late_sweep(seq: Sequence) -> None:

@@ -6,7 +6,8 @@ rows ran exactly), the block's token ids and the block's *identity*, which says 
 were made. Every exact block has the identity EXACT,
 so any two prompts with a common exact prefix share it. A filled sequence's own blocks carry
 its fill identity (`fill_identity`): arm, split, map file, and, under reuse_filled = "never",
-the whole prompt and its exact-row settings, so they serve only that prompt again.
+the whole prompt and its exact-row settings, so they serve only that prompt again. A filled
+sequence looks up its own identity only: exact blocks would make its filled rows exact.
 
 Why the identity and the chain suffice: an exact block's K/V depend on its tokens and every
 earlier token; a filled block's late K/V on those, on how the fill predicted them and on which
@@ -104,21 +105,20 @@ class PrefixCache:
         sequence ever writes into a block it shares."""
         if seq.cache_identity is None or seq.params.prompt_logprobs:  # NOTE: scoring needs every row's logits
             return NO_HIT
-        bs, prompt = self.block_size, seq.prompt_ids
-        ids = (EXACT,) if seq.cache_identity == EXACT else (EXACT, seq.cache_identity)
+        bs, prompt, identity = self.block_size, seq.prompt_ids, seq.cache_identity
         blocks: list[int] = []
         keys: list[bytes] = []
         exact: list[int] = []
         parent, waits = ROOT, False
         for i in range((len(prompt) - 1) // bs):
             tokens = prompt[i * bs : (i + 1) * bs]
-            found = next(
-                (b for b in (self.blocks.lookup(block_key(parent, tokens, x)) for x in ids) if b is not None), None
-            )
+            # NOTE: a filled request takes filled blocks only: an exact block's late K/V are exact
+            # on every row, so its answer would no longer be its fill's (issue 32)
+            found = self.blocks.lookup(block_key(parent, tokens, identity))
             if found is None:
                 # NOTE: another running sequence computes this block now (n > 1, a burst on one
                 # system prompt): waiting a step or two costs less than computing it twice
-                waits = self._computing.get(block_key(parent, tokens, EXACT), seq.seq_id) != seq.seq_id
+                waits = self._computing.get(block_key(parent, tokens, identity), seq.seq_id) != seq.seq_id
                 break
             offsets = self.blocks.exact_offsets(found)
             parent = history_key(self.blocks.key_of(found), offsets)

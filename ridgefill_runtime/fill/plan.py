@@ -96,8 +96,10 @@ class FillPlanner:
                 if item.kind is Stage.LOWER:
                     self._lower_item(item, rows, batch.write_slots[rows], acc)
                 elif item.kind is Stage.RECOVER:
-                    # NOTE: only the split states: the rows' filled late K/V are remade exactly next
+                    # NOTE: the split states; rows chosen exact are remade by the late sweep next,
+                    # the cached exact rows no longer chosen write their filled late K/V now
                     acc.exit_rows.append(rows)
+                    self._undone_rows(item, rows, batch.write_slots[rows], acc)
                 else:
                     self._stay_item(item, rows, batch, lower_k, acc)
                 lower_k += 1
@@ -119,6 +121,18 @@ class FillPlanner:
             acc.fills.append((rows[:n_fill], slots[:n_fill]))
         if seq.rows.lower_attention:
             self._window_mass(item, rows, acc)
+
+    def _undone_rows(self, item, rows, slots, acc: _Parts) -> None:
+        """A recover item's prefix rows that the sequence does not make exact: filled again."""
+        seq = item.seq
+        if self.predict is None or seq.fill_arm == "nofill":
+            return
+        exact = set(seq.exact_rows)
+        keep = [k for k, p in enumerate(item.positions) if p < seq.fill_boundary and p not in exact]
+        if keep:
+            pick = torch.tensor(keep, dtype=torch.int64, device=self.device)
+            acc.fill_rows.append(rows[pick])
+            acc.fill_slots.append(slots[pick])
 
     def _window_mass(self, item, rows, acc: _Parts) -> None:
         """The attention selector's scores: what the last `window` rows the selectors may see

@@ -337,28 +337,19 @@ def test_reselect_gives_the_second_question_its_own_exact_rows(model):
     drain(eng)
     want, logits, fresh, fresh_seq = alone(model, second.prompt_ids, 4, RESELECT, select=question_rows)
     assert second.num_cached == 40 and second.cached_filled_rows == 40 - len(first.exact_rows)
-    # every row the fresh fill makes exact is exact here; those the first question did not choose were remade
-    assert set(fresh_seq.exact_rows) <= set(second.exact_rows)
-    assert second.remade_rows == sorted(set(fresh_seq.exact_rows) - set(first.exact_rows)) != []
-    assert second.exact_rows == sorted(set(first.exact_rows) | set(fresh_seq.exact_rows))
-    # the filled rows (neither question's) and every row's lower K/V are the fresh fill's
-    filled = [r for r in range(40) if r not in second.exact_rows]
+    # the second question ends with the fresh fill's rows: from the first row the two choices
+    # differ at, its chosen rows were remade exact and the first question's other rows filled again
+    assert second.exact_rows == fresh_seq.exact_rows
+    differ = min(set(first.exact_rows) ^ set(fresh_seq.exact_rows))
+    assert second.remade_rows == [r for r in fresh_seq.exact_rows if r >= differ] != []
+    assert set(first.exact_rows) - set(fresh_seq.exact_rows)  # some rows were filled again
+    # so every row's K/V at every layer, the answer and its logits are the fresh fill's
+    assert second.output_ids == want and rel_err(torch.stack(eng.sampled[second.seq_id]), logits) < 1e-4
     ours, theirs = eng.runner.kv, fresh.runner.kv
     for layer in ours.layers:
-        rows = filled if layer >= RESELECT.split else list(range(40))
         for part in ("k", "v"):
-            a = gather(getattr(ours, part)[layer], eng.tables[second.seq_id], rows)
-            b = gather(getattr(theirs, part)[layer], fresh.tables[fresh_seq.seq_id], rows)
-            assert rel_err(a, b) < 1e-5, (layer, part)
-    # the first remade row and every row before it are what a fresh fill making the same rows
-    # exact computes: the exact rows before it are the first question's, made before it as here
-    first_remade = second.remade_rows[0]
-    _, _, same, same_seq = alone(model, second.prompt_ids, 4, RESELECT, select=lambda seq: list(second.exact_rows))
-    upto = list(range(first_remade + 1))
-    for layer in ours.layers:
-        for part in ("k", "v"):
-            a = gather(getattr(ours, part)[layer], eng.tables[second.seq_id], upto)
-            b = gather(getattr(same.runner.kv, part)[layer], same.tables[same_seq.seq_id], upto)
+            a = gather(getattr(ours, part)[layer], eng.tables[second.seq_id], list(range(48)))
+            b = gather(getattr(theirs, part)[layer], fresh.tables[fresh_seq.seq_id], list(range(48)))
             assert rel_err(a, b) < 1e-5, (layer, part)
     # copy-on-write: the first question's cached blocks are as it left them
     assert snapshot(eng, eng.tables[first.seq_id], 40) == before
@@ -379,3 +370,52 @@ def snapshot(eng: Engine, table: list[int], n: int) -> list[bytes]:
         for layer in kv.layers
         for part in ("k", "v")
     ]
+
+
+def fixed_rows(seq) -> list[int]:
+    return [r for r in EXACT_ROWS if r < seq.fill_boundary]
+
+
+# (policy, selector): every policy a filled request may follow with the cache on ("auto" on a
+# dense model). "as-is" keeps the cached rows' maker's choice, so it equals a fresh fill only when
+# the choice does not depend on the question: it runs with fixed rows.
+POLICIES = [("reselect", question_rows), ("never", question_rows), ("as-is", fixed_rows)]
+
+
+@pytest.mark.parametrize("policy,select", POLICIES, ids=[p for p, _ in POLICIES])
+def test_needles_in_a_shared_document_answer_as_a_fresh_fill(model, policy, select):
+    """Issue 32's shape: one long document, a different needle at a different depth inside the
+    filled prefix of each prompt, a question at the end; each prompt asked filled and exact, in
+    both orders, one after another. Every filled answer and its logits are a fresh fill's (cache
+    off): exact blocks, other questions' exact rows and cached filled rows past the fill boundary
+    never reach it."""
+    vocab = model.config.vocab_size
+    fill = FillConfig(**{**RESELECT.__dict__, "reuse_filled": policy})
+    doc = tokens(60, 130, vocab)
+    prompts = []
+    for i, depth in enumerate((44, 9, 30, 21)):
+        needle, question = tokens(5, 140 + i, vocab), tokens(8, 150 + i, vocab)
+        prompts.append(doc[:depth] + needle + doc[depth:] + question)
+    # the first prompt again, then with its tail moved: past its fill boundary and before it
+    prompts += [prompts[0], prompts[0] + tokens(12, 160, vocab), prompts[0][:-6]]
+    eng = engine(model, fill=fill, select=select)
+    filled = []
+    for i, ids in enumerate(prompts):
+        for wants_fill in (True, False) if i % 2 == 0 else (False, True):
+            seq = eng.add_request(ids, greedy(4), fill=wants_fill)
+            drain(eng)
+            if wants_fill:
+                filled.append(seq)
+    # reuse happened (under "never" only for the repeated prompt)
+    assert sum(seq.num_cached > 0 for seq in filled) >= (1 if policy == "never" else 4)
+    for seq in filled:
+        want, logits, _, fresh = alone(model, seq.prompt_ids, 4, fill, select=select)
+        if policy == "as-is" and seq.exact_rows != fresh.exact_rows:
+            # NOTE: the longer prompt keeps the cached prompt's tail rows exact (as-is takes the
+            # maker's rows): it answers as a fresh fill making those rows exact too
+            assert set(fresh.exact_rows) < set(seq.exact_rows) and seq.num_cached > fresh.fill_boundary - 12
+            want, logits, _, fresh = alone(model, seq.prompt_ids, 4, fill, select=lambda s, rows=seq.exact_rows: rows)
+        assert seq.exact_rows == fresh.exact_rows, (seq.prompt_ids[:3], seq.num_cached)
+        assert seq.output_ids == want
+        assert rel_err(torch.stack(eng.sampled[seq.seq_id]), logits) < 1e-4, seq.num_cached
+    all_blocks_back(eng)
