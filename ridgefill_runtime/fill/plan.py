@@ -131,8 +131,7 @@ class FillPlanner:
         keep = [k for k, p in enumerate(item.positions) if p < seq.fill_boundary and p not in exact]
         if keep:
             pick = torch.tensor(keep, dtype=torch.int64, device=self.device)
-            acc.fill_rows.append(rows[pick])
-            acc.fill_slots.append(slots[pick])
+            acc.fills.append((rows[pick], slots[pick]))
 
     def _window_mass(self, item, rows, acc: _Parts) -> None:
         """The attention selector's scores: what the last `window` rows the selectors may see
