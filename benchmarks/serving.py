@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start_server(serve_args: list[str], port: int, root: Path = ROOT) -> subprocess.Popen:
-    """`python -m server serve <serve_args> --port port` from the tree `root` (another checkout runs
+    """`python -m ridgefill_server serve <serve_args> --port port` from the tree `root` (another checkout runs
     a before/after comparison), healthy; its stderr tail if it dies first."""
     env = {**os.environ, "PYTHONPATH": str(root)}
-    args = [sys.executable, "-m", "server", "serve", *serve_args, "--port", str(port)]
+    args = [sys.executable, "-m", "ridgefill_server", "serve", *serve_args, "--port", str(port)]
     proc = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     for _ in range(600):
         try:
