@@ -30,7 +30,7 @@ def run_clients(port: int, users: int, args, out: Path) -> dict:
         [
             sys.executable,
             "-m",
-            "clients.loadtest",
+            "ridgefill_clients.loadtest",
             "plain",
             "--url",
             f"http://127.0.0.1:{port}",

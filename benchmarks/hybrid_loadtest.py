@@ -129,7 +129,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "clients.loadtest",
+                    "ridgefill_clients.loadtest",
                     "mixed",
                     "--url",
                     f"http://127.0.0.1:{port}",

@@ -42,7 +42,7 @@ def main() -> None:
                 [
                     sys.executable,
                     "-m",
-                    "clients.loadtest",
+                    "ridgefill_clients.loadtest",
                     "plain",
                     "--url",
                     f"http://127.0.0.1:{port}",

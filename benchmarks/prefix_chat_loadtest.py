@@ -25,7 +25,7 @@ def run_clients(port: int, args, out: Path) -> dict:
         [
             sys.executable,
             "-m",
-            "clients.loadtest",
+            "ridgefill_clients.loadtest",
             "chat",
             "--url",
             f"http://127.0.0.1:{port}",

@@ -23,7 +23,7 @@ WORK="$(mktemp -d)"
 "$PY" scripts/lmeval_compare.py tasks "$WORK/tasks"
 "$PY" scripts/lmeval_compare.py tokenizer "$WORK/tokenizer"
 
-"$PY" -m server serve --threads 2 --port "$PORT" > "$WORK/server.log" 2>&1 &
+"$PY" -m ridgefill_server serve --threads 2 --port "$PORT" > "$WORK/server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT  # NOTE: a failed kill in the trap would be the exit status
 for _ in $(seq 1 180); do

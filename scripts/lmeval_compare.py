@@ -191,7 +191,17 @@ def _ridgefill_scores(texts: list[str]) -> list[dict]:
             files.append(Path(tmp) / f"{i}.txt")
             files[-1].write_text(text, encoding="utf-8")
         out = subprocess.run(
-            [sys.executable, "-m", "server", "score", "--json", "--threads", "2", "--text-file", *map(str, files)],
+            [
+                sys.executable,
+                "-m",
+                "ridgefill_server",
+                "score",
+                "--json",
+                "--threads",
+                "2",
+                "--text-file",
+                *map(str, files),
+            ],
             check=True,
             capture_output=True,
             text=True,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from ridgefill_runtime.config import EngineConfig  # noqa: E402
 from ridgefill_runtime.fill.settings import FillSettings  # noqa: E402
 from ridgefill_runtime.settings_file import key_name, operator_tables, settings_fields  # noqa: E402
-from server.config import ServerConfig  # noqa: E402
+from ridgefill_server.config import ServerConfig  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "ridgefill.toml"
 COMMENT_COLUMN = 30  # where a key's comment starts

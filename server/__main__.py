@@ -1,4 +1,4 @@
-"""`python -m server ...`: the `ridgefill` command (server/main.py) without the console script
+"""`python -m ridgefill_server ...`: the `ridgefill` command (server/main.py) without the console script
 (tests, scripts)."""
 
 from __future__ import annotations

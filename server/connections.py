@@ -239,7 +239,7 @@ def uvicorn_config(
         lifespan="on",
         log_level=log_level,
         backlog=LISTEN_BACKLOG,
-        access_log=False,  # NOTE: server.access writes one structured line per request instead
+        access_log=False,  # NOTE: ridgefill_server.access writes one structured line per request instead
         timeout_keep_alive=server_config.keep_alive_s,
         # NOTE: the engine aborts what is left at the grace; this backstop cancels request
         # tasks that still hang after it (a client that stopped reading its stream).

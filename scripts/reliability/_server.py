@@ -1,4 +1,4 @@
-"""A `python -m server serve` subprocess on the embedded model, for the reliability scripts:
+"""A `python -m ridgefill_server serve` subprocess on the embedded model, for the reliability scripts:
 loopback only, single-threaded unless told otherwise, small; stopped by the script that
 started it. Also the client pieces they share: streamed completions that can be cut, and
 /metrics readings."""
@@ -51,7 +51,7 @@ class Server:
             [
                 sys.executable,
                 "-m",
-                "server",
+                "ridgefill_server",
                 "serve",
                 "--host",
                 "127.0.0.1",

@@ -38,9 +38,9 @@ def serve_embedded_model():
     """A BackgroundServer over the embedded model with a 64-token context (4 blocks of 16)."""
     from ridgefill_runtime.config import CacheConfig, EngineConfig
     from ridgefill_runtime.llm import build_engine
-    from server.app import create_app
-    from server.background import BackgroundServer
-    from server.config import load_config
+    from ridgefill_server.app import create_app
+    from ridgefill_server.background import BackgroundServer
+    from ridgefill_server.config import load_config
 
     engine = build_engine(EngineConfig(cache=CacheConfig(num_blocks=4)))
     engine_cfg, server_cfg, fill = load_config(None, {"server.log_level": "error"})

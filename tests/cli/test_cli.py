@@ -235,7 +235,7 @@ def test_fill_config_takes_the_server_keys(tmp_path):
 
 
 def test_fill_config_and_serve_config_give_the_same_fill(tmp_path):
-    from server.config import load_config
+    from ridgefill_server.config import load_config
 
     counts = tmp_path / "counts.json"
     counts.write_text("{}")
@@ -270,7 +270,7 @@ def test_fill_config_refusals_name_the_file(tmp_path):
 def test_the_runtime_imports_no_server_module():
     code = (
         "import sys, ridgefill_runtime.cli, ridgefill_runtime.llm, ridgefill_runtime.fill.settings; "
-        "bad = [m for m in sys.modules if m == 'server' or m.startswith('server.')]; "
+        "bad = [m for m in sys.modules if m == 'ridgefill_server' or m.startswith('ridgefill_server.')]; "
         "assert not bad, bad; ridgefill_runtime.cli.build_parser()"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -288,21 +288,25 @@ def test_the_runtime_imports_no_server_module():
                 if isinstance(node, ast.ImportFrom) and node.level == 0
                 else []
             )
-            assert not any(n == "server" or n.startswith("server.") for n in names), f"{path} imports {names}"
+            assert not any(n == "ridgefill_server" or n.startswith("ridgefill_server.") for n in names), (
+                f"{path} imports {names}"
+            )
 
 
 def test_the_ridgefill_command_lists_and_dispatches_every_command(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "ridgefill_server", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0 and all(c in p.stdout for c in ("generate", "score", "fit", "eval", "serve")), p.stdout
     p = subprocess.run(
-        [sys.executable, "-m", "server", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
+        [sys.executable, "-m", "ridgefill_server", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert p.returncode == 1 and p.stderr.strip() == f"ridgefill: error: {tmp_path / 'nope'}: model path not found"
     p = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--port", "0"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ridgefill_server", "serve", "--port", "0"], capture_output=True, text=True, timeout=60
     )
     assert p.returncode == 1 and "server.port must be in 1..65535" in p.stderr and "Traceback" not in p.stderr
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from clients.loadtest import main, percentile
+from ridgefill_clients.loadtest import main, percentile
 from ridgefill_runtime.config import CacheConfig, EngineConfig
 from ridgefill_runtime.llm import build_engine
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import load_config
+from ridgefill_server.app import create_app
+from ridgefill_server.background import BackgroundServer
+from ridgefill_server.config import load_config
 
 
 @pytest.fixture(scope="module")

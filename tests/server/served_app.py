@@ -7,9 +7,9 @@ import torch
 
 from ridgefill_runtime.config import CacheConfig, EngineConfig
 from ridgefill_runtime.llm import build_engine
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import load_config
+from ridgefill_server.app import create_app
+from ridgefill_server.background import BackgroundServer
+from ridgefill_server.config import load_config
 
 
 def embedded_engine(tmp_path_factory, num_blocks: int, threads: int):

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.background import free_port
-from server.config import ConfigError, load_config
+from ridgefill_server.background import free_port
+from ridgefill_server.config import ConfigError, load_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ridgefill.toml"
 
@@ -27,7 +27,7 @@ def _write(tmp_path, text: str) -> Path:
 def test_example_documents_every_key_and_loads():
     engine, server, fill = load_config(EXAMPLE)
     assert (engine.dtype, engine.scheduler.chunk_size, server.host, fill.mode) == ("float32", 512, "127.0.0.1", "off")
-    from server.config import _SCHEMA
+    from ridgefill_server.config import _SCHEMA
 
     text = EXAMPLE.read_text()
     for section, keys in _SCHEMA.items():
@@ -46,8 +46,8 @@ def test_example_is_generated_from_the_dataclasses():
 
 
 def test_every_flag_sets_a_key_of_the_file():
-    from server.cli_serve import _FLAG_KEYS
-    from server.config import _SCHEMA
+    from ridgefill_server.cli_serve import _FLAG_KEYS
+    from ridgefill_server.config import _SCHEMA
 
     keys = {f"{section}.{key}" for section, table in _SCHEMA.items() for key in table}
     assert set(_FLAG_KEYS.values()) <= keys and len(set(_FLAG_KEYS.values())) == len(_FLAG_KEYS)
@@ -77,8 +77,8 @@ def test_flags_override_the_file(tmp_path):
 
 
 def test_graph_and_prefill_budget_flags_reach_the_engine_config(tmp_path):
-    from server.cli_serve import _FLAG_KEYS
-    from server.main import build_parser
+    from ridgefill_server.cli_serve import _FLAG_KEYS
+    from ridgefill_server.main import build_parser
 
     def flags(*argv):
         args = build_parser().parse_args(["serve", *argv])
@@ -127,7 +127,10 @@ def test_missing_file_is_named(tmp_path):
 def test_bad_config_stops_serve_with_one_line(tmp_path):
     f = _write(tmp_path, "[server]\nprot = 1\n")
     p = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--config", str(f)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ridgefill_server", "serve", "--config", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.strip() == f"ridgefill: error: {f}: unknown key 'server.prot'"
@@ -138,7 +141,7 @@ def test_serve_process_logs_config_binds_loopback_and_enforces_key(tmp_path, tmp
     f = _write(tmp_path, f'[server]\nport = {port}\napi_key = "k1"\nthreads = 1\n[cache]\nnum_blocks = 64\n')
     env = {**__import__("os").environ, "RIDGEFILL_CACHE_DIR": str(tmp_path_factory.getbasetemp() / "rf-cache")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", "--config", str(f), "--log-level", "info"],
+        [sys.executable, "-m", "ridgefill_server", "serve", "--config", str(f), "--log-level", "info"],
         stderr=subprocess.PIPE,
         text=True,
         env=env,

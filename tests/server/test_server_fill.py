@@ -24,9 +24,9 @@ from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.fill.maps import MapMeta, save_maps
 from ridgefill_runtime.fill.settings import SHIPPED_ROWS, shipped_unigram
 from ridgefill_runtime.llm import build_engine, load_fill_maps
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import ConfigError, load_config
+from ridgefill_server.app import create_app
+from ridgefill_server.background import BackgroundServer
+from ridgefill_server.config import ConfigError, load_config
 
 SPLIT, TAIL = 15, 64
 GREEDY = {"temperature": 0, "max_tokens": 8}
@@ -285,7 +285,7 @@ def test_every_fill_key_reaches_the_fill_config(model_and_maps, tmp_path):
 
 def test_fill_rows_table_round_trips_into_the_engine_config(model_and_maps, tmp_path):
     _, maps = model_and_maps
-    from server.config import _SCHEMA
+    from ridgefill_server.config import _SCHEMA
 
     assert {k[len("rows.") :] for k in _SCHEMA["fill"] if k.startswith("rows.")} == set(RowsConfig.__dataclass_fields__)
     counts = tmp_path / "counts.json"
@@ -327,8 +327,8 @@ def test_plain_without_a_rows_table_takes_the_shipped_rows(model_and_maps):
     assert rows == RowsConfig(**{**SHIPPED_ROWS, "unigram": str(shipped_unigram())})
     assert shipped_unigram().is_file()
     # The serve flag sets the selectors only.
-    from server.cli_serve import _FLAG_KEYS
-    from server.main import build_parser
+    from ridgefill_server.cli_serve import _FLAG_KEYS
+    from ridgefill_server.main import build_parser
 
     args = build_parser().parse_args(
         ["serve", "--fill", "plain", "--fill-maps", str(maps[SPLIT]), "--fill-selectors", "special, digits"]
@@ -413,7 +413,10 @@ def test_maps_for_another_split_stop_serve_with_one_line(model_and_maps, tmp_pat
     _, maps = model_and_maps
     f = _config(tmp_path, f'[fill]\nmode = "plain"\nsplit = {SPLIT}\nmaps = "{maps[11]}"\n')
     p = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--config", str(f)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "ridgefill_server", "serve", "--config", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert p.stderr.strip() == (
@@ -424,7 +427,7 @@ def test_maps_for_another_split_stop_serve_with_one_line(model_and_maps, tmp_pat
         [
             sys.executable,
             "-m",
-            "server",
+            "ridgefill_server",
             "serve",
             "--fill",
             "plain",

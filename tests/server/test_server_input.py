@@ -20,10 +20,10 @@ from ridgefill_runtime.engine import Engine
 from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.sampling import sample_token
 from ridgefill_runtime.sequence import SamplingParams
-from server import requests as rq
+from ridgefill_server import requests as rq
 from served_app import app_server, embedded_engine
-from server.config import ServerConfig
-from server.protocol import ChatCompletionRequest
+from ridgefill_server.config import ServerConfig
+from ridgefill_server.protocol import ChatCompletionRequest
 
 JSON = {"content-type": "application/json"}
 USER = '"messages": [{"role": "user", "content": "hi"}]'

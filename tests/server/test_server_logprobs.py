@@ -164,7 +164,7 @@ def test_split_character_tokens_carry_their_bytes(served):
     assert "\ufffd" in "".join(strings), "the test needs a character split over tokens"
     out = _post(served, "/v1/completions", {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 0})
     assert out["choices"][0]["text"] == "日本" and out["choices"][0]["logprobs"]["tokens"] == strings
-    from server.logprobs import TokenStrings
+    from ridgefill_server.logprobs import TokenStrings
 
     tokens = TokenStrings(served.engine.tokenizer)
     assert b"".join(tokens.bytes(t) for t in ids).decode() == "日本"

@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
 from looped_reference import write_tiny_huginn  # noqa: E402
-from server.app import create_app  # noqa: E402
-from server.background import BackgroundServer  # noqa: E402
-from server.config import ConfigError, load_config  # noqa: E402
+from ridgefill_server.app import create_app  # noqa: E402
+from ridgefill_server.background import BackgroundServer  # noqa: E402
+from ridgefill_server.config import ConfigError, load_config  # noqa: E402
 
 PROMPT = [5, 7, 9, 11, 3, 40, 22, 17]
 GREEDY = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}

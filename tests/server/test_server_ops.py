@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.app import create_app
-from server.background import BackgroundServer
-from server.config import ConfigError, load_config
+from ridgefill_server.app import create_app
+from ridgefill_server.background import BackgroundServer
+from ridgefill_server.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _serve_cli(*args: str, env: dict | None = None, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
-    """`python -m server serve ARGS` that also reports whether torch got imported."""
+    """`python -m ridgefill_server serve ARGS` that also reports whether torch got imported."""
     code = (
-        "import sys; from server.__main__ import main; rc = main(sys.argv[1:]); "
+        "import sys; from ridgefill_server.__main__ import main; rc = main(sys.argv[1:]); "
         "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr); sys.exit(rc)"
     )
     start = time.monotonic()
@@ -239,7 +239,7 @@ def test_a_body_still_awaited_at_shutdown_gets_503_at_once(serve_loading):
 
 
 def test_repeated_connection_errors_log_one_line():
-    from server.connections import RateLimitedLog
+    from ridgefill_server.connections import RateLimitedLog
 
     records = []
     handler = logging.Handler()
@@ -319,8 +319,8 @@ def test_health_says_draining_and_stalled(serve_loading):
 
 
 def test_deadline_for_caps_a_request_timeout():
-    from server.access import deadline_for
-    from server.errors import HTTPError
+    from ridgefill_server.access import deadline_for
+    from ridgefill_server.errors import HTTPError
 
     now = time.monotonic()
     assert now + 9 < deadline_for(None, 10) <= time.monotonic() + 10
@@ -334,7 +334,7 @@ def test_deadline_for_caps_a_request_timeout():
 
 
 class _ServeProcess:
-    """`python -m server serve` on the embedded model, small and single-threaded."""
+    """`python -m ridgefill_server serve` on the embedded model, small and single-threaded."""
 
     def __init__(self, tmp_path_factory, *args: str):
         self.port = _free_port()
@@ -343,7 +343,7 @@ class _ServeProcess:
             [
                 sys.executable,
                 "-m",
-                "server",
+                "ridgefill_server",
                 "serve",
                 "--port",
                 str(self.port),

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from served_app import app_server, embedded_engine
-from server.limits import RateLimit
+from ridgefill_server.limits import RateLimit
 
 
 def test_bucket_allows_a_burst_then_one_per_interval():

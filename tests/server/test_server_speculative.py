@@ -20,11 +20,11 @@ import torch
 
 from ridgefill_runtime.config import SpeculativeConfig
 from ridgefill_runtime.engine import Engine
-from server.app import create_app
-from server.background import BackgroundServer
-from server.cli_serve import _FLAG_KEYS
-from server.config import ConfigError, load_config
-from server.main import build_parser
+from ridgefill_server.app import create_app
+from ridgefill_server.background import BackgroundServer
+from ridgefill_server.cli_serve import _FLAG_KEYS
+from ridgefill_server.config import ConfigError, load_config
+from ridgefill_server.main import build_parser
 
 SPEC = SpeculativeConfig(method="ngram", num_tokens=3, max_ngram=2)
 TABLE = '[cache]\nnum_blocks = 64\n[speculative]\nmethod = "ngram"\nnum_tokens = 3\nmax_ngram = 2\n'
@@ -154,7 +154,7 @@ def test_bad_speculative_flag_or_file_stops_serve_with_one_line(tmp_path, capsys
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", "--speculative", "beam"])
     assert e.value.code == 2 and "argument --speculative: invalid choice: 'beam'" in capsys.readouterr().err
-    serve = [sys.executable, "-m", "server", "serve"]
+    serve = [sys.executable, "-m", "ridgefill_server", "serve"]
     p = subprocess.run(
         [*serve, "--speculative", "ngram", "--speculative-tokens", "0"], capture_output=True, text=True, timeout=60
     )
