@@ -61,7 +61,7 @@ class Runner:
         self.fill_config = fill or FillConfig()
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
-        # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.terminal_state)
+        # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.fill.terminal_state)
         self.has_terminal_shift = _holds_terminal_shift(maps, self.caches.spec, self.fill_config.split)
         terminal = maps.terminal_shift if self.has_terminal_shift else None
         self.looped = model.config.family_config.looped
@@ -174,9 +174,9 @@ class Runner:
                 at = slice(item.start, item.end) if item.positions is None else torch.tensor(item.positions)
                 stash.x[at] = split_states[offset : offset + item.num_tokens]
                 offset += item.num_tokens
-                if item.end == seq.num_tokens and seq.rows.lower_attention:
+                if item.end == seq.num_tokens and seq.fill.rows.lower_attention:
                     scores = {"attention": stash.attention.tolist()}
-            elif item.kind is Stage.PROBE and seq.queue_done + item.num_tokens == len(seq.queue):
+            elif item.kind is Stage.PROBE and seq.fill.queue_done + item.num_tokens == len(seq.fill.queue):
                 scores = {"probe": stash.probe.tolist()}
             out.append(scores)
         return out
@@ -362,15 +362,15 @@ def _pairs(ids: torch.Tensor, values: torch.Tensor) -> list[tuple[tuple[int, flo
 
 def _scored(item: ScheduledSeq) -> bool:
     """Scoring requests get logits for every row from the fill boundary on."""
-    return item.seq.params.prompt_logprobs and item.kind.reaches_top and item.end > item.seq.fill_boundary
+    return item.seq.params.prompt_logprobs and item.kind.reaches_top and item.end > item.seq.fill.boundary
 
 
 def _first_scored(item: ScheduledSeq) -> int:
     """Index, within the item, of its first row at or after the fill boundary (late items
     hold exact prefix rows first, then tail rows)."""
     if item.positions is None:
-        return max(0, item.seq.fill_boundary - item.start)
-    return sum(p < item.seq.fill_boundary for p in item.positions)
+        return max(0, item.seq.fill.boundary - item.start)
+    return sum(p < item.seq.fill.boundary for p in item.positions)
 
 
 def _add_key_mass(requests, found, into) -> None:
