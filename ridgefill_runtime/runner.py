@@ -15,7 +15,7 @@ from .config import FillConfig
 from .decode_graphs import DecodeGraphs
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.two_sweep import two_sweep
-from .layers.attention import kv_slots
+from .layers.attention import AttentionBatch, kv_slots
 from .models.forward import ForwardBatch, ForwardOutput
 from .sampling import sample_token
 from .self_draft import SelfDrafter, loop_read
@@ -86,12 +86,12 @@ class Runner:
         if copies:  # NOTE: before anything this step writes: the copies are of shared blocks
             self.kv.copy_blocks(copies, self.block_size)
         if self._graphed(items):
-            ids, positions, batch = self._prepare(items)
+            ids, positions, batch = self.prepare(items)
             return StepLogits(
                 self.graphs.run(ids, positions, batch), [(k, k + 1) for k in range(len(items))], [None] * len(items)
             )
         drafts = self.drafter(items) if self.drafter is not None and any(it.draft for it in items) else None
-        ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
+        ids, positions, batch = self.prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items)
         step = ForwardBatch(
@@ -189,8 +189,16 @@ class Runner:
             return None
         return tuple(loop_read(it.seq) for it in items)
 
-    def _prepare(self, items: list[ScheduledSeq], drafts: dict[int, list[int]] | None = None):
-        """The step's rows, positions and attention layout: the one place its metadata is built."""
+    def prepare(
+        self, items: list[ScheduledSeq], drafts: dict[int, list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """The step's rows, positions and attention layout: the one place its metadata is built.
+        Returns the items' token ids [N] and positions [N] (int64, on the runner's device, item
+        after item) and their AttentionBatch (K/V write slots, block tables, per-item layout).
+        `drafts`: a looped model's own drafts by seq_id, replacing a speculating item's draft
+        placeholders. Each item's blocks must already hold it (CacheManager.prepare). Public for
+        the callers that run the model's layers themselves (SequenceDriver.tensors, the parity
+        tests), so their rows sit in the cache where a step's would."""
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
