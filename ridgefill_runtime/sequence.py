@@ -87,9 +87,7 @@ _ids = itertools.count()
 
 @dataclass
 class FillState:
-    """A RidgeFill request's fill settings (set by engine.apply_fill) and its two-sweep prefill's
-    progress (moved on by stages.py; seed 000 §2.4, Figure 5). Read by the fill step (fill/plan.py),
-    the selectors (fill/select.py) and the cache manager."""
+    """The fill's per-request settings and two-sweep progress: engine.apply_fill sets, stages.py advances."""
 
     boundary: int = 0  # prompt rows [0, boundary) are filled with `arm`; 0 means no fill
     arm: str = "exact"
@@ -122,9 +120,7 @@ class FillState:
 
 @dataclass
 class PrefixState:
-    """A request's prefix-caching state (cache/prefix_cache.py): its identity, set by
-    Engine.add_request; its published keys, kept by the cache manager; what its last admission
-    took from the cache, set by stages.resume_from_cache; the rows it remade, set by stages.py."""
+    """Prefix caching's per-request state: Engine.add_request, cache/ (keys) and stages.py (hits) write it."""
 
     # The identity its blocks are published and looked up under (None: it neither reads nor
     # publishes cache entries) and the keys of its table's published blocks
@@ -144,8 +140,7 @@ class PrefixState:
 
 @dataclass
 class Speculation:
-    """A request's speculative decoding: its draft bound, set by Engine.add_request, and the
-    verifications so far, counted by Scheduler.postprocess (the usage the server reports)."""
+    """Speculative decoding's per-request bound and counts: Engine.add_request and Scheduler.postprocess write it."""
 
     max_draft: int = 0  # most draft tokens a decode step verifies (0: no speculation)
     verifications: int = 0  # decode steps that verified a draft
@@ -154,13 +149,7 @@ class Speculation:
 
 @dataclass
 class Logprobs:
-    """What a request asked to have recorded of the model's distribution, for its response (not
-    state the engine runs on): written by Scheduler.postprocess, cut back by the engine when a
-    stop string ends the output early, read by the server and LLM.score.
-
-    One group rather than four top-level lists: they are the request's scored output, filled in
-    the same place and read together, and `seq.logprobs.prompt` / `seq.logprobs.output` say
-    which side of the sequence each list describes."""
+    """The log-probabilities a request asked to get back: Scheduler.postprocess writes them (Engine trims at a stop)."""
 
     # score mode (params.prompt_logprobs): per prompt row i in [fill.boundary, len(prompt) - 1)
     prompt: list[float] = field(default_factory=list)  # log p(prompt token i + 1)
@@ -173,11 +162,18 @@ class Logprobs:
 
 @dataclass(eq=False)
 class Sequence:
-    """One request: its lifecycle fields at the top level, the rest in groups by concern (each
-    group's docstring says who writes it): `fill` the RidgeFill settings and two-sweep progress,
-    `prefix` the prefix cache's, `spec` speculative decoding's, `logprobs` the scores it records.
-    `loop` stays here: a looped model runs every step of the sequence by it (prefill chunking,
-    the read policy, drafting), not only its speculation."""
+    """One request: its lifecycle fields at the top level, the rest in groups by concern, each
+    group's docstring saying who writes it: `fill` the fill settings and the two-sweep prefill's
+    progress (stages.py), `prefix` prefix caching's, `spec` speculative decoding's, `logprobs`
+    what it records for its response.
+
+    `loop` stays top-level rather than in `spec`: a looped model runs every step of the sequence
+    by it (the loops, the read policy, prefill chunks of at most W + 1 rows), speculating or not;
+    its `block` only seeds `spec.max_draft`. `logprobs` is a group rather than four top-level
+    lists: they are the response's records, not state the engine runs on, written in one place
+    and read together by the server and LLM.score, and `seq.logprobs.prompt` /
+    `seq.logprobs.output` say which side of the sequence each describes (not to be confused
+    with `params.logprobs`, how many alternatives to record)."""
 
     prompt_ids: list[int]
     params: SamplingParams
