@@ -87,10 +87,10 @@ def main() -> None:
         seq = eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
         while eng.has_unfinished():
             eng.step()
-        return time.perf_counter() - t, len(seq.exact_rows)
+        return time.perf_counter() - t, len(seq.fill.exact_rows)
 
     def random_rows(e: int):
-        return lambda seq: random.Random(e).sample(range(1, seq.fill_boundary), e)
+        return lambda seq: random.Random(e).sample(range(1, seq.fill.boundary), e)
 
     ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
     L, S, T = model.config.num_layers, args.split, args.tail

@@ -107,7 +107,7 @@ def run_case(path: str | None, fill: dict) -> dict[str, torch.Tensor]:
         "prompt_argmax": torch.tensor(scored["argmax"]),
         "first_scored": torch.tensor([scored["first_scored"]]),
         "tokens": torch.tensor(list(seq.output_ids)),
-        "token_logprobs": torch.tensor([lp.logprob for lp in seq.output_logprobs], dtype=torch.float32),
+        "token_logprobs": torch.tensor([lp.logprob for lp in seq.logprobs.output], dtype=torch.float32),
     }
 
 

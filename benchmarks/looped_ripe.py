@@ -79,7 +79,7 @@ class Replay:
             n = min(chunk, prompt_len - seq.num_computed) if seq.num_computed < prompt_len else 1
             self.blocks.grow(seq.block_table, seq.num_computed + n)
             item = ScheduledSeq(seq, seq.num_computed, n)
-            ids, pos, batch = self.runner._prepare([item])
+            ids, pos, batch = self.runner.prepare([item])
             logits = self.model.forward(ids, pos, batch, self.caches, reads=(read,))
             seq.num_computed += n
             if seq.num_computed >= prompt_len:

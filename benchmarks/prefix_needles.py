@@ -88,8 +88,8 @@ def main() -> None:
                 right[arm, kind] += value in text
                 got[arm, kind] = seq
                 print(
-                    f"prompt {i} ({len(ids)} tokens) cache {arm:3} {kind:6}: cached {seq.num_cached:4}, "
-                    f"exact rows {len(seq.exact_rows):3}, {'right' if value in text else 'wrong'}: {text!r}",
+                    f"prompt {i} ({len(ids)} tokens) cache {arm:3} {kind:6}: cached {seq.prefix.num_cached:4}, "
+                    f"exact rows {len(seq.fill.exact_rows):3}, {'right' if value in text else 'wrong'}: {text!r}",
                     flush=True,
                 )
         a, b = got["on", "filled"], got["off", "filled"]

@@ -114,7 +114,7 @@ def main() -> None:
         row["exact"] = answered(tok.decode(e2.output_ids), value)
         f1, _ = run(filled, first, reuse="as-is")
         row["fill:turn1"] = any(a in tok.decode(f1.output_ids) for a in prompt.answers)
-        row["covered"] = len(set(needle) & set(f1.exact_rows)) / len(needle)
+        row["covered"] = len(set(needle) & set(f1.fill.exact_rows)) / len(needle)
         ids2 = second_turn(tok, first, f1.output_ids, key)
         # NOTE: reselect and as-is publish blocks under one identity: reselect runs first, so
         # as-is finds turn 1's blocks, not reselect's remade copies (those stay private anyway)
@@ -126,13 +126,13 @@ def main() -> None:
         ):
             seq, row[f"{arm}:ttft"] = run(llm, ids2, reuse=reuse)
             row[arm] = answered(tok.decode(seq.output_ids), value)
-            row[f"{arm}:cached"], row[f"{arm}:cached_filled"] = seq.num_cached, seq.cached_filled_rows
-            row[f"{arm}:remade"], row[f"{arm}:exact_rows"] = len(seq.remade_rows), len(seq.exact_rows)
+            row[f"{arm}:cached"], row[f"{arm}:cached_filled"] = seq.prefix.num_cached, seq.prefix.cached_filled_rows
+            row[f"{arm}:remade"], row[f"{arm}:exact_rows"] = len(seq.prefix.remade_rows), len(seq.fill.exact_rows)
             row[f"{arm}:text"] = tok.decode(seq.output_ids)
             if arm == "fresh":
-                fresh_rows = set(seq.exact_rows)
+                fresh_rows = set(seq.fill.exact_rows)
             if arm == "reselect":
-                reselected = set(seq.exact_rows)
+                reselected = set(seq.fill.exact_rows)
         row["reselect_has_fresh_rows"] = fresh_rows <= reselected
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith(":text")}), flush=True)

@@ -72,15 +72,15 @@ class RequestTimes:
 class FillRows:
     """How a filled request's prompt rows were computed (for usage and metrics): filled +
     exact_prefix + tail = the prompt's length. Until the request finishes, exact_prefix is 0
-    and filled is the whole prefix (Sequence.fill_boundary); when it finishes, the rows its
-    selectors chose (Sequence.exact_rows) move from filled to exact_prefix."""
+    and filled is the whole prefix (Sequence.fill.boundary); when it finishes, the rows its
+    selectors chose (Sequence.fill.exact_rows) move from filled to exact_prefix."""
 
     filled: int  # prefix rows whose late-layer K/V was predicted, not computed
-    exact_prefix: int  # prefix rows chosen to run exactly (len(Sequence.exact_rows))
+    exact_prefix: int  # prefix rows chosen to run exactly (len(Sequence.fill.exact_rows))
     tail: int  # the last rows, run through every layer
     split: int
-    cached_filled: int = 0  # filled rows taken from the prefix cache (Sequence.cached_filled_rows)
-    remade: int = 0  # cached filled rows its selectors chose and made exact (len(Sequence.remade_rows))
+    cached_filled: int = 0  # filled rows taken from the prefix cache (Sequence.prefix.cached_filled_rows)
+    remade: int = 0  # cached filled rows its selectors chose and made exact (len(Sequence.prefix.remade_rows))
 
 
 @dataclass(eq=False)
@@ -367,13 +367,13 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - one request's failure must not stop the loop
             self._finish(handle, StreamEvent("", [], True, "error", str(e)))
             return
-        if seq.fill_boundary > 0:
+        if seq.fill.boundary > 0:
             # NOTE: written before any event of this request is sent, so readers on the
             # event loop (usage) see it once they have an event.
             handle.fill_rows = FillRows(
-                filled=seq.fill_boundary,
+                filled=seq.fill.boundary,
                 exact_prefix=0,
-                tail=len(seq.prompt_ids) - seq.fill_boundary,
+                tail=len(seq.prompt_ids) - seq.fill.boundary,
                 split=self.engine.fill.split,
             )
         handle.seq = seq
@@ -456,13 +456,13 @@ class AsyncEngine:
                 # NOTE: the prefill is over (or abandoned), so the exact rows are final; written
                 # before the finishing event is sent, so usage read after it sees them.
                 seq = handle.seq
-                exact = len(seq.exact_rows)
+                exact = len(seq.fill.exact_rows)
                 handle.fill_rows = dataclasses.replace(
                     handle.fill_rows,
-                    filled=seq.fill_boundary - exact,
+                    filled=seq.fill.boundary - exact,
                     exact_prefix=exact,
-                    cached_filled=min(seq.cached_filled_rows, seq.fill_boundary) - len(seq.remade_rows),
-                    remade=len(seq.remade_rows),
+                    cached_filled=min(seq.prefix.cached_filled_rows, seq.fill.boundary) - len(seq.prefix.remade_rows),
+                    remade=len(seq.prefix.remade_rows),
                 )
         handle.times.finished = time.monotonic()
         with self._lock:

@@ -166,14 +166,14 @@ class Engine:
         seq = Sequence(prompt_ids=list(prompt_ids), params=params, deadline=deadline)
         apply_fill(seq, self.fill, fill, rows, hide_from, self.carries_late_state)
         if terminal_state is not None:
-            seq.terminal_state = seq.carry_all_rows and terminal_state
+            seq.fill.terminal_state = seq.fill.carry_all_rows and terminal_state
         policy = reuse_filled or self.fill.reuse_filled
-        seq.cache_identity = cache_identity(seq, self.fill, self.maps_digest, policy)
-        seq.reselect = policy == "reselect"
-        seq.spec_tokens = spec_tokens(self.speculative, params)
+        seq.prefix.identity = cache_identity(seq, self.fill, self.maps_digest, policy)
+        seq.prefix.reselect = policy == "reselect"
+        seq.spec.max_draft = spec_tokens(self.speculative, params)
         seq.loop = self.plan_loops(params)
         if seq.loop is not None:
-            seq.spec_tokens = seq.loop.block
+            seq.spec.max_draft = seq.loop.block
         self.scheduler.add(seq)
         return seq
 
@@ -296,7 +296,7 @@ class Engine:
             text = self.tokenizer.decode(seq.output_ids[:n], skip_special_tokens=True)
             if any(stop in text for stop in seq.params.stop):
                 del seq.output_ids[n:]
-                del seq.output_logprobs[n:]
+                del seq.logprobs.output[n:]
                 return
 
     def _output(self, seq: Sequence, had: int) -> RequestOutput:
@@ -312,7 +312,7 @@ class Engine:
             delta_text=delta,
             new_token_ids=seq.output_ids[had:],
             finished=seq.finished,
-            new_logprobs=seq.output_logprobs[had:],
+            new_logprobs=seq.logprobs.output[had:],
         )
 
 
@@ -383,10 +383,10 @@ def apply_fill(
         return
     if hide_from is not None and not 0 < hide_from <= n:
         raise InputError(f"hide_from must be in 1..{n}, got {hide_from}")
-    seq.fill_boundary, seq.fill_arm = n - fill.tail, fill.arm
-    seq.rows, seq.hide_from = rows or fill.rows, hide_from
-    seq.carry_all_rows = carry and fill.arm in ("identity", "ridgefill")
-    seq.terminal_state = seq.carry_all_rows and fill.terminal_state
+    seq.fill.boundary, seq.fill.arm = n - fill.tail, fill.arm
+    seq.fill.rows, seq.fill.hide_from = rows or fill.rows, hide_from
+    seq.fill.carry_all_rows = carry and fill.arm in ("identity", "ridgefill")
+    seq.fill.terminal_state = seq.fill.carry_all_rows and fill.terminal_state
 
 
 def prefix_caching_on(setting: str, spec) -> bool:
@@ -405,15 +405,15 @@ def cache_identity(seq: Sequence, fill, maps_digest: str, policy: str) -> bytes 
     None keeps it out of the prefix cache."""
     if policy not in REUSE_POLICIES:
         raise InputError(f"reuse_filled must be one of {', '.join(REUSE_POLICIES)}, got {policy!r}")
-    if not seq.fill_boundary:
+    if not seq.fill.boundary:
         return EXACT
     # NOTE: these change cached rows after they are written (the rescale multiplies every filled
     # row's K/V), leave them out of the late layers' reach (nofill), or carry a recurrent state
     # over them: none leaves blocks another request could start from.
-    if seq.fill_arm == "nofill" or seq.carry_all_rows or fill.value_rescale or fill.key_rescale:
+    if seq.fill.arm == "nofill" or seq.fill.carry_all_rows or fill.value_rescale or fill.key_rescale:
         return None
-    settings = repr((seq.rows, seq.hide_from, seq.terminal_state))
-    return fill_identity(seq.fill_arm, fill.split, maps_digest, policy, seq.prompt_ids, settings)
+    settings = repr((seq.fill.rows, seq.fill.hide_from, seq.fill.terminal_state))
+    return fill_identity(seq.fill.arm, fill.split, maps_digest, policy, seq.prompt_ids, settings)
 
 
 def _file_digest(path) -> str:

@@ -107,7 +107,7 @@ class LLM:
             self.engine.step()
         return {
             "token_ids": list(token_ids),
-            "first_scored": seq.fill_boundary,
-            "target_logprobs": seq.prompt_logprobs,
-            "argmax": seq.prompt_argmax,
+            "first_scored": seq.fill.boundary,
+            "target_logprobs": seq.logprobs.prompt,
+            "argmax": seq.logprobs.prompt_argmax,
         }

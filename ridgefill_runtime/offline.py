@@ -65,11 +65,11 @@ class PromptLogits:
             self.model, seq, self.fill, self.maps, block_size=self.block_size, defer_windows=after_fill is None
         )
         runner = drive.runner
-        first = max(seq.fill_boundary, logits_from)
+        first = max(seq.fill.boundary, logits_from)
         scoring, silent = seq.params, SamplingParams(max_tokens=0)
-        parts, hooked = [], after_fill is None or seq.fill_boundary == 0
-        while not seq.stage.done or seq.num_computed < len(ids):
-            if not hooked and not seq.stage.from_tokens:  # NOTE: the probe or the late sweep is next
+        parts, hooked = [], after_fill is None or seq.fill.boundary == 0
+        while not seq.fill.stage.done or seq.num_computed < len(ids):
+            if not hooked and not seq.fill.stage.from_tokens:  # NOTE: the probe or the late sweep is next
                 after_fill(runner, seq)
                 hooked = True
             item = next_item(seq, self.chunk, self.chunk)
@@ -78,7 +78,7 @@ class PromptLogits:
             seq.params = scoring if item.end > first else silent
             step = drive.forward(item)
             advance(item, step.row_scores[0], self.select)
-            if at_prefix_end is not None and item.kind is Stage.LATE and item.end == seq.fill_boundary:
+            if at_prefix_end is not None and item.kind is Stage.LATE and item.end == seq.fill.boundary:
                 at_prefix_end(runner, seq)  # NOTE: a hybrid's late chunks end there (stages.next_item)
             drive.settle()
             if item.kind.reaches_top and item.end > first:

@@ -15,7 +15,7 @@ from .config import FillConfig
 from .decode_graphs import DecodeGraphs
 from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.two_sweep import two_sweep
-from .layers.attention import kv_slots
+from .layers.attention import AttentionBatch, kv_slots
 from .models.forward import ForwardBatch, ForwardOutput
 from .sampling import sample_token
 from .self_draft import SelfDrafter, loop_read
@@ -61,7 +61,7 @@ class Runner:
         self.fill_config = fill or FillConfig()
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
-        # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.terminal_state)
+        # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.fill.terminal_state)
         self.has_terminal_shift = _holds_terminal_shift(maps, self.caches.spec, self.fill_config.split)
         terminal = maps.terminal_shift if self.has_terminal_shift else None
         self.looped = model.config.family_config.looped
@@ -86,12 +86,12 @@ class Runner:
         if copies:  # NOTE: before anything this step writes: the copies are of shared blocks
             self.kv.copy_blocks(copies, self.block_size)
         if self._graphed(items):
-            ids, positions, batch = self._prepare(items)
+            ids, positions, batch = self.prepare(items)
             return StepLogits(
                 self.graphs.run(ids, positions, batch), [(k, k + 1) for k in range(len(items))], [None] * len(items)
             )
         drafts = self.drafter(items) if self.drafter is not None and any(it.draft for it in items) else None
-        ids, positions, batch = self._prepare([it for it in items if it.kind.from_tokens], drafts)
+        ids, positions, batch = self.prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items)
         step = ForwardBatch(
@@ -174,9 +174,9 @@ class Runner:
                 at = slice(item.start, item.end) if item.positions is None else torch.tensor(item.positions)
                 stash.x[at] = split_states[offset : offset + item.num_tokens]
                 offset += item.num_tokens
-                if item.end == seq.num_tokens and seq.rows.lower_attention:
+                if item.end == seq.num_tokens and seq.fill.rows.lower_attention:
                     scores = {"attention": stash.attention.tolist()}
-            elif item.kind is Stage.PROBE and seq.queue_done + item.num_tokens == len(seq.queue):
+            elif item.kind is Stage.PROBE and seq.fill.queue_done + item.num_tokens == len(seq.fill.queue):
                 scores = {"probe": stash.probe.tolist()}
             out.append(scores)
         return out
@@ -189,8 +189,16 @@ class Runner:
             return None
         return tuple(loop_read(it.seq) for it in items)
 
-    def _prepare(self, items: list[ScheduledSeq], drafts: dict[int, list[int]] | None = None):
-        """The step's rows, positions and attention layout: the one place its metadata is built."""
+    def prepare(
+        self, items: list[ScheduledSeq], drafts: dict[int, list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """The step's rows, positions and attention layout: the one place its metadata is built.
+        Returns the items' token ids [N] and positions [N] (int64, on the runner's device, item
+        after item) and their AttentionBatch (K/V write slots, block tables, per-item layout).
+        `drafts`: a looped model's own drafts by seq_id, replacing a speculating item's draft
+        placeholders. Each item's blocks must already hold it (CacheManager.prepare). Public for
+        the callers that run the model's layers themselves (SequenceDriver.tensors, the parity
+        tests), so their rows sit in the cache where a step's would."""
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         write: list[torch.Tensor] = []
@@ -362,15 +370,15 @@ def _pairs(ids: torch.Tensor, values: torch.Tensor) -> list[tuple[tuple[int, flo
 
 def _scored(item: ScheduledSeq) -> bool:
     """Scoring requests get logits for every row from the fill boundary on."""
-    return item.seq.params.prompt_logprobs and item.kind.reaches_top and item.end > item.seq.fill_boundary
+    return item.seq.params.prompt_logprobs and item.kind.reaches_top and item.end > item.seq.fill.boundary
 
 
 def _first_scored(item: ScheduledSeq) -> int:
     """Index, within the item, of its first row at or after the fill boundary (late items
     hold exact prefix rows first, then tail rows)."""
     if item.positions is None:
-        return max(0, item.seq.fill_boundary - item.start)
-    return sum(p < item.seq.fill_boundary for p in item.positions)
+        return max(0, item.seq.fill.boundary - item.start)
+    return sum(p < item.seq.fill.boundary for p in item.positions)
 
 
 def _add_key_mass(requests, found, into) -> None:

@@ -66,7 +66,7 @@ class Scheduler:
     ):
         """`caches`: the manager of every cache's ids (ModelCaches.manager(), or a bare
         CacheManager with no pools behind it: the fake-runner tests). `propose` drafts tokens
-        for sequences that speculate (seq.spec_tokens > 0)."""
+        for sequences that speculate (seq.spec.max_draft > 0)."""
         self.config = config
         self.caches = caches
         self.blocks = caches.blocks
@@ -134,7 +134,7 @@ class Scheduler:
     def _run(self, step: _Step, item: ScheduledSeq) -> None:
         if not self._make_room(item, step):
             return
-        if item.kind is Stage.RECOVER and item.seq.queue_done == 0 and not self._own_remade_blocks(item, step):
+        if item.kind is Stage.RECOVER and item.seq.fill.queue_done == 0 and not self._own_remade_blocks(item, step):
             return
         step.add(item)
 
@@ -144,7 +144,7 @@ class Scheduler:
         (preempting the newest running sequences for the room); False when seq gave way itself.
         NOTE: alone, it holds them alone and needs no copy, so it always runs in the end."""
         seq = item.seq
-        indices = sorted({r // self.blocks.block_size for r in seq.queue})  # NOTE: the rows it recovers
+        indices = sorted({r // self.blocks.block_size for r in seq.fill.queue})  # NOTE: the rows it recovers
         if not self._preempt_until(seq, step, lambda: self.blocks.num_free >= self.caches.copies_needed(seq, indices)):
             return False
         item.copies = self.caches.make_private(seq, indices)
@@ -237,7 +237,7 @@ class Scheduler:
                 self.finish(seq, "length")
                 continue
             appended = self._append_run(seq, tokens, eos_ids)
-            seq.output_logprobs.extend(result.token_logprobs.get(seq.seq_id, ())[:appended])
+            seq.logprobs.output.extend(result.token_logprobs.get(seq.seq_id, ())[:appended])
             if item.draft:
                 self._settle_draft(item, appended)
             if not seq.finished:  # NOTE: after a rollback, so rejected draft rows are never published
@@ -262,8 +262,8 @@ class Scheduler:
         known token and the accepted drafts only; blocks past the known tokens go back."""
         seq = item.seq
         self.spec.steps += 1
-        seq.verifications += 1
-        seq.verified_tokens += appended
+        seq.spec.verifications += 1
+        seq.spec.verified_tokens += appended
         self.spec.proposed += len(item.draft)
         self.spec.accepted += max(appended - 1, 0)
         self.spec.all_accepted += appended == len(item.draft) + 1
@@ -305,7 +305,7 @@ class _Step:
 
 
 def _decoding(seq: Sequence) -> bool:
-    return seq.stage.done and seq.remaining == 1
+    return seq.fill.stage.done and seq.remaining == 1
 
 
 def _record_prompt_scores(
@@ -313,12 +313,12 @@ def _record_prompt_scores(
 ) -> None:
     # NOTE: rows are recorded from the fill boundary on (filled rows have no logits);
     # after a preemption the prompt is recomputed, so keep only rows not yet recorded.
-    skip = len(seq.prompt_logprobs) - (start - seq.fill_boundary)
+    skip = len(seq.logprobs.prompt) - (start - seq.fill.boundary)
     if skip < len(logprobs):
-        seq.prompt_logprobs.extend(logprobs[max(skip, 0) :])
-        seq.prompt_argmax.extend(argmax[max(skip, 0) :])
+        seq.logprobs.prompt.extend(logprobs[max(skip, 0) :])
+        seq.logprobs.prompt_argmax.extend(argmax[max(skip, 0) :])
         if top is not None:
-            seq.prompt_top.extend(top[max(skip, 0) :])
+            seq.logprobs.prompt_top.extend(top[max(skip, 0) :])
 
 
 def _finish_reason(seq: Sequence, token: int, eos_ids: tuple[int, ...]) -> str | None:

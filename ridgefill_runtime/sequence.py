@@ -85,8 +85,96 @@ class SeqStatus(enum.Enum):
 _ids = itertools.count()
 
 
+@dataclass
+class FillState:
+    """The fill's per-request settings and two-sweep progress: engine.apply_fill sets, stages.py advances."""
+
+    boundary: int = 0  # prompt rows [0, boundary) are filled with `arm`; 0 means no fill
+    arm: str = "exact"
+    # Hybrids (seed 000 §2.4 "Two sweeps"): a late recurrent layer's state must be carried over
+    # every prefix row in order, so the late sweep walks every position, not just the exact rows.
+    carry_all_rows: bool = False
+    terminal_state: bool = False  # add ρ·ΔM to the late recurrent states at the prefix's end
+    rows: RowsConfig | None = None  # exact-row selectors for this request
+    hide_from: int | None = None  # question-hidden control: selectors see only positions < this
+    # See stages.py: "lower" runs layers below the split for every row; "probe", "recover" and
+    # "late" run the positions in `queue` (`queue_done` of them so far); "full" is an ordinary
+    # sequence (no fill, or the fill is done).
+    stage: Stage = Stage.FULL
+    queue: list[int] = field(default_factory=list)
+    queue_done: int = 0
+    row_scores: dict[str, list[float]] = field(default_factory=dict)  # selector scores per prefix row
+    exact_rows: list[int] = field(default_factory=list)  # prefix rows chosen to run exactly
+
+    @property
+    def pending(self) -> int:
+        """Queued positions not yet run (0 outside the probe, recover and late stages)."""
+        return len(self.queue) - self.queue_done if self.stage.queued else 0
+
+    def restart(self) -> None:
+        """Back to the start of the two-sweep prefill (the settings stay)."""
+        self.stage = Stage.LOWER if self.boundary > 0 else Stage.FULL
+        self.queue, self.queue_done = [], 0
+        self.row_scores, self.exact_rows = {}, []
+
+
+@dataclass
+class PrefixState:
+    """Prefix caching's per-request state: Engine.add_request, cache/ (keys) and stages.py (hits) write it."""
+
+    # The identity its blocks are published and looked up under (None: it neither reads nor
+    # publishes cache entries) and the keys of its table's published blocks
+    identity: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    # What its last admission found: positions taken from the cache, how many of them had filled late K/V
+    num_cached: int = 0
+    cached_filled_rows: int = 0
+    reselect: bool = False  # reuse_filled = "reselect": cached filled rows the new selection chooses are remade
+    remade_rows: list[int] = field(default_factory=list)  # those rows (stages.py, the recover stage)
+
+    def restart(self) -> None:
+        """Forget the last admission's cache hit (the identity and published keys stay)."""
+        self.num_cached = self.cached_filled_rows = 0
+        self.remade_rows = []
+
+
+@dataclass
+class Speculation:
+    """Speculative decoding's per-request bound and counts: Engine.add_request and Scheduler.postprocess write it."""
+
+    max_draft: int = 0  # most draft tokens a decode step verifies (0: no speculation)
+    verifications: int = 0  # decode steps that verified a draft
+    verified_tokens: int = 0  # tokens those steps emitted
+
+
+@dataclass
+class Logprobs:
+    """The log-probabilities a request asked to get back: Scheduler.postprocess writes them (Engine trims at a stop)."""
+
+    # score mode (params.prompt_logprobs): per prompt row i in [fill.boundary, len(prompt) - 1)
+    prompt: list[float] = field(default_factory=list)  # log p(prompt token i + 1)
+    prompt_argmax: list[int] = field(default_factory=list)
+    # with params.prompt_top_logprobs: per scored prompt row, its most likely (id, logprob) pairs
+    prompt_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # with params.logprobs: one entry per output token, in order (kept across preemptions)
+    output: list[TokenLogprobs] = field(default_factory=list)
+
+
 @dataclass(eq=False)
 class Sequence:
+    """One request: its lifecycle fields at the top level, the rest in groups by concern, each
+    group's docstring saying who writes it: `fill` the fill settings and the two-sweep prefill's
+    progress (stages.py), `prefix` prefix caching's, `spec` speculative decoding's, `logprobs`
+    what it records for its response.
+
+    `loop` stays top-level rather than in `spec`: a looped model runs every step of the sequence
+    by it (the loops, the read policy, prefill chunks of at most W + 1 rows), speculating or not;
+    its `block` only seeds `spec.max_draft`. `logprobs` is a group rather than four top-level
+    lists: they are the response's records, not state the engine runs on, written in one place
+    and read together by the server and LLM.score, and `seq.logprobs.prompt` /
+    `seq.logprobs.output` say which side of the sequence each describes (not to be confused
+    with `params.logprobs`, how many alternatives to record)."""
+
     prompt_ids: list[int]
     params: SamplingParams
     seq_id: int = field(default_factory=lambda: next(_ids))
@@ -98,45 +186,12 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() after which it ends with "timeout"
-    # RidgeFill: prompt rows [0, fill_boundary) are filled with `fill_arm`; 0 means no fill
-    fill_boundary: int = 0
-    fill_arm: str = "exact"
-    # Hybrids (seed 000 §2.4 "Two sweeps"): a late recurrent layer's state must be carried over
-    # every prefix row in order, so the late sweep walks every position, not just the exact rows.
-    carry_all_rows: bool = False
-    terminal_state: bool = False  # add ρ·ΔM to the late recurrent states at the prefix's end
-    rows: RowsConfig | None = None  # exact-row selectors for this request
-    hide_from: int | None = None  # question-hidden control: selectors see only positions < this
-    # Two-sweep prefill (seed 000, Figure 5), see stages.py: "lower" runs layers below the split
-    # for every row; "probe" and "late" run the positions in `queue` through the late layers;
-    # "full" is an ordinary sequence (no fill, or the fill is done).
-    stage: Stage = Stage.FULL
-    queue: list[int] = field(default_factory=list)
-    queue_done: int = 0
-    row_scores: dict[str, list[float]] = field(default_factory=dict)  # selector scores per prefix row
-    exact_rows: list[int] = field(default_factory=list)  # prefix rows chosen to run exactly
-    # score mode (params.prompt_logprobs): per prompt row i in [fill_boundary, len(prompt) - 1)
-    prompt_logprobs: list[float] = field(default_factory=list)
-    prompt_argmax: list[int] = field(default_factory=list)
-    # with params.prompt_top_logprobs: per scored prompt row, its most likely (id, logprob) pairs
-    prompt_top: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
-    # with params.logprobs: one entry per output token, in order (kept across preemptions)
-    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""  # detokenized output, kept by the detokenizer
-    spec_tokens: int = 0  # most draft tokens a decode step verifies (0: no speculation); set at add
     loop: LoopPlan | None = None  # a looped model's resolved loop settings; set at add
-    verifications: int = 0  # decode steps that verified a draft
-    verified_tokens: int = 0  # tokens those steps emitted
-    # Prefix caching (cache/prefix_cache.py): the identity its blocks are published and looked up
-    # under (None: it neither reads nor publishes cache entries), the keys of its table's published
-    # blocks, and what its last admission found: positions taken from the cache, how many of them
-    # had filled late K/V
-    cache_identity: bytes | None = None
-    block_keys: list[bytes] = field(default_factory=list)
-    num_cached: int = 0
-    cached_filled_rows: int = 0
-    reselect: bool = False  # reuse_filled = "reselect": cached filled rows the new selection chooses are remade
-    remade_rows: list[int] = field(default_factory=list)  # those rows (stages.py, the recover stage)
+    fill: FillState = field(default_factory=FillState)
+    prefix: PrefixState = field(default_factory=PrefixState)
+    spec: Speculation = field(default_factory=Speculation)
+    logprobs: Logprobs = field(default_factory=Logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -145,15 +200,13 @@ class Sequence:
     @property
     def remaining(self) -> int:
         """Rows still to compute before the next token can be sampled (1: a decode step)."""
-        pending = len(self.queue) - self.queue_done if self.stage.queued else 0
-        return self.num_tokens - self.num_computed + pending + (self.stage is Stage.LOWER)
+        return self.num_tokens - self.num_computed + self.fill.pending + (self.fill.stage is Stage.LOWER)
 
     def start_prefill(self) -> None:
         """(Re)start the prompt from nothing: after admission, or a recompute preemption."""
-        self.num_computed = self.num_cached = self.cached_filled_rows = 0
-        self.stage = Stage.LOWER if self.fill_boundary > 0 else Stage.FULL
-        self.queue, self.queue_done = [], 0
-        self.row_scores, self.exact_rows, self.remade_rows = {}, [], []
+        self.num_computed = 0
+        self.prefix.restart()
+        self.fill.restart()
 
     def token(self, i: int) -> int:
         n = len(self.prompt_ids)

@@ -69,7 +69,7 @@ class SequenceDriver:
         """The item's rows [N] and positions [N] (int64) and their attention layout, as a step
         hands them to the model: for the map fit, which runs the model's layers one at a time.
         NOTE: the Runner's own preparation, so these rows sit in the cache where a step's would."""
-        return self.runner._prepare([self._prepared(item)])
+        return self.runner.prepare([self._prepared(item)])
 
     def _prepared(self, item: ScheduledSeq) -> ScheduledSeq:
         """The item, once the cache manager has grown the sequence's blocks to hold it."""

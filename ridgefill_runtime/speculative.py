@@ -68,4 +68,4 @@ def draft_limit(seq: Sequence) -> int:
     run (drafts + bonus) could pass max_tokens. That also keeps it within the positions
     Engine.validate reserved (prompt + max_tokens - 1), so a lone request still fits."""
     left = seq.params.max_tokens - len(seq.output_ids)
-    return max(0, min(seq.spec_tokens, left - 1))
+    return max(0, min(seq.spec.max_draft, left - 1))

@@ -7,7 +7,7 @@ offline driver so both walk the same stages.
          cache and every prefix row's late attention is recorded
   late   the chosen exact prefix rows, then the tail, run the late layers, in position order, in
          chunks; their K/V overwrite the filled ones. The last chunk samples the first token.
-         On a hybrid (seq.carry_all_rows) every prefix row takes part: filled rows update the
+         On a hybrid (seq.fill.carry_all_rows) every prefix row takes part: filled rows update the
          late recurrent states from their predicted inputs and nothing else.
   recover  (reuse_filled = "reselect") cached rows whose late K/V the new selection changes (past
          the first row it chooses otherwise) run the lower layers again, as scattered rows over the
@@ -109,34 +109,34 @@ def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
         # position by Eq. (9) (within a chunk t - j <= W: plane r, which the pass computes), so it
         # does not depend on where chunks start (seed 001 Proposition 1, applied to the prompt)
         n = min(n, seq.loop.window + 1)
-    if not seq.stage.queued:
-        return ScheduledSeq(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, n), seq.stage)
-    if seq.carry_all_rows and seq.stage is Stage.LATE and seq.queue_done < seq.fill_boundary:
+    if not seq.fill.stage.queued:
+        return ScheduledSeq(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, n), seq.fill.stage)
+    if seq.fill.carry_all_rows and seq.fill.stage is Stage.LATE and seq.fill.queue_done < seq.fill.boundary:
         # NOTE: a chunk ends at the prefix's end, where the terminal-state correction is added
-        n = min(n, seq.fill_boundary - seq.queue_done)
-    pos = seq.queue[seq.queue_done : seq.queue_done + n]
-    return ScheduledSeq(seq, pos[0], len(pos), seq.stage, pos)
+        n = min(n, seq.fill.boundary - seq.fill.queue_done)
+    pos = seq.fill.queue[seq.fill.queue_done : seq.fill.queue_done + n]
+    return ScheduledSeq(seq, pos[0], len(pos), seq.fill.stage, pos)
 
 
 def advance(item: ScheduledSeq, scores: dict[str, list[float]] | None, select: Select) -> None:
     """Record that `item` ran; `scores` are the selector scores the step produced, if any."""
     seq = item.seq
     if scores:
-        seq.row_scores.update(scores)
+        seq.fill.row_scores.update(scores)
     if not item.kind.queued:
         seq.num_computed = item.end
         if item.kind is Stage.LOWER and item.end == seq.num_tokens:
             finish_lower(seq, select)
         return
-    seq.queue_done += item.num_tokens
-    if seq.queue_done < len(seq.queue):
+    seq.fill.queue_done += item.num_tokens
+    if seq.fill.queue_done < len(seq.fill.queue):
         return
     if item.kind is Stage.PROBE:
         _enter_late(seq, select)
     elif item.kind is Stage.RECOVER:
         _start_late_sweep(seq)
     else:
-        seq.stage = Stage.FULL
+        seq.fill.stage = Stage.FULL
 
 
 def resume_from_cache(seq: Sequence, hit) -> None:
@@ -145,13 +145,13 @@ def resume_from_cache(seq: Sequence, hit) -> None:
     lower sweep after them; with the whole prefix cached it has no two-sweep work left."""
     if not hit.num_tokens:
         return
-    seq.num_computed = seq.num_cached = hit.num_tokens
-    seq.cached_filled_rows = hit.filled_rows
-    if seq.fill_boundary:
-        seq.exact_rows = [r for r in hit.exact_rows if r < seq.fill_boundary]
+    seq.num_computed = seq.prefix.num_cached = hit.num_tokens
+    seq.prefix.cached_filled_rows = hit.filled_rows
+    if seq.fill.boundary:
+        seq.fill.exact_rows = [r for r in hit.exact_rows if r < seq.fill.boundary]
         # NOTE: "reselect" chooses rows for the new prompt, so its new rows run the lower sweep
-        if hit.num_tokens >= seq.fill_boundary and not seq.reselect:
-            seq.stage = Stage.FULL
+        if hit.num_tokens >= seq.fill.boundary and not seq.prefix.reselect:
+            seq.fill.stage = Stage.FULL
 
 
 def usable_hit(seq: Sequence, hit):
@@ -161,47 +161,49 @@ def usable_hit(seq: Sequence, hit):
     computed, so the hit ends before them (token selectors read the prompt alone); the probe reads
     the late K/V of a prefix filled on every row, which cached blocks are not (their exact rows),
     so it takes no cached blocks."""
-    if not seq.fill_boundary:
+    if not seq.fill.boundary:
         return hit
-    if hit.num_tokens > seq.fill_boundary:
+    if hit.num_tokens > seq.fill.boundary:
         exact = set(hit.exact_rows)
-        filled_tail = next((r for r in range(seq.fill_boundary, hit.num_tokens) if r not in exact), None)
+        filled_tail = next((r for r in range(seq.fill.boundary, hit.num_tokens) if r not in exact), None)
         if filled_tail is not None:
             hit = hit.cut(filled_tail)
-    if not (seq.reselect and seq.rows.lower_attention):
+    if not (seq.prefix.reselect and seq.fill.rows.lower_attention):
         return hit
-    if "probe" in seq.rows.selectors:
+    if "probe" in seq.fill.rows.selectors:
         return hit.cut(0)
-    end = seq.hide_from if seq.hide_from is not None else len(seq.prompt_ids)
-    return hit.cut(max(0, end - seq.rows.window))
+    end = seq.fill.hide_from if seq.fill.hide_from is not None else len(seq.prompt_ids)
+    return hit.cut(max(0, end - seq.fill.rows.window))
 
 
 def probe_rows(seq: Sequence) -> list[int]:
     """The probe's rows: the last probe_window rows the selectors may see, never prefix rows
     (their K/V would overwrite filled slots), so at most the tail."""
-    end = seq.hide_from if seq.hide_from is not None else seq.num_tokens
-    lo = max(seq.fill_boundary, end - seq.rows.probe_window)
+    end = seq.fill.hide_from if seq.fill.hide_from is not None else seq.num_tokens
+    lo = max(seq.fill.boundary, end - seq.fill.rows.probe_window)
     return list(range(lo, end))
 
 
 def finish_lower(seq: Sequence, select: Select) -> None:
     """The lower sweep is done: run the probe next, or choose the rows and start the late sweep."""
-    rows = probe_rows(seq) if "probe" in seq.rows.selectors else []
+    rows = probe_rows(seq) if "probe" in seq.fill.rows.selectors else []
     if rows:
-        seq.stage, seq.queue, seq.queue_done = Stage.PROBE, rows, 0
+        seq.fill.stage, seq.fill.queue, seq.fill.queue_done = Stage.PROBE, rows, 0
     else:
         _enter_late(seq, select)
 
 
 def _enter_late(seq: Sequence, select: Select) -> None:
     chosen = set(select(seq))
-    cached_exact = {r for r in seq.exact_rows if r < seq.num_cached}  # from the prefix cache (resume_from_cache)
-    new = {r for r in chosen if r >= seq.num_cached}
-    seq.remade_rows = []
-    if not seq.reselect:
+    cached_exact = {
+        r for r in seq.fill.exact_rows if r < seq.prefix.num_cached
+    }  # from the prefix cache (resume_from_cache)
+    new = {r for r in chosen if r >= seq.prefix.num_cached}
+    seq.prefix.remade_rows = []
+    if not seq.prefix.reselect:
         # NOTE: rows below num_cached came from the prefix cache as they were made. "as-is" keeps
         # them so: only rows the sequence computes itself can be chosen.
-        seq.exact_rows = sorted(cached_exact | new)
+        seq.fill.exact_rows = sorted(cached_exact | new)
         _start_late_sweep(seq)
         return
     # NOTE: "reselect" ends with the fresh fill's rows. A filled row's late K/V depend on its
@@ -209,25 +211,25 @@ def _enter_late(seq: Sequence, select: Select) -> None:
     # fill's K/V below the first row the two choices differ at, and from there on every chosen
     # row (tail rows included) is remade exact and every other cached exact row is filled again
     # (undone), both after recovering their split states (issue 32)
-    seq.exact_rows = sorted(chosen)
-    differ = (cached_exact ^ chosen) & set(range(min(seq.num_cached, seq.fill_boundary)))
+    seq.fill.exact_rows = sorted(chosen)
+    differ = (cached_exact ^ chosen) & set(range(min(seq.prefix.num_cached, seq.fill.boundary)))
     if not differ:
         _start_late_sweep(seq)
         return
     first = min(differ)
-    tail = set(range(max(first, seq.fill_boundary), seq.num_cached))  # cached tail rows: exact, over other rows
-    remade = {r for r in chosen if first <= r < seq.num_cached} | tail
+    tail = set(range(max(first, seq.fill.boundary), seq.prefix.num_cached))  # cached tail rows: exact, over other rows
+    remade = {r for r in chosen if first <= r < seq.prefix.num_cached} | tail
     undone = {r for r in cached_exact - chosen if r >= first}
-    seq.remade_rows = sorted(remade)
-    seq.stage, seq.queue, seq.queue_done = Stage.RECOVER, sorted(remade | undone), 0
+    seq.prefix.remade_rows = sorted(remade)
+    seq.fill.stage, seq.fill.queue, seq.fill.queue_done = Stage.RECOVER, sorted(remade | undone), 0
 
 
 def _start_late_sweep(seq: Sequence) -> None:
     # NOTE: position order: every key an exact row or tail row reads below its own position is
     # then either filled or already recomputed exactly.
-    seq.stage, seq.queue_done = Stage.LATE, 0
-    if seq.carry_all_rows:  # every row: filled ones carry the late recurrent states from x̂
-        seq.queue = list(range(seq.num_tokens))
+    seq.fill.stage, seq.fill.queue_done = Stage.LATE, 0
+    if seq.fill.carry_all_rows:  # every row: filled ones carry the late recurrent states from x̂
+        seq.fill.queue = list(range(seq.num_tokens))
         return
-    mine = sorted(r for r in seq.exact_rows if r >= seq.num_cached) + seq.remade_rows
-    seq.queue = sorted(mine) + list(range(max(seq.fill_boundary, seq.num_cached), seq.num_tokens))
+    mine = sorted(r for r in seq.fill.exact_rows if r >= seq.prefix.num_cached) + seq.prefix.remade_rows
+    seq.fill.queue = sorted(mine) + list(range(max(seq.fill.boundary, seq.prefix.num_cached), seq.num_tokens))

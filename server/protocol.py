@@ -191,13 +191,13 @@ def usage_of(handles: Sequence[RequestHandle]) -> Usage:
     once (and its fill, the same for each); their completion tokens add up."""
     seqs = [h.seq for h in handles if h.seq is not None]
     # NOTE: the prompt tokens none of the choices computed (the first computes what the others reuse)
-    cached = min((s.num_cached for s in seqs), default=0)
+    cached = min((s.prefix.num_cached for s in seqs), default=0)
     return make_usage(
         handles[0].num_prompt_tokens,
         sum(h.num_output_tokens for h in handles),
         handles[0].fill_rows,
-        sum(s.verifications for s in seqs),
-        sum(s.verified_tokens for s in seqs),
+        sum(s.spec.verifications for s in seqs),
+        sum(s.spec.verified_tokens for s in seqs),
         cached,
     )
 

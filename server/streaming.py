@@ -163,8 +163,8 @@ class CompletionChoiceStream:
         if self._builder is None:
             return None
         seq = self.handle.seq  # NOTE: its prefill is over (or abandoned): the engine writes no more scores
-        scores = seq.prompt_logprobs if seq is not None else []
-        top = seq.prompt_top if seq is not None else []
+        scores = seq.logprobs.prompt if seq is not None else []
+        top = seq.logprobs.prompt_top if seq is not None else []
         return self._builder.prompt(list(self.echo.prompt_ids), scores, top)
 
 

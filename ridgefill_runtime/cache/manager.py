@@ -134,7 +134,7 @@ class CacheManager:
             raise RuntimeError(f"sequence {seq.seq_id} is admitted while it holds blocks")
         for block in hit.blocks:
             self.blocks.share(seq.block_table, block)
-        seq.block_keys = list(hit.keys)
+        seq.prefix.block_keys = list(hit.keys)
         if self.prefix is not None:
             self.prefix.count(seq, hit)
             self.prefix.claim(seq, hit)
@@ -142,7 +142,7 @@ class CacheManager:
             if not self._free_slots:
                 raise RuntimeError(f"out of state slots: all {self.num_state_slots} are held")
             seq.state_slot = self._free_slots.pop()
-        if not seq.stage.done:  # NOTE: a two-sweep prefill keeps every row's split state
+        if not seq.fill.stage.done:  # NOTE: a two-sweep prefill keeps every row's split state
             self._stash_rows[seq.state_slot] = seq.num_tokens
         self.grow(seq, num_tokens)
 
@@ -154,7 +154,7 @@ class CacheManager:
         self.blocks.grow(seq.block_table, num_tokens)
         if self.pages is not None:
             # NOTE: in a two-sweep prefill the late window pages come with the late sweep (prepare)
-            self.pages.attach(seq.block_table[before:], eager=seq.stage.done)
+            self.pages.attach(seq.block_table[before:], eager=seq.fill.stage.done)
 
     def trim(self, seq) -> None:
         """After a step: sliding-window groups give back the pages no later row of seq can see.
@@ -164,7 +164,7 @@ class CacheManager:
         then nothing there can go."""
         if self.pages is None or not seq.block_table:
             return
-        if not seq.stage.done and not self.pages.layout.split:  # NOTE: groups not cut at the split
+        if not seq.fill.stage.done and not self.pages.layout.split:  # NOTE: groups not cut at the split
             return
         self.pages.trim(seq.block_table, seq.num_computed, _late_reach(seq))
 
@@ -183,7 +183,7 @@ class CacheManager:
     def settle(self, seq) -> None:
         """After a step: a sequence whose two-sweep prefill is over gives its stash back."""
         slot = seq.state_slot
-        if slot is not None and seq.stage.done and self._stash_rows.pop(slot, None) is not None:
+        if slot is not None and seq.fill.stage.done and self._stash_rows.pop(slot, None) is not None:
             self._on_stash_done(slot)
 
     def copies_needed(self, seq, indices: list[int]) -> int:
@@ -196,7 +196,7 @@ class CacheManager:
         need = self.copies_needed(seq, indices)
         if need > self.blocks.num_free:
             raise RuntimeError(f"KV cache out of blocks: need {need} copies, {self.blocks.num_free} free")
-        seq.block_keys = seq.block_keys[: min(indices)] if indices else seq.block_keys
+        seq.prefix.block_keys = seq.prefix.block_keys[: min(indices)] if indices else seq.prefix.block_keys
         return self.blocks.make_own(seq.block_table, indices)
 
     def publish(self, seq) -> None:
@@ -214,7 +214,7 @@ class CacheManager:
             self.pages.release(seq.block_table)
             self.pages.forget(seq.block_table)
         self.blocks.free(seq.block_table)
-        seq.block_keys = []
+        seq.prefix.block_keys = []
         slot = seq.state_slot
         if slot is None:
             return
@@ -248,8 +248,8 @@ class CacheManager:
 def _late_reach(seq) -> int | None:
     """The lowest position a later row of seq runs at in the layers above the split; None while
     the lower sweep or the probe runs (the exact rows are not chosen yet)."""
-    if seq.stage.done:
+    if seq.fill.stage.done:
         return seq.num_computed
-    if seq.stage is Stage.LATE and seq.queue_done < len(seq.queue):
-        return seq.queue[seq.queue_done]
+    if seq.fill.stage is Stage.LATE and seq.fill.queue_done < len(seq.fill.queue):
+        return seq.fill.queue[seq.fill.queue_done]
     return None

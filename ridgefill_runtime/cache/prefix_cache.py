@@ -103,9 +103,9 @@ class PrefixCache:
         """The longest run of published blocks the prompt starts with. NOTE: it stops a block
         short of the prompt's last token, whose logits the sequence must compute itself; so no
         sequence ever writes into a block it shares."""
-        if seq.cache_identity is None or seq.params.prompt_logprobs:  # NOTE: scoring needs every row's logits
+        if seq.prefix.identity is None or seq.params.prompt_logprobs:  # NOTE: scoring needs every row's logits
             return NO_HIT
-        bs, prompt, identity = self.block_size, seq.prompt_ids, seq.cache_identity
+        bs, prompt, identity = self.block_size, seq.prompt_ids, seq.prefix.identity
         blocks: list[int] = []
         keys: list[bytes] = []
         exact: list[int] = []
@@ -131,7 +131,7 @@ class PrefixCache:
         """seq was admitted from `hit`: the exact prompt blocks it will compute are in flight
         until it publishes them (or lets them go), so an equal prompt waits instead of
         computing them too."""
-        if seq.cache_identity != EXACT:
+        if seq.prefix.identity != EXACT:
             return
         bs, parent, claimed = self.block_size, hit.keys[-1] if hit.keys else ROOT, []
         for i in range(len(hit.blocks), (len(seq.prompt_ids) - 1) // bs):
@@ -155,14 +155,14 @@ class PrefixCache:
     def publish(self, seq) -> None:
         """Publish seq's full blocks whose K/V are final: below the last token (whose K/V the
         next step computes) and below what was computed, once the two-sweep prefill is over."""
-        if seq.cache_identity is None or not seq.stage.done:
+        if seq.prefix.identity is None or not seq.fill.stage.done:
             return
         bs = self.block_size
         valid = min(seq.num_computed, seq.num_tokens - 1)
-        keys = seq.block_keys
+        keys = seq.prefix.block_keys
         parent = keys[-1] if keys else ROOT
         for i in range(len(keys), min(valid // bs, len(seq.block_table))):
-            key = block_key(parent, seq.tokens(i * bs, (i + 1) * bs), seq.cache_identity)
+            key = block_key(parent, seq.tokens(i * bs, (i + 1) * bs), seq.prefix.identity)
             offsets = self._exact_offsets(seq, i)
             # NOTE: when another block already is this key's entry, ours stays private, and its
             # history (exact rows included) goes on in the keys of the blocks after it
@@ -174,7 +174,7 @@ class PrefixCache:
     def _exact_offsets(self, seq, i: int) -> tuple[int, ...]:
         """Offsets in block i of rows whose late K/V ran exactly."""
         lo, hi = i * self.block_size, (i + 1) * self.block_size
-        if seq.cache_identity == EXACT or lo >= seq.fill_boundary:
+        if seq.prefix.identity == EXACT or lo >= seq.fill.boundary:
             return tuple(range(self.block_size))
-        exact = {r for r in seq.exact_rows if lo <= r < hi} | set(range(max(lo, seq.fill_boundary), hi))
+        exact = {r for r in seq.fill.exact_rows if lo <= r < hi} | set(range(max(lo, seq.fill.boundary), hi))
         return tuple(sorted(r - lo for r in exact))

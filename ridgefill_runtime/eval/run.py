@@ -73,8 +73,8 @@ def _splicer(exact_runner, exact_seq, what: str, split: int):
     """Copy the exact run's late keys and/or values into the filled slots (same positions)."""
 
     def splice(runner, seq):
-        src = exact_runner._seq_slots(exact_seq, 0, seq.fill_boundary)
-        dst = runner._seq_slots(seq, 0, seq.fill_boundary)
+        src = exact_runner._seq_slots(exact_seq, 0, seq.fill.boundary)
+        dst = runner._seq_slots(seq, 0, seq.fill.boundary)
         for layer in (l for l in runner.caches.spec.attention_layers if l >= split):
             to, at = runner.kv.physical(layer, dst), exact_runner.kv.physical(layer, src)
             if what in ("keys", "both", "all"):

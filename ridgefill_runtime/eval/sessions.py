@@ -57,11 +57,11 @@ class PromptSession:
             item = next_item(seq, chunk, chunk)
             step = self.drive.forward(item)
             seq.num_computed = item.end
-            seq.row_scores.update(step.row_scores[0] or {})
+            seq.fill.row_scores.update(step.row_scores[0] or {})
         self._late_kv = self._read_late_kv()
         stash = self.runner.stash(seq)
         self._x = stash.x.clone()
-        self._scores = dict(seq.row_scores)
+        self._scores = dict(seq.fill.row_scores)
 
     def _prompt_slots(self) -> torch.Tensor:
         """Cache slots [N] of the prompt's positions."""
@@ -85,7 +85,7 @@ class PromptSession:
         finish_lower(seq, self.selector)
         logits = []
         first = None
-        while not seq.stage.done:
+        while not seq.fill.stage.done:
             item = next_item(seq, self.chunk, self.chunk)
             if item.samples and not score:
                 result = self.drive.run(item)
@@ -104,7 +104,7 @@ class PromptSession:
             outputs.append(self.drive.run(item).token(0))
             seq.num_computed += 1
         seq.output_ids = []
-        return Outcome(list(seq.exact_rows), outputs, torch.cat(logits) if score else None)
+        return Outcome(list(seq.fill.exact_rows), outputs, torch.cat(logits) if score else None)
 
     def _restore(self, rows: RowsConfig, score: bool):
         seq, runner = self.seq, self.runner
@@ -112,10 +112,10 @@ class PromptSession:
         for i, (k, v) in self._late_kv.items():
             kv.write(i, slots, k, v)
         # NOTE: the last run's late sweep dropped the stash; put a fresh copy of the snapshot back
-        stash = SplitStash.new(seq.num_tokens, self._x.shape[1], seq.fill_boundary, self._x.dtype, self._x.device)
+        stash = SplitStash.new(seq.num_tokens, self._x.shape[1], seq.fill.boundary, self._x.dtype, self._x.device)
         stash.x.copy_(self._x)
         runner.put_stash(seq, stash)
-        seq.rows, seq.row_scores = rows, dict(self._scores)
+        seq.fill.rows, seq.fill.row_scores = rows, dict(self._scores)
         seq.num_computed, seq.output_ids = seq.num_tokens, []
         seq.params = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True, prompt_logprobs=score)
         return seq, runner

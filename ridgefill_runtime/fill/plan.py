@@ -51,7 +51,7 @@ def rewrites_filled_rows(config: FillConfig) -> bool:
 
 
 def needs_fill_step(items) -> bool:
-    return any(not it.kind.done or (it.seq.fill_boundary and it.seq.fill_arm == "nofill") for it in items)
+    return any(not it.kind.done or (it.seq.fill.boundary and it.seq.fill.arm == "nofill") for it in items)
 
 
 class FillPlanner:
@@ -113,22 +113,22 @@ class FillPlanner:
 
     def _lower_item(self, item, rows, slots, acc: _Parts) -> None:
         seq = item.seq
-        if item.start == seq.num_cached:  # a new (or restarted) prefill: a fresh stash
-            self.states.new_stash(seq.state_slot, seq.num_tokens, seq.fill_boundary)
+        if item.start == seq.prefix.num_cached:  # a new (or restarted) prefill: a fresh stash
+            self.states.new_stash(seq.state_slot, seq.num_tokens, seq.fill.boundary)
         acc.exit_rows.append(rows)
-        if self.predict is not None and seq.fill_arm != "nofill":
-            n_fill = max(0, min(seq.fill_boundary - item.start, item.num_tokens))
+        if self.predict is not None and seq.fill.arm != "nofill":
+            n_fill = max(0, min(seq.fill.boundary - item.start, item.num_tokens))
             acc.fills.append((rows[:n_fill], slots[:n_fill]))
-        if seq.rows.lower_attention:
+        if seq.fill.rows.lower_attention:
             self._window_mass(item, rows, acc)
 
     def _undone_rows(self, item, rows, slots, acc: _Parts) -> None:
         """A recover item's prefix rows that the sequence does not make exact: filled again."""
         seq = item.seq
-        if self.predict is None or seq.fill_arm == "nofill":
+        if self.predict is None or seq.fill.arm == "nofill":
             return
-        exact = set(seq.exact_rows)
-        keep = [k for k, p in enumerate(item.positions) if p < seq.fill_boundary and p not in exact]
+        exact = set(seq.fill.exact_rows)
+        keep = [k for k, p in enumerate(item.positions) if p < seq.fill.boundary and p not in exact]
         if keep:
             pick = torch.tensor(keep, dtype=torch.int64, device=self.device)
             acc.fills.append((rows[pick], slots[pick]))
@@ -137,9 +137,9 @@ class FillPlanner:
         """The attention selector's scores: what the last `window` rows the selectors may see
         pay to each prefix row in the chosen layers below the split."""
         seq = item.seq
-        end = seq.hide_from if seq.hide_from is not None else seq.num_tokens
-        lo, hi = max(item.start, end - seq.rows.window), min(item.end, end)
-        layers = frozenset(x for x in seq.rows.attention_layers if x < self.config.split) & self.attention_layers
+        end = seq.fill.hide_from if seq.fill.hide_from is not None else seq.num_tokens
+        lo, hi = max(item.start, end - seq.fill.rows.window), min(item.end, end)
+        layers = frozenset(x for x in seq.fill.rows.attention_layers if x < self.config.split) & self.attention_layers
         if lo >= hi or not layers:
             return
         keys = torch.arange(item.end, device=self.device)
@@ -150,10 +150,10 @@ class FillPlanner:
     def _stay_item(self, item, rows, batch: AttentionBatch, k: int, acc: _Parts) -> None:
         seq = item.seq
         read, key_pos = batch.read_slots[k], None
-        if seq.fill_boundary and seq.fill_arm == "nofill":
+        if seq.fill.boundary and seq.fill.arm == "nofill":
             # NOTE: no fill: the late layers never see the prefix rows that were not recomputed.
             key_pos = torch.tensor(
-                seq.exact_rows + list(range(seq.fill_boundary, item.end)), dtype=torch.int64, device=self.device
+                seq.fill.exact_rows + list(range(seq.fill.boundary, item.end)), dtype=torch.int64, device=self.device
             )
             read = self.slots_of(seq, key_pos)
         acc.stay_rows.append(rows)
@@ -174,7 +174,7 @@ class FillPlanner:
         pos = torch.tensor(item.positions, dtype=torch.int64, device=self.device)
         keys = self._late_keys(item)
         read = self.slots_of(seq, keys if keys is not None else torch.arange(item.end, device=self.device))
-        if self.defer_windows and seq.fill_arm != "nofill" and not seq.carry_all_rows:
+        if self.defer_windows and seq.fill.arm != "nofill" and not seq.fill.carry_all_rows:
             self._window_writes(seq, stash, pos, acc)
         # NOTE: the probe's first rows start a scratch recurrent state (seed 000 §2.4: thrown away;
         # the late sweep starts afresh at position 0), the late sweep's first rows a real one.
@@ -185,10 +185,10 @@ class FillPlanner:
             query_pos=pos,
             key_pos=keys,
             state_slot=seq.state_slot,
-            fresh=seq.queue_done == 0,
+            fresh=seq.fill.queue_done == 0,
         )
         rows = acc.add_late(layout, self.slots_of(seq, pos), x=stash.x[pos], filled=self._filled(item, pos))
-        if seq.terminal_state and item.kind is Stage.LATE and item.end == seq.fill_boundary:
+        if seq.fill.terminal_state and item.kind is Stage.LATE and item.end == seq.fill.boundary:
             acc.prefix_ends.append(len(acc.late) - 1)
         if item.kind is Stage.PROBE:
             key_pos = keys if keys is not None else torch.arange(item.end, device=self.device)
@@ -212,8 +212,8 @@ class FillPlanner:
         or an earlier one, and exact prefix rows (never filled) have made their own K/V by then."""
         back = torch.arange(1, self.late_window, device=self.device)  # [w-1]
         near = (pos[:, None] - back[None, :]).flatten()  # [n * (w-1)] positions q - w < p < q
-        near = near[(near >= 0) & (near < seq.fill_boundary)].unique()
-        exact = torch.tensor(seq.exact_rows, dtype=torch.int64, device=self.device)
+        near = near[(near >= 0) & (near < seq.fill.boundary)].unique()
+        exact = torch.tensor(seq.fill.exact_rows, dtype=torch.int64, device=self.device)
         need = near[~stash.window_written[near] & ~torch.isin(near, exact)]  # [W]
         if len(need) == 0:
             return
@@ -223,23 +223,25 @@ class FillPlanner:
     def _filled(self, item, pos: torch.Tensor) -> torch.Tensor | None:
         """[n] bool: which of a late item's rows are filled prefix rows (hybrids walk them too)."""
         seq = item.seq
-        if not (seq.carry_all_rows and item.kind is Stage.LATE):
+        if not (seq.fill.carry_all_rows and item.kind is Stage.LATE):
             return None
-        exact = torch.tensor(seq.exact_rows, dtype=torch.int64, device=self.device)
-        return (pos < seq.fill_boundary) & ~torch.isin(pos, exact)
+        exact = torch.tensor(seq.fill.exact_rows, dtype=torch.int64, device=self.device)
+        return (pos < seq.fill.boundary) & ~torch.isin(pos, exact)
 
     def _late_keys(self, item) -> torch.Tensor | None:
         """Positions a probe / late item's rows may read (None: every position before its end)."""
         seq = item.seq
-        filled = seq.fill_arm != "nofill"
+        filled = seq.fill.arm != "nofill"
         if item.kind is Stage.PROBE:
             # NOTE: tail rows before the probe rows have no late K/V yet: the probe reads the
             # filled prefix and the probe rows only.
-            prefix = list(range(seq.fill_boundary)) if filled else []
-            return torch.tensor(prefix + list(range(seq.queue[0], item.end)), dtype=torch.int64, device=self.device)
+            prefix = list(range(seq.fill.boundary)) if filled else []
+            return torch.tensor(
+                prefix + list(range(seq.fill.queue[0], item.end)), dtype=torch.int64, device=self.device
+            )
         if filled:
             return None
-        done = seq.queue[: seq.queue_done + item.num_tokens]  # exact rows and tail so far, in order
+        done = seq.fill.queue[: seq.fill.queue_done + item.num_tokens]  # exact rows and tail so far, in order
         return torch.tensor(done, dtype=torch.int64, device=self.device)
 
     @staticmethod
@@ -248,22 +250,22 @@ class FillPlanner:
         (which walks the prefix first) the first holding tail rows, so the ratios come from the
         first c tail rows and apply before the tail reads the filled rows."""
         seq = item.seq
-        if seq.carry_all_rows:
-            return item.positions[0] == seq.fill_boundary
-        return seq.queue_done == 0
+        if seq.fill.carry_all_rows:
+            return item.positions[0] == seq.fill.boundary
+        return seq.fill.queue_done == 0
 
     def _rescaled_positions(self, seq) -> torch.Tensor:
         """The filled prefix rows' positions (on a hybrid the exact prefix rows are recomputed by
         then and keep their exact values)."""
-        prefix = torch.arange(seq.fill_boundary, device=self.device)
-        if not seq.carry_all_rows:
+        prefix = torch.arange(seq.fill.boundary, device=self.device)
+        if not seq.fill.carry_all_rows:
             return prefix
-        exact = torch.tensor(seq.exact_rows, dtype=torch.int64, device=self.device)
+        exact = torch.tensor(seq.fill.exact_rows, dtype=torch.int64, device=self.device)
         return prefix[~torch.isin(prefix, exact)]
 
     def _rescales(self, seq) -> bool:
         """The first late rows of a filled sequence measure and apply the rescale."""
-        return seq.fill_arm in ("identity", "ridgefill") and (self.config.value_rescale or self.config.key_rescale)
+        return seq.fill.arm in ("identity", "ridgefill") and (self.config.value_rescale or self.config.key_rescale)
 
 
 @dataclass(frozen=True)

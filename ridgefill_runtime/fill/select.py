@@ -25,8 +25,8 @@ class RowSelector:
 
     def __call__(self, seq) -> list[int]:
         """A sequence past its lower sweep (and probe) -> sorted exact prefix rows."""
-        cfg: RowsConfig = seq.rows
-        ids, b = seq.prompt_ids, seq.fill_boundary
+        cfg: RowsConfig = seq.fill.rows
+        ids, b = seq.prompt_ids, seq.fill.boundary
         if not cfg.selectors:
             return []
         special = self._special(ids, b) if "special" in cfg.selectors else set()
@@ -41,8 +41,8 @@ class RowSelector:
         return sorted(special | chosen)
 
     def _chosen(self, seq, cfg: RowsConfig, special: set[int]) -> set[int]:
-        ids, b = seq.prompt_ids, seq.fill_boundary
-        view_end = seq.hide_from if seq.hide_from is not None else len(ids)
+        ids, b = seq.prompt_ids, seq.fill.boundary
+        view_end = seq.fill.hide_from if seq.fill.hide_from is not None else len(ids)
         lexical = set()
         if "lexical" in cfg.selectors:
             lexical = set(
@@ -59,10 +59,10 @@ class RowSelector:
         if "probe" in cfg.selectors:
             budget = round(cfg.budget_factor * len(self._base_rows(seq, cfg) - special))
             rest = max(0, budget - len(lexical - special))
-            return lexical | top_rows(seq.row_scores["probe"], rest, special | lexical)
+            return lexical | top_rows(seq.fill.row_scores["probe"], rest, special | lexical)
         out = set(lexical)
         if "attention" in cfg.selectors:
-            out |= top_rows(seq.row_scores["attention"], _share(cfg.attention_share, b), special)
+            out |= top_rows(seq.fill.row_scores["attention"], _share(cfg.attention_share, b), special)
         if "protected" in cfg.selectors:
             out |= set(rules.protected_rows(ids, self.table, b, cfg.protected_share))
         if "digits" in cfg.selectors:
@@ -75,9 +75,9 @@ class RowSelector:
 
     def _base_rows(self, seq, cfg: RowsConfig) -> set[int]:
         """The base rules whose union sets the probe's count (Figure 6)."""
-        ids, b = seq.prompt_ids, seq.fill_boundary
+        ids, b = seq.prompt_ids, seq.fill.boundary
         base = set(rules.protected_rows(ids, self.table, b, 0.5)) | set(rules.digit_rows(ids, self.table, b))
-        return base | top_rows(seq.row_scores["attention"], _share(cfg.base_attention_share, b), set())
+        return base | top_rows(seq.fill.row_scores["attention"], _share(cfg.base_attention_share, b), set())
 
     def _need_table(self, cfg: RowsConfig) -> None:
         if self.table is None:

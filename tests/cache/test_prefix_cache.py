@@ -16,7 +16,7 @@ BS = 4
 
 def seq_of(tokens, identity=EXACT, computed=None) -> Sequence:
     seq = Sequence(prompt_ids=list(tokens), params=SamplingParams())
-    seq.cache_identity = identity
+    seq.prefix.identity = identity
     seq.num_computed = len(tokens) if computed is None else computed
     return seq
 
@@ -103,7 +103,7 @@ def test_a_block_made_over_other_exact_rows_is_not_found_after_the_entry():
 
     def filled(exact_rows, tail):
         seq = seq_of(doc + tail, ident, computed=0)
-        seq.fill_boundary, seq.exact_rows = 12, exact_rows
+        seq.fill.boundary, seq.fill.exact_rows = 12, exact_rows
         mgr.allocate(seq, len(seq.prompt_ids))
         seq.num_computed = len(seq.prompt_ids)
         seq.output_ids.append(0)
@@ -121,11 +121,11 @@ def test_a_block_made_over_other_exact_rows_is_not_found_after_the_entry():
 def test_match_stops_before_the_last_token_and_at_the_first_difference():
     mgr = CacheManager(BlockManager(16, BS), 4, prefix_caching=True)
     first = computed(mgr, list(range(12)), answered=False)  # 3 full blocks, all published: 11 positions are final
-    assert len(first.block_keys) == 2  # the block holding the last token is not final yet
+    assert len(first.prefix.block_keys) == 2  # the block holding the last token is not final yet
     first.output_ids.append(99)  # the next step computes position 11
     first.num_computed = 12
     mgr.publish(first)
-    assert len(first.block_keys) == 3
+    assert len(first.prefix.block_keys) == 3
     # a prompt equal to the first 12 tokens: at most the blocks before its last token
     assert mgr.match(seq_of(range(12))).num_tokens == 8
     assert mgr.match(seq_of(list(range(12)) + [5])).num_tokens == 12
@@ -147,7 +147,7 @@ def test_exact_and_filled_requests_take_only_their_own_kind_of_block():
     # be its fill's (issue 32)
     assert mgr.match(seq_of(list(range(200, 216)) + [3], filled_id)).num_tokens == 0
     hit = mgr.match(seq_of(list(range(200, 216)) + [3]))
-    assert hit.num_tokens == 16 and exact.block_keys == list(hit.keys)
+    assert hit.num_tokens == 16 and exact.prefix.block_keys == list(hit.keys)
 
 
 def test_never_serves_only_the_identical_prompt():
@@ -165,16 +165,16 @@ def test_filled_blocks_keep_their_exact_rows():
     mgr = CacheManager(BlockManager(32, BS), 4, prefix_caching=True)
     doc = list(range(10, 22))
     seq = seq_of(doc, fill_identity("ridgefill", 2, "m", "as-is"), computed=0)
-    seq.fill_boundary, seq.exact_rows = 9, [0, 5]
+    seq.fill.boundary, seq.fill.exact_rows = 9, [0, 5]
     mgr.allocate(seq, len(doc))
     seq.num_computed = len(doc)
     seq.output_ids.append(0)
-    seq.stage = Stage.LATE  # the two-sweep prefill is not over: nothing is final
+    seq.fill.stage = Stage.LATE  # the two-sweep prefill is not over: nothing is final
     mgr.publish(seq)
-    assert seq.block_keys == []
-    seq.stage = Stage.FULL
+    assert seq.prefix.block_keys == []
+    seq.fill.stage = Stage.FULL
     mgr.publish(seq)
-    hit = mgr.match(seq_of(doc + [0], seq.cache_identity))
+    hit = mgr.match(seq_of(doc + [0], seq.prefix.identity))
     assert hit.exact_rows == (0, 5, 9, 10, 11) and hit.filled_rows == 7
 
 

@@ -60,7 +60,7 @@ def _generate(engine):
     ]
     while engine.has_unfinished():
         engine.step()
-    return [s.output_ids for s in seqs], [[t.logprob for t in s.output_logprobs] for s in seqs]
+    return [s.output_ids for s in seqs], [[t.logprob for t in s.logprobs.output] for s in seqs]
 
 
 def _counting(replayed: list[int]):

@@ -74,7 +74,7 @@ def test_narrow_cache_stays_near_float32_transformers(tiny, kv_dtype):
         with torch.no_grad():
             logp = ref(torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [L, V]
         want = [float(logp[len(prompt) - 1 + j, t]) for j, t in enumerate(seq.output_ids)]
-        got = [t.logprob for t in seq.output_logprobs]
+        got = [t.logprob for t in seq.logprobs.output]
         err = max(abs(a - b) for a, b in zip(got, want))
         # rounded, not lost (a float32 cache agrees to ~1e-5); bfloat16 keeps 8 bits to float16's 11
         assert 0 < err < {"bfloat16": 0.1, "float16": 0.02}[kv_dtype], err

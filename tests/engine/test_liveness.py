@@ -29,7 +29,7 @@ DEFAULT_POOL_BLOCKS = 2**30 // (46_080 * 16)
 def exact_rows(seq: Sequence) -> list[int]:
     """A few prefix rows, the same ones every time (a preempted sequence chooses again)."""
     rng = random.Random(seq.seq_id)
-    return sorted(rng.sample(range(seq.fill_boundary), min(seq.fill_boundary, rng.randint(0, 6))))
+    return sorted(rng.sample(range(seq.fill.boundary), min(seq.fill.boundary, rng.randint(0, 6))))
 
 
 def new_request(
@@ -51,8 +51,8 @@ def new_request(
     if fill is not None:
         apply_fill(seq, fill)
     if policy is not None:
-        seq.cache_identity = cache_identity(seq, fill or FillConfig(), "", policy)
-        seq.reselect = policy == "reselect"
+        seq.prefix.identity = cache_identity(seq, fill or FillConfig(), "", policy)
+        seq.prefix.reselect = policy == "reselect"
     sched.add(seq)
     return seq
 
@@ -219,7 +219,7 @@ def test_filled_prompts_with_probe_and_exact_rows_outgrowing_the_pool_all_finish
     sched = Scheduler(config, CacheManager(BlockManager(128, 16), config.max_num_seqs), exact_rows)
     seqs = [new_request(sched, 1500, 8, fill) for _ in range(3)]
     run_to_end(sched, seqs, 1000)
-    assert all(s.finish_reason == "length" and s.fill_boundary == 1400 for s in seqs)
+    assert all(s.finish_reason == "length" and s.fill.boundary == 1400 for s in seqs)
     assert sched.blocks.num_free == 128
 
 

@@ -77,16 +77,16 @@ def test_generated_logprobs_are_the_raw_distribution_of_transformers(engine, ref
         SamplingParams(max_tokens=10, temperature=0),
     ]
     seqs = _run(engine, list(zip(encoded, params)))
-    assert seqs[2].output_logprobs == []
+    assert seqs[2].logprobs.output == []
     for seq, k in zip(seqs[:2], (5, 2)):
-        assert len(seq.output_logprobs) == len(seq.output_ids) == 10
+        assert len(seq.logprobs.output) == len(seq.output_ids) == 10
         logp = _ref_logp(ref, seq.prompt_ids + seq.output_ids)[len(seq.prompt_ids) - 1 : -1]  # [10, V]
-        for i, (entry, token) in enumerate(zip(seq.output_logprobs, seq.output_ids)):
+        for i, (entry, token) in enumerate(zip(seq.logprobs.output, seq.output_ids)):
             assert entry.token == token
             assert abs(entry.logprob - float(logp[i, token])) < TOL, f"token {i}"
             _check_top(entry.top, logp[i], k)
     # the hot request sampled tokens away from the argmax: its values are not the tempered ones
-    assert any(e.logprob < e.top[0][1] - 1e-3 for e in seqs[1].output_logprobs)
+    assert any(e.logprob < e.top[0][1] - 1e-3 for e in seqs[1].logprobs.output)
 
 
 def test_prompt_logprobs_with_top_alternatives_equal_transformers(engine, ref):
@@ -94,9 +94,9 @@ def test_prompt_logprobs_with_top_alternatives_equal_transformers(engine, ref):
     (seq,) = _run(engine, [(ids, SamplingParams(max_tokens=0, prompt_logprobs=True, prompt_top_logprobs=4))])
     logp = _ref_logp(ref, ids)[:-1]
     want = logp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
-    assert len(seq.prompt_logprobs) == len(seq.prompt_top) == len(ids) - 1
-    assert (torch.tensor(seq.prompt_logprobs) - want).abs().max() < TOL
-    for row, top in enumerate(seq.prompt_top):
+    assert len(seq.logprobs.prompt) == len(seq.logprobs.prompt_top) == len(ids) - 1
+    assert (torch.tensor(seq.logprobs.prompt) - want).abs().max() < TOL
+    for row, top in enumerate(seq.logprobs.prompt_top):
         _check_top(top, logp[row], 4)
 
 
@@ -110,16 +110,16 @@ def test_speculative_runs_carry_one_entry_per_accepted_token(engine):
     (fast,) = _run(spec, [(prompt, params)])
     assert spec.stats().spec_accepted_tokens_total > 0, "drafts must be accepted, or this proves nothing"
     assert fast.output_ids == plain.output_ids
-    assert len(fast.output_logprobs) == len(plain.output_logprobs) == 30
-    for a, b in zip(fast.output_logprobs, plain.output_logprobs):
+    assert len(fast.logprobs.output) == len(plain.logprobs.output) == 30
+    for a, b in zip(fast.logprobs.output, plain.logprobs.output):
         assert a.token == b.token and abs(a.logprob - b.logprob) < TOL
         assert [i for i, _ in a.top] == [i for i, _ in b.top]
     # a stop string met inside an accepted run drops the run's later tokens and their entries
     text = engine.tokenizer.decode(plain.output_ids, skip_special_tokens=True)
     stop = dataclasses.replace(params, stop=(text[20:24],))
     (cut,) = _run(spec, [(prompt, stop)])
-    assert cut.finish_reason == "stop" and len(cut.output_logprobs) == len(cut.output_ids) < 30
-    assert [e.token for e in cut.output_logprobs] == cut.output_ids
+    assert cut.finish_reason == "stop" and len(cut.logprobs.output) == len(cut.output_ids) < 30
+    assert [e.token for e in cut.logprobs.output] == cut.output_ids
 
 
 def test_logprobs_survive_preemption_in_a_tiny_pool(engine):
@@ -130,8 +130,8 @@ def test_logprobs_survive_preemption_in_a_tiny_pool(engine):
     got = _run(small, [(p, params) for p in prompts])
     assert small.stats().preemptions_total > 0
     for a, b in zip(got, want):
-        assert a.output_ids == b.output_ids and len(a.output_logprobs) == 40
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.output_logprobs, b.output_logprobs)) < TOL
+        assert a.output_ids == b.output_ids and len(a.logprobs.output) == 40
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.output, b.logprobs.output)) < TOL
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", 21), ("logprobs", -1), ("prompt_top_logprobs", 21)])

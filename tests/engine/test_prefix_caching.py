@@ -51,7 +51,7 @@ def engine(
         scheduler=SchedulerConfig(chunk_size=8, max_num_batched_tokens=64, max_num_seqs=max_num_seqs),
     )
     eng = Engine(model, None, config)
-    eng.scheduler.select = select or (lambda seq: [r for r in EXACT_ROWS if r < seq.fill_boundary])
+    eng.scheduler.select = select or (lambda seq: [r for r in EXACT_ROWS if r < seq.fill.boundary])
     eng.sampled = record_logits(eng)
     return eng
 
@@ -120,7 +120,7 @@ def test_shared_system_prompt_is_computed_once(model):
     drain(eng)
     second = eng.add_request(system + tokens(9, 3, vocab), greedy(6))
     drain(eng)
-    assert first.num_cached == 0 and second.num_cached == 36  # the 9 full blocks of the system prompt
+    assert first.prefix.num_cached == 0 and second.prefix.num_cached == 36  # the 9 full blocks of the system prompt
     same_as_alone(model, eng, second, 6)
     stats = eng.stats()
     assert stats.prefix_hit_tokens_total == 36 and stats.prefix_queried_tokens_total == 47 + 46
@@ -138,7 +138,7 @@ def test_multi_turn_chat_reuses_the_previous_answer(model):
         seq = eng.add_request(history, greedy(7))
         drain(eng)
         # NOTE: the last answer's final token has no K/V yet: everything before it is cached
-        assert seq.num_cached == (0 if k == 0 else (had - 1) // BLOCK * BLOCK)
+        assert seq.prefix.num_cached == (0 if k == 0 else (had - 1) // BLOCK * BLOCK)
         same_as_alone(model, eng, seq, 7)
         history = history + seq.output_ids
         had = len(history)
@@ -155,7 +155,7 @@ def test_concurrent_requests_share_blocks_while_they_run(model):
         eng.step()
     b = eng.add_request(shared + tokens(7, 7, vocab), greedy(12))
     eng.step()
-    assert b.num_cached == 28 and b.block_table[:7] == a.block_table[:7]
+    assert b.prefix.num_cached == 28 and b.block_table[:7] == a.block_table[:7]
     refs = eng.scheduler.caches.blocks._refs
     assert all(refs[blk] == 2 for blk in a.block_table[:7])
     drain(eng)
@@ -195,7 +195,7 @@ def test_lru_eviction_under_memory_pressure(model):
     drain(eng)
     again_new = eng.add_request(prompts[2] + [7], greedy(2))
     drain(eng)
-    assert again_old.num_cached < 32 and again_new.num_cached == 32
+    assert again_old.prefix.num_cached < 32 and again_new.prefix.num_cached == 32
     same_as_alone(model, eng, again_old, 2)
     same_as_alone(model, eng, again_new, 2)
     all_blocks_back(eng)
@@ -207,10 +207,10 @@ def test_exact_requests_never_start_from_filled_blocks(model):
     eng = engine(model, fill=AS_IS)
     filled = eng.add_request(doc, greedy(4))
     drain(eng)
-    assert filled.fill_boundary == 40
+    assert filled.fill.boundary == 40
     exact = eng.add_request(doc, greedy(4), fill=False)
     drain(eng)
-    assert exact.num_cached == 0
+    assert exact.prefix.num_cached == 0
     same_as_alone(model, eng, exact, 4, wants_fill=False)
 
 
@@ -223,8 +223,8 @@ def test_never_reuses_filled_blocks_for_the_identical_request_only(model):
     again = eng.add_request(list(first.prompt_ids), greedy(5))
     other = eng.add_request(doc + tokens(8, 82, vocab), greedy(5))
     drain(eng)
-    assert again.num_cached == 44 and other.num_cached == 0
-    assert again.exact_rows == first.exact_rows and again.output_ids == first.output_ids
+    assert again.prefix.num_cached == 44 and other.prefix.num_cached == 0
+    assert again.fill.exact_rows == first.fill.exact_rows and again.output_ids == first.output_ids
     same_as_alone(model, eng, again, 5, FILL)
     same_as_alone(model, eng, other, 5, FILL)
 
@@ -238,11 +238,11 @@ def test_as_is_takes_the_filled_document_and_chooses_among_its_own_rows(model):
     drain(eng)
     second = eng.add_request(doc[:20] + tokens(28, 92, vocab), greedy(5))
     drain(eng)
-    assert first.exact_rows == EXACT_ROWS
+    assert first.fill.exact_rows == EXACT_ROWS
     # the first 20 rows (5 blocks) come from the cache with their exact rows 0, 5, 17;
     # row 31 lies past them, so the second request makes it exact itself
-    assert second.num_cached == 20 and second.cached_filled_rows == 17
-    assert second.exact_rows == EXACT_ROWS
+    assert second.prefix.num_cached == 20 and second.prefix.cached_filled_rows == 17
+    assert second.fill.exact_rows == EXACT_ROWS
     # with the same choice of rows the reused cache is the fresh fill's: logits and every K/V row
     want, logits, fresh, fresh_seq = alone(model, second.prompt_ids, 5, fill)
     assert second.output_ids == want and rel_err(torch.stack(eng.sampled[second.seq_id]), logits) < 1e-4
@@ -260,9 +260,9 @@ def test_as_is_with_the_whole_prefix_cached_skips_the_two_sweeps(model):
     second = eng.add_request(doc + tokens(8, 97, vocab), greedy(3))
     while eng.has_unfinished():
         eng.step()  # NOTE: admission happens in the step; stage is what the next step runs
-        stages.append(second.stage)
-    assert second.num_cached == 40 and set(stages) == {Stage.FULL}
-    assert second.exact_rows == [r for r in EXACT_ROWS if r < 40]
+        stages.append(second.fill.stage)
+    assert second.prefix.num_cached == 40 and set(stages) == {Stage.FULL}
+    assert second.fill.exact_rows == [r for r in EXACT_ROWS if r < 40]
     same_as_alone(model, eng, second, 3, fill)
 
 
@@ -311,7 +311,7 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(model):
     eng.step()
     assert [s.status.value for s in seqs] == ["running", "waiting", "waiting"]  # the others wait for its blocks
     drain(eng)
-    assert [s.num_cached for s in seqs] == [0, 44, 44]
+    assert [s.prefix.num_cached for s in seqs] == [0, 44, 44]
     assert rows == 48 + 4 + 4  # the first prompt, and each other's last block
     for seq in seqs:
         same_as_alone(model, eng, seq, 6)
@@ -321,7 +321,7 @@ def test_requests_arriving_together_compute_a_shared_prompt_once(model):
 def question_rows(seq) -> list[int]:
     """Exact rows that depend on the question (the prompt's last tokens), as the lexical selector's do."""
     key = sum(seq.prompt_ids[-3:]) % 3
-    return [r for r in range(seq.fill_boundary) if seq.prompt_ids[r] % 3 == key]
+    return [r for r in range(seq.fill.boundary) if seq.prompt_ids[r] % 3 == key]
 
 
 def test_reselect_gives_the_second_question_its_own_exact_rows(model):
@@ -336,13 +336,13 @@ def test_reselect_gives_the_second_question_its_own_exact_rows(model):
     second = eng.add_request(doc + q2, greedy(4))
     drain(eng)
     want, logits, fresh, fresh_seq = alone(model, second.prompt_ids, 4, RESELECT, select=question_rows)
-    assert second.num_cached == 40 and second.cached_filled_rows == 40 - len(first.exact_rows)
+    assert second.prefix.num_cached == 40 and second.prefix.cached_filled_rows == 40 - len(first.fill.exact_rows)
     # the second question ends with the fresh fill's rows: from the first row the two choices
     # differ at, its chosen rows were remade exact and the first question's other rows filled again
-    assert second.exact_rows == fresh_seq.exact_rows
-    differ = min(set(first.exact_rows) ^ set(fresh_seq.exact_rows))
-    assert second.remade_rows == [r for r in fresh_seq.exact_rows if r >= differ] != []
-    assert set(first.exact_rows) - set(fresh_seq.exact_rows)  # some rows were filled again
+    assert second.fill.exact_rows == fresh_seq.fill.exact_rows
+    differ = min(set(first.fill.exact_rows) ^ set(fresh_seq.fill.exact_rows))
+    assert second.prefix.remade_rows == [r for r in fresh_seq.fill.exact_rows if r >= differ] != []
+    assert set(first.fill.exact_rows) - set(fresh_seq.fill.exact_rows)  # some rows were filled again
     # so every row's K/V at every layer, the answer and its logits are the fresh fill's
     assert second.output_ids == want and rel_err(torch.stack(eng.sampled[second.seq_id]), logits) < 1e-4
     ours, theirs = eng.runner.kv, fresh.runner.kv
@@ -355,7 +355,11 @@ def test_reselect_gives_the_second_question_its_own_exact_rows(model):
     assert snapshot(eng, eng.tables[first.seq_id], 40) == before
     again = eng.add_request(doc + q1, greedy(4), reuse_filled="as-is")
     drain(eng)
-    assert again.num_cached == 44 and again.exact_rows == first.exact_rows and again.output_ids == first.output_ids
+    assert (
+        again.prefix.num_cached == 44
+        and again.fill.exact_rows == first.fill.exact_rows
+        and again.output_ids == first.output_ids
+    )
 
 
 def gather(slab: torch.Tensor, table: list[int], rows: list[int]) -> torch.Tensor:
@@ -373,7 +377,7 @@ def snapshot(eng: Engine, table: list[int], n: int) -> list[bytes]:
 
 
 def fixed_rows(seq) -> list[int]:
-    return [r for r in EXACT_ROWS if r < seq.fill_boundary]
+    return [r for r in EXACT_ROWS if r < seq.fill.boundary]
 
 
 # (policy, selector): every policy a filled request may follow with the cache on ("auto" on a
@@ -407,15 +411,20 @@ def test_needles_in_a_shared_document_answer_as_a_fresh_fill(model, policy, sele
             if wants_fill:
                 filled.append(seq)
     # reuse happened (under "never" only for the repeated prompt)
-    assert sum(seq.num_cached > 0 for seq in filled) >= (1 if policy == "never" else 4)
+    assert sum(seq.prefix.num_cached > 0 for seq in filled) >= (1 if policy == "never" else 4)
     for seq in filled:
         want, logits, _, fresh = alone(model, seq.prompt_ids, 4, fill, select=select)
-        if policy == "as-is" and seq.exact_rows != fresh.exact_rows:
+        if policy == "as-is" and seq.fill.exact_rows != fresh.fill.exact_rows:
             # NOTE: the longer prompt keeps the cached prompt's tail rows exact (as-is takes the
             # maker's rows): it answers as a fresh fill making those rows exact too
-            assert set(fresh.exact_rows) < set(seq.exact_rows) and seq.num_cached > fresh.fill_boundary - 12
-            want, logits, _, fresh = alone(model, seq.prompt_ids, 4, fill, select=lambda s, rows=seq.exact_rows: rows)
-        assert seq.exact_rows == fresh.exact_rows, (seq.prompt_ids[:3], seq.num_cached)
+            assert (
+                set(fresh.fill.exact_rows) < set(seq.fill.exact_rows)
+                and seq.prefix.num_cached > fresh.fill.boundary - 12
+            )
+            want, logits, _, fresh = alone(
+                model, seq.prompt_ids, 4, fill, select=lambda s, rows=seq.fill.exact_rows: rows
+            )
+        assert seq.fill.exact_rows == fresh.fill.exact_rows, (seq.prompt_ids[:3], seq.prefix.num_cached)
         assert seq.output_ids == want
-        assert rel_err(torch.stack(eng.sampled[seq.seq_id]), logits) < 1e-4, seq.num_cached
+        assert rel_err(torch.stack(eng.sampled[seq.seq_id]), logits) < 1e-4, seq.prefix.num_cached
     all_blocks_back(eng)

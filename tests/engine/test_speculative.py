@@ -101,7 +101,7 @@ def test_scheduler_rolls_back_rejected_positions_and_blocks_and_stops_inside_a_r
     truth = prompt + [13, 14, 10, 11, 99, 98, 10, 11, 12, 13, 14, 5, 6, 7, 8, 9]
     stop_at = truth.index(8, len(prompt))
     seq = Sequence(prompt_ids=list(prompt), params=SamplingParams(max_tokens=100, temperature=0, stop_token_ids=(8,)))
-    seq.spec_tokens = 4
+    seq.spec.max_draft = 4
     sched.add(seq)
     verified = 0
     while sched.has_work():
@@ -124,7 +124,7 @@ def test_max_tokens_is_never_passed_inside_an_accepted_run():
     truth = prompt + [13, 14, 15, 16, 10, 11, 12, 13]
     for max_tokens in (1, 2, 3, 5):
         seq = Sequence(prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens, temperature=0))
-        seq.spec_tokens = 4
+        seq.spec.max_draft = 4
         sched.add(seq)
         while sched.has_work():
             _fake_step(sched, truth)
@@ -288,5 +288,5 @@ def test_a_request_asking_to_speculate_on_a_recurrent_model_decodes_plainly(toy)
         eng.step()
     # NOTE: the request's option is ignored, not refused: it may only lower the engine's
     # num_tokens, and the engine's speculation is off (the server answers 400 instead)
-    assert seq.spec_tokens == 0 and eng.stats().spec_steps_total == 0
+    assert seq.spec.max_draft == 0 and eng.stats().spec_steps_total == 0
     assert seq.output_ids == _reference_greedy(tensors, prompt, 8)

@@ -114,10 +114,10 @@ def _engine(
 def _lowest_row(seq, late: bool) -> int | None:
     """The lowest position a later row of seq runs at, below the split or above it (None: not
     known yet: the exact prefix rows are chosen after the lower sweep)."""
-    if not late or seq.stage.done:
+    if not late or seq.fill.stage.done:
         return seq.num_computed
-    if seq.stage == "late" and seq.queue_done < len(seq.queue):
-        return seq.queue[seq.queue_done]
+    if seq.fill.stage == "late" and seq.fill.queue_done < len(seq.fill.queue):
+        return seq.fill.queue[seq.fill.queue_done]
     return None
 
 
@@ -146,7 +146,7 @@ def _run(engine, prompts, params, check_pages: bool = False):
         engine.step()
         used = engine.stats().kv_blocks_used
         peak = max(peak, used)
-        if check_pages and all(s.stage.done for s in engine.scheduler.running):
+        if check_pages and all(s.fill.stage.done for s in engine.scheduler.running):
             assert used == _expected_pages(engine)
         elif check_pages:
             assert used <= _expected_pages(engine)
@@ -171,8 +171,8 @@ def test_bounded_engine_matches_transformers_and_the_unbounded_engine(gemma):
     want, _ = _run(full, prompts, params)
     for a, b, prompt in zip(got, want, prompts):
         assert a.output_ids == b.output_ids
-        lp_a = torch.tensor([t.logprob for t in a.output_logprobs])
-        lp_b = torch.tensor([t.logprob for t in b.output_logprobs])
+        lp_a = torch.tensor([t.logprob for t in a.logprobs.output])
+        lp_b = torch.tensor([t.logprob for t in b.logprobs.output])
         assert (lp_a - lp_b).abs().max() < 1e-5
         assert a.output_ids == _greedy_uncached(ref, prompt, 24)
 
@@ -240,9 +240,9 @@ def test_filled_prefill_pages_and_outputs(gemma):
     _, eager_peak = _run(eager, prompts, params, check_pages=True)
     assert peak < eager_peak
     for a, b in zip(got, want):
-        assert a.fill_boundary > 0 and len(a.exact_rows) > 2 and a.exact_rows == b.exact_rows
+        assert a.fill.boundary > 0 and len(a.fill.exact_rows) > 2 and a.fill.exact_rows == b.fill.exact_rows
         assert a.output_ids == b.output_ids
-        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.output, b.logprobs.output)) < 1e-5
 
 
 def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
@@ -282,16 +282,16 @@ def test_filled_rows_no_late_row_reaches_are_never_written(gemma):
         sequence_driver.build_caches = real_build
     assert torch.isfinite(deferred).all()
     assert (deferred - every).abs().max() < 1e-4 * every.abs().max()
-    late_rows = sorted(set(seq.exact_rows) | set(range(seq.fill_boundary, len(ids))))
-    slots = runner._seq_slots(seq, 0, seq.fill_boundary)
+    late_rows = sorted(set(seq.fill.exact_rows) | set(range(seq.fill.boundary, len(ids))))
+    slots = runner._seq_slots(seq, 0, seq.fill.boundary)
     written = ~torch.isnan(runner.kv.k[2][runner.kv.physical(2, slots)]).flatten(1).any(1)  # layer 2: late, windowed
     assert model.config.family_config.window_of(2) == WINDOW and split <= 2
-    for p in range(seq.fill_boundary):
-        if p in seq.exact_rows:
+    for p in range(seq.fill.boundary):
+        if p in seq.fill.exact_rows:
             continue
         reached = any(0 < q - p < WINDOW for q in late_rows)
         assert bool(written[p]) == reached, p
-    assert 0 < int(written.sum()) < seq.fill_boundary - len(seq.exact_rows)
+    assert 0 < int(written.sum()) < seq.fill.boundary - len(seq.fill.exact_rows)
 
 
 def test_speculative_rollback_gives_back_the_rejected_blocks_pages(gemma):

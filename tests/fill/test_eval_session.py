@@ -38,7 +38,7 @@ class Fixed(RowSelector):
         super().__init__(None)
 
     def __call__(self, seq):
-        return {(): [], ("special",): [0], ("special", "digits"): [0, 9, 33, 34, 80]}[seq.rows.selectors]
+        return {(): [], ("special",): [0], ("special", "digits"): [0, 9, 33, 34, 80]}[seq.fill.rows.selectors]
 
 
 def test_session_runs_equal_fresh_prefills_in_any_order(tiny):

@@ -127,7 +127,7 @@ def test_fill_off_is_bitwise_exact(tiny):
     assert torch.equal(exact, off)
     eng = engine(tiny, fill("identity"))
     opted_out = generate(eng, tiny["ids"], use_fill=False)
-    assert opted_out.fill_boundary == 0
+    assert opted_out.fill.boundary == 0
     assert opted_out.output_ids == generate(engine(tiny, FillConfig()), tiny["ids"]).output_ids
 
 

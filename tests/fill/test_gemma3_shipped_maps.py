@@ -31,7 +31,7 @@ def _tail_nll(llm, fill: FillConfig, ids: list[int]) -> torch.Tensor:
     seq = engine.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
     while engine.has_unfinished():
         engine.step()
-    return -torch.tensor(seq.prompt_logprobs[-(TAIL - 1) :])  # [TAIL - 1] the tail rows' targets
+    return -torch.tensor(seq.logprobs.prompt[-(TAIL - 1) :])  # [TAIL - 1] the tail rows' targets
 
 
 def test_server_settings_pick_the_gemma_maps_and_split():

@@ -73,7 +73,7 @@ def test_preempted_prefill_gives_every_cache_back(model):
     young = eng.add_request(young_ids, greedy(YOUNG_NEW))
     seen_stash = preempted_in = None
     while eng.has_unfinished():
-        stage, slot = young.stage, young.state_slot
+        stage, slot = young.fill.stage, young.state_slot
         before = eng.stats().preemptions_total
         eng.step()
         if slot is not None and states.stash(slot) is not None:
@@ -84,7 +84,7 @@ def test_preempted_prefill_gives_every_cache_back(model):
     # NOTE: this pool runs dry during the lower sweep; the later stages are preempted below
     assert preempted_in is Stage.LOWER, f"the young sequence was preempted in {preempted_in}, not its lower sweep"
     assert seen_stash and seen_stash >= YOUNG_PROMPT * model.config.hidden_size * 4
-    assert young.exact_rows == EXACT_ROWS
+    assert young.fill.exact_rows == EXACT_ROWS
     assert old.output_ids == alone(model, old_ids, OLD_NEW, fill=False)
     assert young.output_ids == alone(model, young_ids, YOUNG_NEW, fill=True)
     end = eng.stats()
@@ -110,13 +110,13 @@ LATER_STAGES = [("probe", 2), ("exact rows", 2), ("tail", 4)]
 
 def progress(seq: Sequence) -> tuple[str, int]:
     """Which part of its prefill seq runs next and how many of that part's rows are done."""
-    if seq.stage is Stage.PROBE:
-        return "probe", seq.queue_done
-    if seq.stage is Stage.LATE and seq.queue_done < len(seq.exact_rows):
-        return "exact rows", seq.queue_done
-    if seq.stage is Stage.LATE:
-        return "tail", seq.queue_done - len(seq.exact_rows)
-    return str(seq.stage), seq.num_computed
+    if seq.fill.stage is Stage.PROBE:
+        return "probe", seq.fill.queue_done
+    if seq.fill.stage is Stage.LATE and seq.fill.queue_done < len(seq.fill.exact_rows):
+        return "exact rows", seq.fill.queue_done
+    if seq.fill.stage is Stage.LATE:
+        return "tail", seq.fill.queue_done - len(seq.fill.exact_rows)
+    return str(seq.fill.stage), seq.num_computed
 
 
 def take_free_blocks(eng: Engine) -> list[int]:
@@ -138,9 +138,9 @@ def test_prefill_preempted_mid_later_stage_gives_every_cache_back(model, part, d
     eng.step()
     young = eng.add_request(young_ids, greedy(YOUNG_NEW))
     while progress(young) != (part, done):
-        assert not young.stage.done, f"the young sequence never reached row {done} of its {part}"
+        assert not young.fill.stage.done, f"the young sequence never reached row {done} of its {part}"
         eng.step()
-    assert eng.stats().preemptions_total == 0 and old.stage.done and not old.finished
+    assert eng.stats().preemptions_total == 0 and old.fill.stage.done and not old.finished
     assert states.stash(young.state_slot) is not None  # there is a stash to give back
     assert eng.stats().stash_bytes >= YOUNG_PROMPT * model.config.hidden_size * 4
     hog = take_free_blocks(eng)
@@ -151,7 +151,7 @@ def test_prefill_preempted_mid_later_stage_gives_every_cache_back(model, part, d
     while eng.has_unfinished():
         eng.step()
     assert eng.stats().preemptions_total == 1
-    assert young.exact_rows == EXACT_ROWS
+    assert young.fill.exact_rows == EXACT_ROWS
     assert old.output_ids == alone(model, old_ids, OLD_NEW, fill=False, block_size=1)
     assert young.output_ids == alone(model, young_ids, YOUNG_NEW, fill=True, block_size=1)
     end = eng.stats()

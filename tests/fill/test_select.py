@@ -36,9 +36,9 @@ def prompt(seed: int = 0) -> list[int]:
 def seq_with(rows: RowsConfig, ids=None, attention=None, probe=None) -> Sequence:
     ids = ids or prompt()
     seq = Sequence(prompt_ids=ids, params=SamplingParams())
-    seq.fill_boundary, seq.rows = B, rows
+    seq.fill.boundary, seq.fill.rows = B, rows
     rng = random.Random(1)
-    seq.row_scores = {
+    seq.fill.row_scores = {
         "attention": attention or [rng.random() for _ in range(B)],
         "probe": probe or [rng.random() for _ in range(B)],
     }
@@ -65,7 +65,7 @@ def test_special_rows_are_always_exact(control):
 def test_attention_budget_is_the_top_share_outside_special_rows():
     seq = seq_with(RowsConfig(selectors=("special", "attention"), attention_share=0.1))
     rows = set(RowSelector(TABLE)(seq))
-    scores = seq.row_scores["attention"]
+    scores = seq.fill.row_scores["attention"]
     expect = sorted((p for p in range(B) if p not in SPECIAL_ROWS), key=lambda p: -scores[p])[: math.ceil(0.1 * B)]
     assert rows == SPECIAL_ROWS | set(expect)
 
@@ -77,11 +77,11 @@ def test_probe_count_is_budget_times_base_rules_and_probe_ranking_fills_it():
         base = (
             set(rules.protected_rows(ids, TABLE, B, 0.5))
             | set(rules.digit_rows(ids, TABLE, B))
-            | top_rows(seq.row_scores["attention"], math.ceil(0.2 * B), set())
+            | top_rows(seq.fill.row_scores["attention"], math.ceil(0.2 * B), set())
         ) - SPECIAL_ROWS
         e = round(factor * len(base))
         rows = set(RowSelector(TABLE)(seq))
-        probe = seq.row_scores["probe"]
+        probe = seq.fill.row_scores["probe"]
         expect = sorted((p for p in range(B) if p not in SPECIAL_ROWS), key=lambda p: -probe[p])[:e]
         assert rows == SPECIAL_ROWS | set(expect)
 

@@ -60,7 +60,7 @@ def test_exact_rows_match_reference(tiny, arm, chunk):
     ref, _ = reference_tail_logits(
         tiny["hf"], tiny["ids"], SPLIT, TAIL, predict=lambda l, x: x, nofill=arm == "nofill", exact_rows=EXACT
     )
-    assert seq.exact_rows == EXACT and first == N - TAIL
+    assert seq.fill.exact_rows == EXACT and first == N - TAIL
     assert rel_err(logits, ref) < 1e-4
     plain, _ = reference_tail_logits(
         tiny["hf"], tiny["ids"], SPLIT, TAIL, predict=lambda l, x: x, nofill=arm == "nofill"
@@ -84,7 +84,7 @@ def test_probe_scores_equal_late_layer_attention(tiny):
     captured = {}
 
     def select(seq):
-        captured.update(seq.row_scores)
+        captured.update(seq.fill.row_scores)
         return []
 
     PromptLogits(tiny["model"], cfg, chunk=50, selector=select)(tiny["ids"])
@@ -127,11 +127,11 @@ def test_probe_ranks_a_planted_needle_row_first(tiny):
     ids = [5 if (t == 5 and p != needle) else t for p, t in enumerate(ids)]  # the token occurs once
     cfg = fill("identity", selectors=("probe",), probe_window=16)
     captured = {}
-    PromptLogits(planted_model(tiny, 5), cfg, selector=lambda seq: captured.update(seq.row_scores) or [])(ids)
+    PromptLogits(planted_model(tiny, 5), cfg, selector=lambda seq: captured.update(seq.fill.row_scores) or [])(ids)
     # (on Gemma only global layer 1 can: local layer 2's 16-key window ends far after the needle)
     assert top_rows(captured["probe"], 1, set()) == {needle}
     captured.clear()  # control: the unmodified model has no reason to prefer it
-    PromptLogits(tiny["model"], cfg, selector=lambda seq: captured.update(seq.row_scores) or [])(ids)
+    PromptLogits(tiny["model"], cfg, selector=lambda seq: captured.update(seq.fill.row_scores) or [])(ids)
     assert top_rows(captured["probe"], 1, set()) != {needle}
 
 
@@ -157,7 +157,9 @@ def assert_scores_match(got, ref, reached):
 def test_lower_attention_scores_equal_transformers(tiny, window):
     cfg = fill("identity", selectors=("attention",), attention_layers=(0,), window=window)
     captured = {}
-    PromptLogits(tiny["model"], cfg, chunk=29, selector=lambda seq: captured.update(seq.row_scores) or [])(tiny["ids"])
+    PromptLogits(tiny["model"], cfg, chunk=29, selector=lambda seq: captured.update(seq.fill.row_scores) or [])(
+        tiny["ids"]
+    )
     with torch.no_grad():
         out = tiny["hf"](torch.tensor([tiny["ids"]]), output_attentions=True)
     att = out.attentions[0][0]  # [H, N, N] layer 0
@@ -170,7 +172,7 @@ def test_question_hidden_window_ends_at_hide_from(tiny, window):
     hide = N - 10
     cfg = fill("identity", selectors=("attention",), attention_layers=(0,), window=window)
     captured = {}
-    run = PromptLogits(tiny["model"], cfg, selector=lambda seq: captured.update(seq.row_scores) or [])
+    run = PromptLogits(tiny["model"], cfg, selector=lambda seq: captured.update(seq.fill.row_scores) or [])
     run(tiny["ids"], hide_from=hide)
     with torch.no_grad():
         att = tiny["hf"](torch.tensor([tiny["ids"]]), output_attentions=True).attentions[0][0]
@@ -212,7 +214,7 @@ def test_engine_two_sweep_batched_with_others_equals_alone(tiny):
     c = eng.add_request(ids3, params)
     while eng.has_unfinished():
         eng.step()
-    assert a.exact_rows == EXACT and c.exact_rows == EXACT and b.fill_boundary == 0
+    assert a.fill.exact_rows == EXACT and c.fill.exact_rows == EXACT and b.fill.boundary == 0
     assert a.output_ids == generate(engine(tiny, cfg, fixed(EXACT)), tiny["ids"]).output_ids
     assert b.output_ids == generate(engine(tiny, FillConfig()), ids2).output_ids
     assert c.output_ids == generate(engine(tiny, cfg, fixed(EXACT)), ids3).output_ids
@@ -222,7 +224,7 @@ def test_engine_two_sweep_batched_with_others_equals_alone(tiny):
 
 def test_special_rows_default_makes_position_zero_exact(tiny):
     seq = generate(engine(tiny, fill("identity")), tiny["ids"], n=1)
-    assert seq.exact_rows == [0]
+    assert seq.fill.exact_rows == [0]
 
 
 @pytest.mark.gpu

@@ -52,7 +52,7 @@ class Harness:
         """Compute `n` more rows for each (seq, n) in one flat batch; logits per seq.
         `reads`: a looped model's per-sequence loops and policy (ForwardBatch.loops)."""
         items = self.items(spans)
-        ids, pos, batch = self.runner._prepare(items)
+        ids, pos, batch = self.runner.prepare(items)
         logits = self.model.run(ForwardBatch(ids, pos, batch, self.caches, loops=reads)).logits
         for item in items:
             item.seq.num_computed = item.end

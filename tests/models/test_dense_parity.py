@@ -107,7 +107,7 @@ def test_last_layer_on_chosen_rows_equals_full(tiny):
         h.step([(seqs[1], 40), (seqs[2], 59), (seqs[3], 20)])  # earlier context for three of them
         spans = [(seqs[0], 120), (seqs[1], 50), (seqs[2], 1), (seqs[3], 10)]
         items = h.items(spans)
-        ids, pos, batch = h.runner._prepare(items)
+        ids, pos, batch = h.runner.prepare(items)
         wanted = torch.tensor([5, 119, 120 + 49, 120 + 50])  # two rows of seq 0, last of 1, the decode
         if mode == "full":
             results[mode] = h.model.forward(ids, pos, batch, h.caches)[wanted]
@@ -120,7 +120,7 @@ def test_chunk_without_logit_rows_still_writes_last_layer_kv(tiny):
     h = Harness(tiny["ours"])
     seq = h.new_seq(tiny["ids"])
     h.blocks.grow(seq.block_table, 200)
-    ids, pos, batch = h.runner._prepare([ScheduledSeq(seq, 0, 200)])
+    ids, pos, batch = h.runner.prepare([ScheduledSeq(seq, 0, 200)])
     out = h.model.forward(ids, pos, batch, h.caches, torch.empty(0, dtype=torch.int64))
     assert out.shape == (0, tiny["ours"].config.vocab_size)
     seq.num_computed = 200

@@ -75,7 +75,7 @@ def _run(engine, prompts, params):
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
-    return [(list(s.output_ids), torch.tensor([e.logprob for e in s.output_logprobs])) for s in seqs]
+    return [(list(s.output_ids), torch.tensor([e.logprob for e in s.logprobs.output])) for s in seqs]
 
 
 def test_batched_decode_equals_each_alone(models):

@@ -60,7 +60,7 @@ def run_to_first_token(eng: Engine, ids, new: int = NEW):
     seq = eng.add_request(ids, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
     stages = set()
     while not seq.output_ids:
-        stages.add(seq.stage)
+        stages.add(seq.fill.stage)
         eng.step()
     return seq, stages
 
@@ -87,7 +87,7 @@ def engine_scores(model, fill: FillConfig, maps, ids: list[int], chunk: int) -> 
     seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
     while eng.has_unfinished():
         eng.step()
-    return torch.tensor(seq.prompt_logprobs)
+    return torch.tensor(seq.logprobs.prompt)
 
 
 @pytest.mark.parametrize("split", [1, 2])
@@ -130,8 +130,8 @@ def test_scores_of_the_tail_equal_the_reference(tiny):
         eng.step()
     boundary = PROMPT - TAIL
     want = tail_logprobs(ref_logits, ids)
-    assert seq.fill_boundary == boundary
-    assert torch.allclose(torch.tensor(seq.prompt_logprobs), want, atol=1e-4)
+    assert seq.fill.boundary == boundary
+    assert torch.allclose(torch.tensor(seq.logprobs.prompt), want, atol=1e-4)
 
 
 def test_the_probe_runs_on_a_scratch_state_that_leaves_the_real_one_alone(tiny):
@@ -146,7 +146,7 @@ def test_the_probe_runs_on_a_scratch_state_that_leaves_the_real_one_alone(tiny):
         states = {layer: eng.caches.states.state(layer)["ssm"][seq.state_slot].clone() for layer in (1, 2)}
         while eng.has_unfinished():
             eng.step()
-        results.append((states, list(seq.output_ids), len(seq.row_scores.get("probe", []))))
+        results.append((states, list(seq.output_ids), len(seq.fill.row_scores.get("probe", []))))
     (plain, plain_out, _), (probed, probed_out, scored) = results
     assert scored == PROMPT - TAIL  # the probe did score every prefix row
     assert all(torch.equal(plain[layer], probed[layer]) for layer in plain) and plain_out == probed_out
@@ -164,7 +164,7 @@ def test_a_filled_prompt_batched_with_exact_traffic_equals_it_alone(tiny):
     seq = eng.add_request(ids, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
-    assert seq.output_ids == seq_alone.output_ids and short.fill_boundary == other.fill_boundary == 0
+    assert seq.output_ids == seq_alone.output_ids and short.fill.boundary == other.fill.boundary == 0
     assert eng.stats().state_slots_used == 0 and eng.stats().stash_bytes == 0
 
 
@@ -176,7 +176,7 @@ def test_fill_off_is_the_exact_model_bitwise(tiny):
         seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
         while eng.has_unfinished():
             eng.step()
-        outs.append(torch.tensor(seq.prompt_logprobs))
+        outs.append(torch.tensor(seq.logprobs.prompt))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -213,7 +213,7 @@ def test_fitted_maps_fill_resident_equals_streamed_and_the_reference(tiny, fitte
         seq = eng.add_request(ids, SamplingParams(max_tokens=0, prompt_logprobs=True))
         while eng.has_unfinished():
             eng.step()
-        outs[placement] = torch.tensor(seq.prompt_logprobs)
+        outs[placement] = torch.tensor(seq.logprobs.prompt)
     assert torch.equal(outs["resident"], outs["streamed"])
     ref_maps = FillMaps(fitted, "resident", model.dtype, model.device)
     ref_logits, _ = reference_two_sweep(tiny["ref"], ids, 2, filled_mask(), ref_maps.predict)
@@ -367,8 +367,8 @@ def test_a_request_turns_the_correction_on_or_off(tiny, fitted, tmp_path):
     while eng.has_unfinished():
         eng.step()
     for on, seq in seqs.items():
-        assert torch.allclose(torch.tensor(seq.prompt_logprobs), refs[on], atol=1e-4), on
-    assert torch.allclose(torch.tensor(default.prompt_logprobs), refs[False], atol=1e-4)
+        assert torch.allclose(torch.tensor(seq.logprobs.prompt), refs[on], atol=1e-4), on
+    assert torch.allclose(torch.tensor(default.logprobs.prompt), refs[False], atol=1e-4)
     plain = Engine(
         model,
         None,

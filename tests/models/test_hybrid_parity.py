@@ -110,7 +110,7 @@ def test_last_layer_on_chosen_rows_equals_full(tiny):
         seqs = [h.new_seq(tiny["ids"][:120]), h.new_seq(tiny["ids"][:60])]
         h.step([(seqs[1], 59)])
         items = h.items([(seqs[0], 120), (seqs[1], 1)])
-        ids, pos, batch = h.runner._prepare(items)
+        ids, pos, batch = h.runner.prepare(items)
         out = h.model.forward(ids, pos, batch, h.caches, rows)
         results.append(out if rows is not None else out[[5, 119, 120]])
     assert rel_err(results[1], results[0]) < 1e-5

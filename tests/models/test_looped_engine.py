@@ -69,8 +69,11 @@ def test_self_speculation_keeps_greedy_output(tiny, cache, window, block):
     eng = engine(folder, LoopConfig(block=block, **looped))
     spec, seqs = run(eng, PROMPTS, GREEDY)
     assert spec == sequential
-    assert eng.scheduler.spec.steps > 0 and all(s.verifications > 0 for s in seqs)
-    assert sum(s.verified_tokens for s in seqs) == sum(s.verifications for s in seqs) + eng.scheduler.spec.accepted
+    assert eng.scheduler.spec.steps > 0 and all(s.spec.verifications > 0 for s in seqs)
+    assert (
+        sum(s.spec.verified_tokens for s in seqs)
+        == sum(s.spec.verifications for s in seqs) + eng.scheduler.spec.accepted
+    )
 
 
 def test_speculating_beside_other_users_and_under_preemption(tiny):

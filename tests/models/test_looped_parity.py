@@ -111,7 +111,7 @@ def _verify(harness, seq, tokens, read):
     """Run `tokens` (the last known token and a draft) as one verification item, then commit all rows."""
     item = ScheduledSeq(seq, seq.num_computed, len(tokens), draft=tokens[1:])
     harness.blocks.grow(seq.block_table, item.end)
-    ids, pos, batch = harness.runner._prepare([item])
+    ids, pos, batch = harness.runner.prepare([item])
     logits = harness.model.forward(ids, pos, batch, harness.caches, reads=(read,))
     seq.num_computed = item.end
     harness.caches.states.restore_row(seq.state_slot, len(tokens) - 1)

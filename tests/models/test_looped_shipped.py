@@ -47,5 +47,5 @@ def test_self_speculation_equals_sequential_on_the_trained_model(engine):
             engine.step()
         outs[block] = seq
     assert outs[4].output_ids == outs[0].output_ids
-    assert outs[4].verified_tokens / outs[4].verifications > 1.5  # the trained model's drafts are accepted
+    assert outs[4].spec.verified_tokens / outs[4].spec.verifications > 1.5  # the trained model's drafts are accepted
     assert engine.tokenizer.decode(outs[0].output_ids).strip()

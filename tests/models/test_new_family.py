@@ -95,7 +95,7 @@ def _greedy(folder) -> tuple[list[list[int]], list[list[float]]]:
     seqs = [engine.add_request(p, params) for p in ([5, 17, 3, 99, 42, 8, 250], [1, 2, 3])]
     while engine.has_unfinished():
         engine.step()
-    return [s.output_ids for s in seqs], [[t.logprob for t in s.output_logprobs] for s in seqs]
+    return [s.output_ids for s in seqs], [[t.logprob for t in s.logprobs.output] for s in seqs]
 
 
 def test_its_config_json_loads_with_its_own_setting(scaled_family, folders):

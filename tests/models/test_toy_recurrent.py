@@ -71,7 +71,7 @@ def test_chunked_prefill_and_decode_match_the_loop(toy, chunk):
     assert seq.output_ids == want
     ref = reference_logits(toy["tensors"], prompt).log_softmax(-1)  # [L, V]
     ref_lp = ref[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    assert torch.allclose(torch.tensor(seq.prompt_logprobs, dtype=torch.float64), ref_lp, atol=1e-5)
+    assert torch.allclose(torch.tensor(seq.logprobs.prompt, dtype=torch.float64), ref_lp, atol=1e-5)
     assert eng.stats().state_slots_used == 0
 
 
