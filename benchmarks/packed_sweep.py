@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # NOTE: kernels.py's CUDA-event timer
-from kernels import timed as cuda_timed  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # NOTE: cuda_kernels.py's CUDA-event timer
+from cuda_kernels import timed as cuda_timed  # noqa: E402
 from ridgefill_runtime.ops.packed_linear import compiled_for, pack, packed_linear, packed_linear_reference
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (n, K) of qkv, o, gate_up, down

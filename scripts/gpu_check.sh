@@ -41,7 +41,7 @@ timeout 120 .venv/bin/python -m pytest -q -p no:cacheprovider tests/ops/test_ext
 
 # Benchmarks, each printing its own table: kernels, the packed weight sweep, split-KV attention,
 # decode with and without CUDA graphs against transformers.
-timeout 120 .venv/bin/python benchmarks/kernels.py 2>&1 | tee "$out/kernels.txt"
+timeout 120 .venv/bin/python benchmarks/cuda_kernels.py 2>&1 | tee "$out/kernels.txt"
 timeout 90 .venv/bin/python benchmarks/packed_sweep.py --device cuda 2>&1 | tee "$out/packed_sweep_cuda.txt" || true
 timeout 120 .venv/bin/python benchmarks/paged_attention_cuda.py --out "$out/paged_attention_cuda.json" 2>&1 \
     | tee "$out/paged_attention_cuda.txt" || true

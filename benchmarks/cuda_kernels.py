@@ -1,7 +1,7 @@
 """Achieved rates of the ridgefill CUDA kernels against what the device itself measures, same run.
 
-    python benchmarks/kernels.py            # needs a CUDA device and the compiled extension
-    python benchmarks/kernels.py --quick    # fewer sizes
+    python benchmarks/cuda_kernels.py            # needs a CUDA device and the compiled extension
+    python benchmarks/cuda_kernels.py --quick    # fewer sizes
 
 Two device ceilings are measured first: copy bandwidth (a large device-to-device `copy_`, bytes read
 + written) and the bf16 GEMM rate (`torch.matmul`) at each GEMM shape used below. Each kernel is then
@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("kernels.py needs a CUDA device")
+        raise SystemExit("cuda_kernels.py needs a CUDA device")
     import ridgefill_runtime.ops as ops
 
     if not ops.extension_loaded():
