@@ -129,8 +129,8 @@ class PrefixState:
     # What its last admission found: positions taken from the cache, how many of them had filled late K/V
     num_cached: int = 0
     cached_filled_rows: int = 0
-    reselect: bool = False  # reuse_filled = "reselect": cached filled rows the new selection chooses are remade
-    remade_rows: list[int] = field(default_factory=list)  # those rows (stages.py, the recover stage)
+    reselect: bool = False  # reuse_filled = "reselect": cached rows are remade to its own selection of exact rows
+    remade_rows: list[int] = field(default_factory=list)  # the cached rows it remakes exact (stages.py, recover)
 
     def restart(self) -> None:
         """Forget the last admission's cache hit (the identity and published keys stay)."""
