@@ -283,7 +283,7 @@ class _Parts:
     """Accumulates a FillStep's pieces item by item: the lower part's row sets, one _LateEntry per
     item in the late part, and the measurements asked for (each with its stash accumulator)."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device | str | None) -> None:
         self.device = device
         self.exit_rows: list[torch.Tensor] = []  # rows that leave the lower part at the split
         self.fills: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, slots) writing filled late K/V
