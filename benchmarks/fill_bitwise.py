@@ -107,8 +107,14 @@ def run_case(path: str | None, fill: dict) -> dict[str, torch.Tensor]:
         "prompt_argmax": torch.tensor(scored["argmax"]),
         "first_scored": torch.tensor([scored["first_scored"]]),
         "tokens": torch.tensor(list(seq.output_ids)),
-        "token_logprobs": torch.tensor([lp.logprob for lp in seq.logprobs.output], dtype=torch.float32),
+        "token_logprobs": torch.tensor([lp.logprob for lp in output_records(seq)], dtype=torch.float32),
     }
+
+
+def output_records(seq) -> list:
+    """The sequence's per-token logprob records in either layout (`seq.logprobs.output` since the
+    fields were grouped, `seq.output_logprobs` before), since this file also runs in the older tree."""
+    return seq.logprobs.output if hasattr(seq, "logprobs") else seq.output_logprobs
 
 
 def dump(models_dir: Path, out: Path) -> None:
