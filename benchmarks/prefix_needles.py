@@ -95,7 +95,7 @@ def main() -> None:
         a, b = got["on", "filled"], got["off", "filled"]
         n = next((k for k, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), len(a.output_ids))
         if n:  # NOTE: the log-probs of the tokens both chose, up to the first that differs (if any)
-            diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.output_logprobs[:n], b.output_logprobs[:n])]
+            diffs = [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs.output[:n], b.logprobs.output[:n])]
             worst = max(worst, max(diffs))
     print(
         f"\n{len(KEYS)} prompts of {args.length} tokens, tail {args.tail}, reuse_filled {args.reuse_filled}, "
