@@ -89,6 +89,9 @@ class _Counts:
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None):
         cfg = model.config
+        if hasattr(tokenizer, "for_model_rows"):
+            # A padded vocabulary: rows past the tokenizer decode to nothing (finding 6 of issue 31).
+            tokenizer = tokenizer.for_model_rows(cfg.vocab_size)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         cache_spec = spec_of(model, config.looped)
         self.speculative = config.speculative

@@ -370,7 +370,7 @@ def detokenize_ids(tokenizer, ids: list[int]) -> str:
     """/detokenize's text: special tokens stay in it (it is the text those ids stand for)."""
     if tokenizer is None:
         raise HTTPError(400, "this model has no tokenizer, so it cannot turn token ids into text", "tokens")
-    vocab = tokenizer.vocab_size
+    vocab = getattr(tokenizer, "decodable_ids", tokenizer.vocab_size)  # a padded model's rows decode to ""
     for i, token in enumerate(ids):
         if not 0 <= token < vocab:
             raise HTTPError(400, f"tokens[{i}]: token id {token} is outside the vocabulary (size {vocab})", "tokens")
