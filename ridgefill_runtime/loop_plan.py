@@ -27,6 +27,10 @@ def resolve_loops(
     loops = store.loops if merged.loops is None else merged.loops
     window = merged.window if merged.cache == "ripe" else 0
     block = merged.block if speculates else 0
+    # NOTE: before the window rule: a block past looped.block is the block's fault, not the
+    # window's (issue 31, finding 5: "block": 1000000 was blamed on ridgefill.window).
+    if block > config.block and "block" in given:
+        raise InputError(f"ridgefill.block must be <= {config.block} (looped.block), got {block}")
     try:
         check_loop_settings(
             loops, merged.cache, window, block, merged.draft_loops, merged.allow_short_window, "ridgefill"
@@ -38,8 +42,6 @@ def resolve_loops(
             f"ridgefill.loops must be <= {store.loops} (the planes this server stores, looped.loops), got {loops}"
         )
     _check_readable(merged.cache, window, store)
-    if block > config.block and "block" in given:
-        raise InputError(f"ridgefill.block must be <= {config.block} (looped.block), got {block}")
     return LoopPlan(
         loops=loops, window=None if merged.cache == "full" else window, block=block, draft_loops=merged.draft_loops
     )

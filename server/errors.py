@@ -22,6 +22,12 @@ _TYPES = {
 }
 
 
+def engine_failure_status(finish_reason: str | None) -> int:
+    """The status of a request the engine ended with an error message: an abort is the
+    shutdown's (503, try again elsewhere or later), anything else a failure in the engine (500)."""
+    return 503 if finish_reason == "abort" else 500
+
+
 class HTTPError(Exception):
     """Raised anywhere in a route; the app turns it into the JSON body and status."""
 

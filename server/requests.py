@@ -31,11 +31,14 @@ def check_common(req: _SamplingFields) -> None:
 
 def check_best_of(req: CompletionRequest) -> None:
     if req.best_of not in (None, 1):
+        # NOTE: suggest n=best_of only where that n is one we serve (not "ask n=-1").
+        hint = (
+            f"ask n={req.best_of} and choose among them"
+            if 1 < req.best_of <= MAX_CHOICES
+            else "leave best_of out (or 1) and ask n choices to choose among"
+        )
         raise HTTPError(
-            400,
-            f"best_of={req.best_of} is not supported: this server does not rank choices; "
-            f"ask n={req.best_of} and choose among them",
-            "best_of",
+            400, f"best_of={req.best_of} is not supported: this server does not rank choices; {hint}", "best_of"
         )
 
 

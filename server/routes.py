@@ -28,7 +28,7 @@ from ridgefill_runtime.sequence import SamplingParams
 from . import requests as rq
 from .access import deadline_for, note_usage
 from .config import ServerConfig
-from .errors import HTTPError
+from .errors import HTTPError, engine_failure_status
 from .logprobs import TokenStrings
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -309,7 +309,7 @@ def _submit(state, request: Request, body, prompt_ids, params, fill: bool, rows,
 def _raise_if_failed(outs) -> None:
     for out in outs:
         if out.error:
-            raise HTTPError(500, out.error)
+            raise HTTPError(engine_failure_status(out.finish_reason), out.error)
 
 
 def _abort_all(eng: AsyncEngine, handles) -> None:

@@ -269,6 +269,7 @@ def test_wrong_typed_ridgefill_field_is_400(client, ridgefill, words, param):
         ({"prompt": "hi", "stop": 5}, ["string or a list of strings"], "stop"),
         ({"prompt": "hi", "temperature": "hot"}, ["temperature must be a number", '"hot"'], "temperature"),
         ({"prompt": "hi", "top_k": 10**30, "max_tokens": 1}, [], None),  # larger than the vocabulary: off
+        ({"prompt": "hi", "top_k": -1, "max_tokens": 1}, [], None),  # off, as vLLM and llama.cpp read it
         ({"prompt": "hi", "max_tokens": 10**30}, ["exceeds the context length"], "prompt"),
         ({"prompt": [2**70]}, ["outside the vocabulary"], "prompt"),
         ({"prompt": [1] * 2049}, ["2049 token ids", "exceeds the context length of 2048"], "prompt"),
