@@ -424,6 +424,20 @@ def test_sigterm_drains_streams_that_fit_the_grace_and_exits_0(tmp_path_factory)
     assert "Traceback" not in "".join(srv.log)
 
 
+def test_health_on_a_new_connection_says_draining_during_the_drain(tmp_path_factory):
+    # Before, the listening socket closed at the signal: a new connection was refused outright.
+    srv = _ServeProcess(tmp_path_factory, "--shutdown-grace-s", "8")
+    results, threads = srv.start_streams([900])
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    with httpx.Client(timeout=5) as fresh:  # a connection opened after the signal
+        r = fresh.get(srv.url + "/health")
+    assert r.status_code == 503 and r.json() == {"status": "draining"}, r.text
+    assert srv.proc.wait(60) == 0, "".join(srv.log)
+    for t in threads:
+        t.join(10)
+
+
 def test_sigterm_aborts_what_outlasts_the_grace_and_exits_0(tmp_path_factory):
     grace = 2.0
     srv = _ServeProcess(tmp_path_factory, "--shutdown-grace-s", str(grace))
