@@ -89,6 +89,10 @@ class _Counts:
 class Engine:
     def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None):
         cfg = model.config
+        if hasattr(tokenizer, "for_model_rows") and cfg.vocab_size > tokenizer.vocab_size:
+            # A padded vocabulary: rows past the tokenizer decode to nothing (finding 6 of issue 31).
+            # NOTE: only then: a tokenizer that needs no padding stays the object given (a wrapper).
+            tokenizer = tokenizer.for_model_rows(cfg.vocab_size)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         cache_spec = spec_of(model, config.looped)
         self.speculative = config.speculative

@@ -27,6 +27,12 @@ def resolve_loops(
     loops = store.loops if merged.loops is None else merged.loops
     window = merged.window if merged.cache == "ripe" else 0
     block = merged.block if speculates else 0
+    # NOTE: before the window rule when the request left the window alone: a block past
+    # looped.block is then the block's fault, not the server's window's (issue 31, finding 5:
+    # "block": 1000000 was blamed on ridgefill.window). A request that sets both is told about
+    # the window rule first, as before.
+    if block > config.block and "block" in given and "window" not in given:
+        raise InputError(f"ridgefill.block must be <= {config.block} (looped.block), got {block}")
     try:
         check_loop_settings(
             loops, merged.cache, window, block, merged.draft_loops, merged.allow_short_window, "ridgefill"

@@ -37,7 +37,7 @@ class TokenLogprobs:
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy
-    top_k: int = 0  # 0 means off
+    top_k: int = 0  # 0 (or -1, as vLLM and llama.cpp write it) means off
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
@@ -56,8 +56,10 @@ class SamplingParams:
             raise InputError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)  # "off" in vLLM's and llama.cpp's words
         if self.top_k < 0:
-            raise InputError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InputError(f"top_k must be >= 0, or -1 or 0 for off, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):

@@ -109,7 +109,8 @@ def _serve(sock: socket.socket, engine_cfg, server_cfg, fill) -> int:
 
     app = create_app(engine_cfg, server_cfg, fill, on_load_failure=fail)
     config = uvicorn_config(app, server_cfg, cap, log_level=server_cfg.log_level)  # listens on `sock`
-    server = DrainingServer(config, on_signal=app.state.ridgefill.begin_shutdown)
+    state = app.state.ridgefill
+    server = DrainingServer(config, on_signal=state.begin_shutdown, drained=state.finish_shutdown)
     quiet_connection_errors()
     host, port = sock.getsockname()[:2]
     log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)

@@ -11,7 +11,8 @@ connections: idle sockets pile up until accept() fails with EMFILE. So:
   with 503. A flood of idle sockets then cannot lock out /health or real clients.
 - RateLimitedLog keeps one line per kind of per-connection error (no traceback storms).
 - DrainingServer: the first SIGTERM/SIGINT starts the drain and the process exits 0;
-  a second one forces the exit.
+  a second one forces the exit. It keeps listening while the engine drains, so a client that
+  connects then gets /health's "draining" (and 503s), not a refused connection.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import resource
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -254,9 +255,27 @@ class DrainingServer(uvicorn.Server):
     drain) and whose exit status stays 0. uvicorn itself re-raises the caught signal after
     shutting down, so a SIGTERM'd server would die by that signal (status 143)."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]):
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_signal: Callable[[], None],
+        drained: Callable[[], Awaitable[None]] | None = None,
+    ):
+        """`drained`: returns once the drain is over (bounded by the grace and its backstop)."""
         super().__init__(config)
         self._on_signal = on_signal
+        self._drained = drained
+
+    async def shutdown(self, sockets=None) -> None:
+        # NOTE: uvicorn's shutdown closes the listening sockets first; until the drain ends, new
+        # connections are still accepted, so /health on them says "draining" (issue 31, finding 5).
+        if self._drained is not None and not self.force_exit:
+            drain = asyncio.ensure_future(self._drained())
+            while not drain.done() and not self.force_exit:  # a second signal stops waiting
+                await asyncio.wait({drain}, timeout=0.1)
+            if not drain.done():
+                drain.cancel()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

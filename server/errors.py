@@ -22,6 +22,12 @@ _TYPES = {
 }
 
 
+def engine_failure_status(finish_reason: str | None) -> int:
+    """The status of a request the engine ended with an error message: an abort is the
+    shutdown's (503, try again elsewhere or later), anything else a failure in the engine (500)."""
+    return 503 if finish_reason == "abort" else 500
+
+
 class HTTPError(Exception):
     """Raised anywhere in a route; the app turns it into the JSON body and status."""
 
@@ -51,6 +57,29 @@ def _printable(text: str) -> str:
 
 
 # -- request validation (pydantic) errors -> one message naming the field ---------------------
+
+# Longest integer literal a request body may hold (digits): 2**64 has 20 and no setting needs
+# more, but a value a little past a range is better refused by that range's own message; past
+# Python's own limit (4,300) the whole parse failed with FastAPI's vague "error parsing the
+# body" (issue 31, finding 4).
+MAX_INT_DIGITS = 100
+
+
+class OversizedInt:
+    """Stands in for an integer literal past MAX_INT_DIGITS in a parsed body: never an int, so
+    the field holding it fails validation and its error names the field."""
+
+    def __init__(self, literal: str):
+        self.digits = len(literal.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def parse_json_int(literal: str) -> int | OversizedInt:
+    """json.loads' parse_int: an int, or an OversizedInt past MAX_INT_DIGITS."""
+    return OversizedInt(literal) if len(literal.lstrip("-")) > MAX_INT_DIGITS else int(literal)
+
 
 # What a field should have held, by pydantic error type.
 _EXPECTED = {
@@ -93,6 +122,10 @@ def describe_invalid(errors: list[dict], body: Any) -> tuple[str, str | None]:
         )
     if tuple(first["loc"]) == ("body",):
         return _describe_body(first), None
+    huge = next((e for e in errors if isinstance(e.get("input"), OversizedInt)), None)
+    if huge is not None:  # before the first error: a union reports its other alternatives first
+        where = _format_path(_walk(huge["loc"], body, huge["type"])[0])
+        return _describe_field(huge, where), where
     chosen, path, branches = _pick(errors, body)
     param = _format_path(path)
     if chosen is not None:
@@ -115,6 +148,8 @@ def _describe_body(error: dict) -> str:
 
 def _describe_field(error: dict, param: str) -> str:
     kind = error["type"]
+    if isinstance(error.get("input"), OversizedInt):
+        return f"{param}: an integer of {error['input'].digits} digits is past the limit of {MAX_INT_DIGITS} digits"
     if kind == "missing":
         return f"{param} is required"
     if kind == "extra_forbidden":
@@ -186,7 +221,7 @@ def _format_path(path: list) -> str:
 def _shown(value: Any, limit: int = 80) -> str:
     """The client's value as JSON (ASCII, so any surrogate is escaped), cut to `limit` chars."""
     try:
-        text = json.dumps(value, ensure_ascii=True)
+        text = json.dumps(value, ensure_ascii=True, default=repr)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."

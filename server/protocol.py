@@ -4,6 +4,10 @@ Unknown request fields are ignored, as OpenAI clients send many optional ones; v
 cannot honour (n out of 1..16, best_of, logprobs past 20, ...) are refused by name in
 `server/requests.py`. The response models are what both the plain and the streamed answers
 are built from (server/streaming.py), so the two cannot drift apart.
+
+Request fields are strict (issue 31, finding 4): a number field takes a JSON number, a flag
+JSON true/false, a token id a JSON integer; "yes", "5" or [true, false] are refused naming the
+field, not read as true, 5 or token ids 1 and 0.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from ridgefill_runtime.async_engine import FillRows, RequestHandle
 
@@ -37,19 +41,19 @@ class RidgefillOptions(BaseModel):
     mode: str | None = None
     selectors: list[str] | None = None
     speculative: str | None = None
-    num_tokens: int | None = None
+    num_tokens: StrictInt | None = None
     recipe: str | None = None
     reuse_filled: str | None = None
-    loops: int | None = None
+    loops: StrictInt | None = None
     cache: str | None = None
-    window: int | None = None
-    block: int | None = None
-    draft_loops: int | None = None
-    allow_short_window: bool | None = None
+    window: StrictInt | None = None
+    block: StrictInt | None = None
+    draft_loops: StrictInt | None = None
+    allow_short_window: StrictBool | None = None
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(BaseModel):
@@ -58,26 +62,26 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # extension
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    n: int = 1  # 1..16 choices; with a seed, choice i samples with seed + i
-    stream: bool = False
+    n: StrictInt = 1  # 1..16 choices; with a seed, choice i samples with seed + i
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension
+    ignore_eos: StrictBool = False  # extension
     # completions: an int 0..20 (alternatives per token); chat: true/false, with top_logprobs
-    logprobs: int | bool | None = None
-    timeout: float | None = None  # extension: seconds until the request ends ("timeout"); capped by the server
+    logprobs: StrictInt | StrictBool | None = None
+    timeout: StrictFloat | None = None  # extension: seconds until the request ends ("timeout"); capped by the server
     ridgefill: RidgefillOptions | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False  # the prompt before the completion; with logprobs, the prompt's too
-    best_of: int | None = None  # refused past 1 (server/requests.py)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: StrictBool = False  # the prompt before the completion; with logprobs, the prompt's too
+    best_of: StrictInt | None = None  # refused past 1 (server/requests.py)
 
 
 ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
@@ -99,14 +103,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    top_logprobs: int | None = None  # 0..20 alternatives per token, with logprobs: true
+    max_completion_tokens: StrictInt | None = None
+    top_logprobs: StrictInt | None = None  # 0..20 alternatives per token, with logprobs: true
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class TokenizeRequest(BaseModel):
@@ -114,7 +118,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
 # -- responses -----------------------------------------------------------------------------

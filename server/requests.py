@@ -31,11 +31,14 @@ def check_common(req: _SamplingFields) -> None:
 
 def check_best_of(req: CompletionRequest) -> None:
     if req.best_of not in (None, 1):
+        # NOTE: suggest n=best_of only where that n is one we serve (not "ask n=-1").
+        hint = (
+            f"ask n={req.best_of} and choose among them"
+            if 1 < req.best_of <= MAX_CHOICES
+            else "leave best_of out (or 1) and ask n choices to choose among"
+        )
         raise HTTPError(
-            400,
-            f"best_of={req.best_of} is not supported: this server does not rank choices; "
-            f"ask n={req.best_of} and choose among them",
-            "best_of",
+            400, f"best_of={req.best_of} is not supported: this server does not rank choices; {hint}", "best_of"
         )
 
 
@@ -370,7 +373,7 @@ def detokenize_ids(tokenizer, ids: list[int]) -> str:
     """/detokenize's text: special tokens stay in it (it is the text those ids stand for)."""
     if tokenizer is None:
         raise HTTPError(400, "this model has no tokenizer, so it cannot turn token ids into text", "tokens")
-    vocab = tokenizer.vocab_size
+    vocab = getattr(tokenizer, "decodable_ids", tokenizer.vocab_size)  # a padded model's rows decode to ""
     for i, token in enumerate(ids):
         if not 0 <= token < vocab:
             raise HTTPError(400, f"tokens[{i}]: token id {token} is outside the vocabulary (size {vocab})", "tokens")

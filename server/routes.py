@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ridgefill_runtime.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
@@ -28,7 +30,7 @@ from ridgefill_runtime.sequence import SamplingParams
 from . import requests as rq
 from .access import deadline_for, note_usage
 from .config import ServerConfig
-from .errors import HTTPError
+from .errors import HTTPError, engine_failure_status, parse_json_int
 from .logprobs import TokenStrings
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -77,7 +79,27 @@ async def require_metrics_key(request: Request) -> None:
         await require_key(request)
 
 
-router = APIRouter()
+class _BoundedIntsRequest(Request):
+    """A request whose JSON body reads integer literals past MAX_INT_DIGITS as OversizedInt,
+    so the field holding one is refused by name (not the whole body, vaguely)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = json.loads(await self.body(), parse_int=parse_json_int)
+        return self._json
+
+
+class _BoundedIntsRoute(APIRoute):
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def bounded(request: Request):
+            return await handler(_BoundedIntsRequest(request.scope, request.receive))
+
+        return bounded
+
+
+router = APIRouter(route_class=_BoundedIntsRoute)
 keyed = [Depends(require_key)]
 
 
@@ -309,7 +331,7 @@ def _submit(state, request: Request, body, prompt_ids, params, fill: bool, rows,
 def _raise_if_failed(outs) -> None:
     for out in outs:
         if out.error:
-            raise HTTPError(500, out.error)
+            raise HTTPError(engine_failure_status(out.finish_reason), out.error)
 
 
 def _abort_all(eng: AsyncEngine, handles) -> None:

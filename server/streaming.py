@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from ridgefill_runtime.async_engine import AsyncEngine, RequestHandle, StreamEvent
 from ridgefill_runtime.sequence import TokenLogprobs
 
-from .errors import error_body
+from .errors import engine_failure_status, error_body
 from .logprobs import CompletionLogprobsBuilder, TokenStrings, chat_content
 from .protocol import (
     AssistantMessage,
@@ -276,7 +276,7 @@ async def _choice_lines(
     async with aclosing(choice_events(engine, handles)) as events:
         async for i, event in events:
             if event.error:  # NOTE: the stream ends here; closing `events` aborts the other choices
-                yield sse(error_body(500, event.error))
+                yield sse(error_body(engine_failure_status(event.finish_reason), event.error))
                 break
             for piece in choices[i].pieces(event):
                 yield chunk(piece)

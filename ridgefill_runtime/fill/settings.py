@@ -36,6 +36,16 @@ NEEDS_COUNTS = ("probe", "protected")  # selectors that read unigram counts (fil
 # split used when none is given). Fitted by scripts/fit_default_maps.py on the embedded model's
 # calibration rule; Gemma's are derived from Gemma, so its terms come with them (GEMMA_NOTICE.md).
 PACKAGED_MAPS = {"gemma3-270m": ("gemma3-270m", 9)}
+# Other [fill] keys a packaged model sets when the user gives none (e.g. {"tail": 512}); with the
+# split above they apply to every arm, so arms compared on one model run at one split and tail.
+PACKAGED_FILL: dict[str, dict[str, Any]] = {}
+
+
+def packaged_fill_defaults(model: str | None) -> dict[str, Any]:
+    """The [fill] keys a packaged model sets when they are not given: its split (and tail)."""
+    if model not in PACKAGED_MAPS:
+        return {}
+    return {"split": PACKAGED_MAPS[model][1], **PACKAGED_FILL.get(model, {})}
 
 
 def shipped_maps(split: int = SHIPPED_SPLIT, model: str | None = None) -> Path:
@@ -129,9 +139,11 @@ def resolve_fill(
         origin = {"fill.mode": origin["fill.recipe"], **origin}
     arm = given.get("arm", FillConfig.arm)
     settings = FillSettings(MODE_OF_ARM[arm], recipe)
+    # NOTE: every arm, not only ridgefill: identity or nofill at FillConfig's split 15 against
+    # ridgefill at the model's split 9 is an unfair comparison (issue 31, finding 8).
+    for key, value in packaged_fill_defaults(model).items():
+        given.setdefault(key, value)
     if arm == "ridgefill":
-        if model in PACKAGED_MAPS and "split" not in given:
-            given["split"] = PACKAGED_MAPS[model][1]
         given["maps"] = _maps_path(model, given, origin)
     rows = _rows(model, arm != "exact", values["rows"], origin, source)
     try:

@@ -45,7 +45,11 @@ class TokenTable:
 
     @classmethod
     def from_tokenizer(cls, tokenizer, counts: Sequence[int] | None = None) -> TokenTable:
-        n = tokenizer.vocab_size
+        # A padded model's rows past the vocabulary (Tokenizer.for_model_rows) can be prompt ids:
+        # they have no text and are `unused`, and the calibration never counted them.
+        n = getattr(tokenizer, "decodable_ids", tokenizer.vocab_size)
+        if counts is not None and len(counts) == tokenizer.vocab_size < n:
+            counts = [*counts, *[0] * (n - tokenizer.vocab_size)]
         # One decode per id: ~0.05 s for a 49K vocabulary, and it gives exactly the text the
         # tokenizer would produce for that id alone (decode_batch gives the same, no faster).
         pieces = tuple(tokenizer.decode([i]) for i in range(n))

@@ -14,6 +14,7 @@ can be cached.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -183,6 +184,8 @@ class Tokenizer:
         self._backend = backend
         self._info = info
         self._compiled_template: jinja2.Template | None = None
+        # Ids below this decode (those at or past vocab_size to nothing); see `for_model_rows`.
+        self._decodable = info.vocab_size
 
     # -- construction -------------------------------------------------------------------------
 
@@ -266,7 +269,24 @@ class Tokenizer:
     def token_types(self) -> tuple[str, ...]:
         return self._info.token_types
 
+    @property
+    def decodable_ids(self) -> int:
+        """Ids 0..decodable_ids-1 decode: the vocabulary, plus a padded model's extra rows."""
+        return self._decodable
+
+    def for_model_rows(self, rows: int) -> Tokenizer:
+        """This tokenizer for a model with `rows` embedding rows. A padded vocabulary (Huginn's
+        padded_vocab_size, Qwen2.5's 151,936 rows over 151,665 tokens) has rows no token spells;
+        the model can still emit them, and they decode to nothing. Ids past the rows stay refused."""
+        if rows <= self._decodable:
+            return self
+        padded = copy.copy(self)
+        padded._decodable = rows
+        return padded
+
     def token_type(self, token_id: int) -> str:
+        if self.vocab_size <= token_id < self._decodable:
+            return UNUSED  # a padded row: no token spells it
         return self._info.token_types[token_id]
 
     @cached_property
@@ -296,10 +316,16 @@ class Tokenizer:
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`. An id of a padded model's rows past the vocabulary (`for_model_rows`)
+        adds nothing, as in Hugging Face: `tokenizers.Tokenizer.decode` (0.23) leaves out every id
+        that has no token, so decode([a, 300, b]) over a 300-token vocabulary gives the text of
+        [a, b]; transformers' fast tokenizers decode through it."""
         ids = list(ids)
         for token_id in ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise InputError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            if not 0 <= token_id < self._decodable:
+                raise InputError(f"token id {token_id} is outside the vocabulary (size {self._decodable})")
+        if self._decodable > self.vocab_size:
+            ids = [token_id for token_id in ids if token_id < self.vocab_size]
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- chat ---------------------------------------------------------------------------------

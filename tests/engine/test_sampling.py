@@ -47,6 +47,11 @@ def test_seeded_sampling_is_reproducible_and_matches_distribution():
     assert torch.all((counts / n - expect).abs() < tol)
 
 
+def test_top_k_minus_one_means_off():
+    # vLLM and llama.cpp write "no top-k" as -1; other negatives stay refused (below).
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k
+
+
 @pytest.mark.parametrize(
     "kw",
     [

@@ -116,6 +116,7 @@ def test_abort_mid_speculation_gives_everything_back(tiny):
         (LoopOverrides(loops=5), "ridgefill.loops"),
         (LoopOverrides(draft_loops=4), "ridgefill.draft_loops"),
         (LoopOverrides(block=8, window=4), "ridgefill.window"),
+        (LoopOverrides(block=1000000), "ridgefill.block"),  # was blamed on the server's window
         (LoopOverrides(cache="half"), "ridgefill.cache"),
         (LoopOverrides(cache="full"), "ridgefill.cache"),
         (LoopOverrides(window=16), "ridgefill.window"),

@@ -45,7 +45,9 @@ def _assert_error(r: httpx.Response, status: int, *words: str, param: str | None
         ({"prompt": "hi", "n": 3, "seed": 2**64 - 2}, ["seed", "seed + 2"], "seed"),
         ({"prompt": "hi", "temperature": -0.5}, ["temperature"], "temperature"),
         ({"prompt": "hi", "top_p": 0}, ["top_p"], "top_p"),
-        ({"prompt": "hi", "top_k": -1}, ["top_k"], "top_k"),
+        ({"prompt": "hi", "top_k": -2}, ["top_k", "-1 or 0 for off", "got -2"], "top_k"),  # -1 is off
+        ({"prompt": "hi", "best_of": -1}, ["best_of=-1 is not supported", "leave best_of out"], "best_of"),
+        ({"prompt": "hi", "best_of": 40}, ["best_of=40 is not supported", "leave best_of out"], "best_of"),
         ({"prompt": "hi", "max_tokens": -1}, ["max_tokens"], "max_tokens"),
         ({"prompt": "hi", "max_tokens": 5000}, ["exceeds the context length of 2048"], "prompt"),
         ({"prompt": [1, 2, 10**9]}, ["outside the vocabulary"], "prompt"),
@@ -68,6 +70,12 @@ def _assert_error(r: httpx.Response, status: int, *words: str, param: str | None
 )
 def test_bad_completion_input_is_400(keyed, body, words, param):
     _assert_error(keyed.post("/v1/completions", json=body), 400, *words, param=param)
+
+
+@pytest.mark.parametrize("best_of", [-1, 0, 17])
+def test_best_of_errors_never_suggest_an_n_we_refuse(keyed, best_of):
+    message = keyed.post("/v1/completions", json={"prompt": "hi", "best_of": best_of}).json()["error"]["message"]
+    assert f"n={best_of}" not in message, message
 
 
 CHAT = [{"role": "user", "content": "hi"}]

@@ -269,6 +269,7 @@ def test_wrong_typed_ridgefill_field_is_400(client, ridgefill, words, param):
         ({"prompt": "hi", "stop": 5}, ["string or a list of strings"], "stop"),
         ({"prompt": "hi", "temperature": "hot"}, ["temperature must be a number", '"hot"'], "temperature"),
         ({"prompt": "hi", "top_k": 10**30, "max_tokens": 1}, [], None),  # larger than the vocabulary: off
+        ({"prompt": "hi", "top_k": -1, "max_tokens": 1}, [], None),  # off, as vLLM and llama.cpp read it
         ({"prompt": "hi", "max_tokens": 10**30}, ["exceeds the context length"], "prompt"),
         ({"prompt": [2**70]}, ["outside the vocabulary"], "prompt"),
         ({"prompt": [1] * 2049}, ["2049 token ids", "exceeds the context length of 2048"], "prompt"),
@@ -382,3 +383,69 @@ def test_a_long_real_prompt_does_not_stall_health(client):
 def test_server_still_serves_after_all_that(client):
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+# -- strict types (issue 31, finding 4) ----------------------------------------------------------
+
+HUGE = "9" * 5000  # past Python's own 4,300-digit limit: was "There was an error parsing the body"
+
+
+@pytest.mark.parametrize(
+    "path, raw, words, param",
+    [
+        (
+            "/v1/completions",
+            '{"prompt": "hi", "ridgefill": {"allow_short_window": "yes"}}',
+            ["ridgefill.allow_short_window must be true or false", '"yes"'],
+            "ridgefill.allow_short_window",
+        ),
+        ("/v1/completions", '{"prompt": "hi", "stream": "yes"}', ["stream must be true or false"], "stream"),
+        ("/v1/completions", '{"prompt": "hi", "echo": 1}', ["echo must be true or false"], "echo"),
+        ("/v1/completions", '{"prompt": [true, false]}', ["prompt must be a string or a list of token ids"], "prompt"),
+        ("/v1/completions", '{"prompt": [[1, true]]}', ["prompt[0][1] must be an integer", "true"], "prompt[0][1]"),
+        (
+            "/v1/completions",
+            '{"prompt": "hi", "max_tokens": "5"}',
+            ["max_tokens must be an integer", '"5"'],
+            "max_tokens",
+        ),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": true}', ["max_tokens must be an integer"], "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": "0.5"}', ["temperature must be a number"], "temperature"),
+        (
+            "/v1/completions",
+            '{"prompt": "hi", "max_tokens": ' + HUGE + "}",
+            ["max_tokens: an integer of 5000 digits is past the limit of 100 digits"],
+            "max_tokens",
+        ),
+        ("/v1/completions", '{"prompt": [1, -' + HUGE + "]}", ["an integer of 5000 digits"], "prompt[1]"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi"}], "seed": ' + HUGE + "}",
+            ["seed: an integer of 5000 digits"],
+            "seed",
+        ),
+        ("/detokenize", '{"tokens": [1, true]}', ["tokens[1] must be an integer", "true"], "tokens[1]"),
+        (
+            "/tokenize",
+            '{"prompt": "hi", "add_special_tokens": "no"}',
+            ["add_special_tokens must be true or false"],
+            "add_special_tokens",
+        ),
+    ],
+)
+def test_lax_types_are_refused_naming_the_field(client, path, raw, words, param):
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    _assert_error(r, 400, *words, param=param)
+
+
+def test_strict_types_still_take_json_numbers_and_a_batch_of_one(client):
+    # A float field takes a JSON integer; an int field a JSON integer up to the limit; a token-id
+    # batch of one ([[ids]]) stays served, as OpenAI's API and lm-eval's batched requests send it.
+    for body in (
+        {"prompt": "hi", "max_tokens": 1, "temperature": 0, "top_p": 1},
+        {"prompt": [[1, 2, 3]], "max_tokens": 1},
+        {"prompt": "hi", "max_tokens": 1, "seed": int("9" * 19)},
+        {"prompt": "hi", "max_tokens": 1, "top_k": int("9" * 100)},  # at the limit: a number (off)
+    ):
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, (body, r.text)

@@ -79,6 +79,7 @@ def test_request_loops_change_the_output(server):
         ({"draft_loops": 4}, "ridgefill.draft_loops"),
         ({"draft_loops": 6, "loops": 3}, "ridgefill.draft_loops"),
         ({"block": 4, "window": 2}, "ridgefill.window"),
+        ({"block": 1000000}, "ridgefill.block"),  # past looped.block: was blamed on the window
         ({"cache": "sliding"}, "ridgefill.cache"),
         ({"cache": "full"}, "ridgefill.cache"),
     ],

@@ -378,7 +378,12 @@ class _ServeProcess:
                 started.set()
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
-                    reason = chunk["choices"][0]["finish_reason"] if "choices" in chunk else "error"
+                    # an error event by its type and code (the shutdown's is a 503)
+                    reason = (
+                        chunk["choices"][0]["finish_reason"]
+                        if "choices" in chunk
+                        else f"{chunk['error']['type']} {chunk['error']['code']}"
+                    )
                     if reason:
                         reasons.append(reason)
                 elif line == "data: [DONE]":
@@ -419,6 +424,20 @@ def test_sigterm_drains_streams_that_fit_the_grace_and_exits_0(tmp_path_factory)
     assert "Traceback" not in "".join(srv.log)
 
 
+def test_health_on_a_new_connection_says_draining_during_the_drain(tmp_path_factory):
+    # Before, the listening socket closed at the signal: a new connection was refused outright.
+    srv = _ServeProcess(tmp_path_factory, "--shutdown-grace-s", "8")
+    results, threads = srv.start_streams([900])
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    with httpx.Client(timeout=5) as fresh:  # a connection opened after the signal
+        r = fresh.get(srv.url + "/health")
+    assert r.status_code == 503 and r.json() == {"status": "draining"}, r.text
+    assert srv.proc.wait(60) == 0, "".join(srv.log)
+    for t in threads:
+        t.join(10)
+
+
 def test_sigterm_aborts_what_outlasts_the_grace_and_exits_0(tmp_path_factory):
     grace = 2.0
     srv = _ServeProcess(tmp_path_factory, "--shutdown-grace-s", str(grace))
@@ -427,5 +446,6 @@ def test_sigterm_aborts_what_outlasts_the_grace_and_exits_0(tmp_path_factory):
     for t in threads:
         t.join(10)
     assert rc == 0, "".join(srv.log)
-    assert results in ([["abort", "[DONE]"]], [["error", "[DONE]"]]), results  # an error event says why
+    # an error event says why, typed as the 503 it is (issue 31, finding 5: it was a 500)
+    assert results in ([["abort", "[DONE]"]], [["service_unavailable 503", "[DONE]"]]), results
     assert grace - 0.5 < seconds < grace + 6, seconds
