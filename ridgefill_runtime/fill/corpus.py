@@ -1,14 +1,18 @@
-"""Reproducible local text: Debian's linux-doc-6.1 and python3.11-doc reST sources.
+"""Reproducible local text: Debian's linux-doc-6.1 and python3.11-doc reST sources, and code:
+the Python standard library's sources on this machine.
 
 Calibration, held-out (λ) and evaluation documents are disjoint by construction: calibration
 and held-out come from the kernel docs, split by the content hash; evaluation from the
-Python docs. Every document is named and listed by its sha256.
+Python docs. For code, calibration and held-out are the standard library's top-level modules
+(split by content hash the same way) and evaluation the packages in CODE_EVAL_PACKAGES, which
+no top-level module is part of. Every document is named and listed by its sha256.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,3 +57,29 @@ def calibration_and_heldout(min_chars: int = 6000) -> tuple[list[TextDoc], list[
 def evaluation_docs() -> list[TextDoc]:
     """Python docs (never used by the fit)."""
     return load_docs(PYTHON_DOCS, "*.rst.txt")
+
+
+# The standard library's packages (folders) whose sources make the code evaluation prompts;
+# the code maps are fitted on the top-level modules only, so these are never calibration text.
+CODE_EVAL_PACKAGES = ("asyncio", "email", "logging", "multiprocessing", "importlib", "http", "xml", "unittest")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def code_calibration_and_heldout(min_chars: int = 6000) -> tuple[list[TextDoc], list[TextDoc]]:
+    """The standard library's top-level modules (no package's files) of some length: hash
+    starting 0-b -> calibration, c-d -> held-out."""
+    docs = [d for d in load_docs(stdlib_root(), "*.py") if len(d.text) >= min_chars]
+    top_level = [d for d in docs if Path(d.path).parent == stdlib_root()]
+    calib = [d for d in top_level if d.sha256[0] in "0123456789ab"]
+    held = [d for d in top_level if d.sha256[0] in "cd"]
+    return calib, held
+
+
+def code_package_files(package: str) -> list[TextDoc]:
+    """The .py files of one standard-library package (CODE_EVAL_PACKAGES), in content-hash order."""
+    if package not in CODE_EVAL_PACKAGES:
+        raise ValueError(f"{package!r} is not an evaluation package (those are {', '.join(CODE_EVAL_PACKAGES)})")
+    return load_docs(stdlib_root() / package, "*.py")

@@ -25,13 +25,14 @@ from __future__ import annotations
 from ..errors import UnsupportedError
 from .family import ModelFamily
 from .llama import LLAMA
+from .qwen2 import QWEN2
 from .qwen3 import QWEN3
 from .qwen3_5 import QWEN3_5, QWEN3_5_TEXT
 from .qwen3_next import QWEN3_NEXT
 from .huginn import HUGINN_RAVEN
 from .gemma3 import GEMMA3
 
-BUILT_IN = (LLAMA, QWEN3, QWEN3_5_TEXT, QWEN3_5, QWEN3_NEXT, HUGINN_RAVEN, GEMMA3)
+BUILT_IN = (LLAMA, QWEN2, QWEN3, QWEN3_5_TEXT, QWEN3_5, QWEN3_NEXT, HUGINN_RAVEN, GEMMA3)
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

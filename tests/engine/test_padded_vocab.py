@@ -27,12 +27,12 @@ TOKENS = 300  # the tokenizer's vocabulary; the model has TINY_CONFIGS' 320 rows
 PADDED = (310, 311)  # the rows the model is forced to emit
 
 
-def write_padded_model(folder) -> None:
-    """A tiny llama with 320 rows, a 300-word tokenizer, and a head that only ever picks row 310
+def write_padded_model(folder, name: str = "llama_gqa_untied") -> None:
+    """A tiny llama (or qwen2) with 320 rows, a 300-word tokenizer, and a head that only ever picks row 310
     or 311: the final norm keeps hidden dimension 0 alone, and only those two rows read it
     (+50 and -50), so whatever its sign one of them wins by 50 over every real token."""
-    assert TINY_CONFIGS["llama_gqa_untied"]["vocab_size"] > TOKENS
-    build_tiny("llama_gqa_untied", folder)
+    assert TINY_CONFIGS[name]["vocab_size"] == 320 and not TINY_CONFIGS[name]["tie_word_embeddings"]
+    build_tiny(name, folder)
     weights = load_file(str(folder / "model.safetensors"))
     norm = torch.zeros_like(weights["model.norm.weight"])
     norm[0] = 1.0
@@ -51,10 +51,11 @@ def write_padded_model(folder) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def engine_cfg(tmp_path_factory):
+# NOTE: qwen2 is the family whose real checkpoints are padded (151,936 rows for 151,665 tokens).
+@pytest.fixture(scope="module", params=["llama_gqa_untied", "qwen2_untied"])
+def engine_cfg(tmp_path_factory, request):
     folder = tmp_path_factory.mktemp("padded")
-    write_padded_model(folder)
+    write_padded_model(folder, request.param)
     torch.set_num_threads(2)
     return EngineConfig(model=str(folder), cache=CacheConfig(num_blocks=64))
 

@@ -52,6 +52,34 @@ TINY_CONFIGS = {
         rope_theta=1000000.0,
         tie_word_embeddings=False,
     ),
+    # Qwen2: q/k/v biases, odd shapes (3 heads of 16 over a 48-wide model, one KV head, a
+    # 333-row vocabulary, intermediate 80), tied and untied heads.
+    "qwen2_odd_tied": dict(
+        model_type="qwen2",
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        vocab_size=333,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen2_untied": dict(
+        model_type="qwen2",
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
     # Gemma 3: a 16-key window on two local layers (the 300-token tests reach far past it), a
     # global layer, query_pre_attn_scalar unlike head_dim, and two RoPE bases.
     "gemma3_sliding": dict(
