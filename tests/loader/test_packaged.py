@@ -29,13 +29,13 @@ def chunk_packages(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     whole = b"".join(PARTS)
 
-    def register(size=len(whole), sha256=hashlib.sha256(whole).hexdigest(), parts=len(PARTS)):
+    def register(size=None, sha256=None, parts=len(PARTS)):
         model = packaged.ChunkedGGUF(
             name="rf-test",
             title="test chunks",
             file_name="rf-test.gguf",
-            size=size,
-            sha256=sha256,
+            size=len(whole) if size is None else size,
+            sha256=sha256 or hashlib.sha256(whole).hexdigest(),
             version="1.2.3",
             chunks=tuple((f"rf_test_chunks_part{i}", f"part{i:02d}.bin") for i in range(1, parts + 1)),
             licence="test",
