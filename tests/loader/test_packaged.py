@@ -29,7 +29,7 @@ def chunk_packages(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     whole = b"".join(PARTS)
 
-    def register(size=None, sha256=None, parts=len(PARTS)):
+    def register(size=None, sha256=None, parts=3):
         model = packaged.ChunkedGGUF(
             name="rf-test",
             title="test chunks",
