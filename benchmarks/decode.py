@@ -1,7 +1,8 @@
-"""Decode speed on the embedded SmolLM2 (Q4_1 GGUF): ridgefill vs llama.cpp vs transformers,
-one run, same file, same threads.
+"""Decode speed on the embedded SmolLM2 (Q4_1 GGUF) or a packaged model (--model): ridgefill vs
+llama.cpp vs transformers, one run, same file, same threads.
 
     python benchmarks/decode.py --threads 2 --context 1024 --new 64 --batches 1 4 16 64 --out decode.json
+    python benchmarks/decode.py --threads 2 --model qwen2.5-coder-0.5b --batches 1 4 --weights packed
 
 ridgefill runs twice, once per `weights` setting: "packed" keeps the GGUF's quantized blocks and
 multiplies with the weight-only kernel, "dequantized" expands them to `--dtype`. Each arm loads
@@ -257,14 +258,16 @@ def main() -> None:
         "drifts by up to 1.5x between minutes, so one pass each is not a comparison)",
     )
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from ridgefill_runtime.config import CacheConfig, EngineConfig
     from ridgefill_runtime.llm import LLM
     from ridgefill_runtime.loader.gguf import default_model_path
+    from ridgefill_runtime.loader.packaged import packaged_model_path
 
-    path = default_model_path()
+    path = packaged_model_path(args.model) if args.model else default_model_path()
     header = {
         "threads": torch.get_num_threads(),
         "context": args.context,
@@ -280,7 +283,9 @@ def main() -> None:
     prompts = None
 
     for weights in args.weights:
-        llm = LLM(EngineConfig(dtype=args.dtype, weights=weights, cache=CacheConfig(kv_cache_gib=0.05)))
+        llm = LLM(
+            EngineConfig(model=args.model, dtype=args.dtype, weights=weights, cache=CacheConfig(kv_cache_gib=0.05))
+        )
         if prompts is None:
             prompts = real_text_prompts(llm.tokenizer, max(args.batches), args.context)
         time_ridgefill(llm, weights, args.dtype, [prompts[0][:64]], 4, args.chunk)  # warm up

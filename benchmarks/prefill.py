@@ -1,12 +1,16 @@
-"""Exact prefill speed on the embedded SmolLM2: ridgefill vs transformers, same run, same threads.
+"""Exact prefill speed on the embedded SmolLM2 or a packaged model (--model): ridgefill vs
+transformers and (--llama-cpp) llama.cpp, same run, same file, same threads.
 
     python benchmarks/prefill.py --threads 2 --lengths 1024 2048 4096 --reps 3
+    python benchmarks/prefill.py --threads 2 --model qwen2.5-coder-0.5b --llama-cpp --no-hf --lengths 1024 4096
 
 Ours goes through the whole engine (schedule -> run -> sample the first token), so the
 figure is time to first token for one request on an idle server. Transformers runs one
-forward over the prompt with its KV cache on, keeping only the last position's logits.
-Both load the same GGUF and run float32 on the CPU. Reported: median of `reps` runs,
-interleaved so both see the same machine state.
+forward over the prompt with its KV cache on, keeping only the last position's logits, in
+float32 from the same GGUF. llama.cpp (llama-cpp-python) evaluates the prompt ids in
+n_batch=512 pieces on a fresh context, with its own quantized kernels and float16 K/V; its
+ratio column is llama.cpp's time over ours (above 1: we are faster). Reported: median of
+`reps` runs, interleaved so every arm sees the same machine state.
 """
 
 from __future__ import annotations
@@ -59,6 +63,23 @@ def time_ours(engine, ids: list[int]) -> float:
     return time.perf_counter() - t
 
 
+def llama_cpp_timer(path, n_ctx: int, threads: int):
+    """ids -> seconds for llama.cpp to evaluate them from an empty context."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False
+    )
+
+    def timed(ids: list[int]) -> float:
+        llm.reset()  # NOTE: eval then drops every cached cell from position 0: a cold prompt
+        t = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - t
+
+    return timed
+
+
 @torch.inference_mode()
 def time_hf(model, ids: list[int]) -> float:
     x = torch.tensor([ids])
@@ -80,43 +101,52 @@ def main() -> None:
         choices=["auto", "packed", "dequantized"],
         help="ridgefill arms, by the weights setting, timed in the same reps",
     )
+    ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
+    ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=False, help="the llama.cpp arm")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoModelForCausalLM
-
     from ridgefill_runtime.config import CacheConfig, EngineConfig
     from ridgefill_runtime.loader.gguf import default_model_path
+    from ridgefill_runtime.loader.packaged import packaged_model_path
     from ridgefill_runtime.llm import LLM
 
-    path = default_model_path()
-    llms = {w: LLM(EngineConfig(cache=CacheConfig(kv_cache_gib=0.05), weights=w)) for w in args.weights}
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    path = packaged_model_path(args.model) if args.model else default_model_path()
+    llms = {
+        w: LLM(EngineConfig(model=args.model, cache=CacheConfig(kv_cache_gib=0.05), weights=w)) for w in args.weights
+    }
     ids_all = real_text_ids(next(iter(llms.values())).tokenizer, max(args.lengths))
+    peers = {}
+    if args.hf:
+        from transformers import AutoModelForCausalLM
 
-    print(
-        f"threads={torch.get_num_threads()} torch={torch.__version__} model=SmolLM2-135M-Instruct (GGUF, float32, CPU)"
-    )
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        peers["transformers"] = lambda ids: time_hf(hf, ids)
+    if args.llama_cpp:
+        peers["llama.cpp"] = llama_cpp_timer(path, max(args.lengths) + 16, args.threads)
+
+    print(f"threads={torch.get_num_threads()} torch={torch.__version__} model={path.name} (float32 activations, CPU)")
     for llm in llms.values():
         time_ours(engine_with_chunk(llm, 128), ids_all[:128])  # warm up
-    time_hf(hf, ids_all[:128])
+    for timed in peers.values():
+        timed(ids_all[:128])
     for w, llm in llms.items():
-        print(f"\nweights = {w}")
-        print(
-            f"{'tokens':>6} | {'transformers tok/s':>18} | {'ours tok/s':>10} | {'ratio':>5} | "
-            f"{'ours chunk=' + str(args.chunk) + ' tok/s':>22} | {'ratio':>5}"
-        )
-        print("-" * 84)
+        print(f"\nweights = {w}; ratio = peer time / ours (above 1: ours faster)")
+        head = " | ".join(f"{p} tok/s | ratio" for p in peers)
+        print(f"{'tokens':>6} | ours tok/s | ours chunk={args.chunk} tok/s | {head}")
         for n in args.lengths:
             ids = ids_all[:n]
             whole, split = engine_with_chunk(llm, n), engine_with_chunk(llm, args.chunk)
-            ours, chunked, ref = [], [], []
+            times: dict[str, list[float]] = {"ours": [], "chunked": [], **{p: [] for p in peers}}
             for _ in range(args.reps):
-                ref.append(time_hf(hf, ids))
-                ours.append(time_ours(whole, ids))
-                chunked.append(time_ours(split, ids))
-            r, o, c = (statistics.median(v) for v in (ref, ours, chunked))
-            print(f"{n:>6} | {n / r:>18.0f} | {n / o:>10.0f} | {r / o:>5.2f} | {n / c:>22.0f} | {r / c:>5.2f}")
+                for p, timed in peers.items():
+                    times[p].append(timed(ids))
+                times["ours"].append(time_ours(whole, ids))
+                times["chunked"].append(time_ours(split, ids))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            cells = " | ".join(f"{n / med[p]:.0f} | {med[p] / med['ours']:.2f}" for p in peers)
+            print(f"{n:>6} | {n / med['ours']:.0f} | {n / med['chunked']:.0f} | {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,11 @@ NEEDS_COUNTS = ("probe", "protected")  # selectors that read unigram counts (fil
 # Maps shipped for packaged models (loader/packaged.py), by the model's name: (file stem, the
 # split used when none is given). Fitted by scripts/fit_default_maps.py on the embedded model's
 # calibration rule; Gemma's are derived from Gemma, so its terms come with them (GEMMA_NOTICE.md).
-PACKAGED_MAPS = {"gemma3-270m": ("gemma3-270m", 9)}
+PACKAGED_MAPS = {
+    "gemma3-270m": ("gemma3-270m", 9),
+    # Fitted on the standard library's top-level modules (code; fill/corpus.py), not the kernel docs.
+    "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b", 12),
+}
 # Other [fill] keys a packaged model sets when the user gives none (e.g. {"tail": 512}); with the
 # split above they apply to every arm, so arms compared on one model run at one split and tail.
 PACKAGED_FILL: dict[str, dict[str, Any]] = {}
