@@ -84,9 +84,11 @@ def run_tune(args) -> int:
     model, tok = llm.engine.model, llm.tokenizer
     settings.check_layers(model.config.num_layers)
     texts = [(str(f), read_text(f)) for f in text_files(args.heldout)]
+    if not texts:
+        raise InputError(f"--heldout: no files in {', '.join(map(str, args.heldout))}")
     docs = _heldout_ids(tok, texts, args.max_doc_tokens, max(settings.tails))
     maps_paths = _maps(args, model, tok, settings.splits)
-    maps = {s: FillMaps(p, "resident", model.dtype, model.device) for s, p in maps_paths.items()}
+    maps = {s: _checked_maps(model, s, p) for s, p in maps_paths.items()}
     arms = {c: arm_of(c, str(maps_paths[c.split]), maps[c.split], tok, unigram) for c in settings.candidates()}
     haystacks = _haystacks(texts) if budget.metric == "retrieval" else None
     summary, per_doc, needles = quality(
@@ -109,6 +111,13 @@ def run_tune(args) -> int:
     path = args.out / "fill.toml"
     path.write_text(fill_toml(chosen, maps_paths[chosen.candidate.split].resolve(), args.model, args.unigram, note))
     print(f"tune: chosen {chosen.candidate.name} ({chosen.speedup:.2f}x) -> {path}")
+    if chosen.speedup <= 1.0:
+        # NOTE: the choice stands (it is the rule's), but exact prefill would serve faster here
+        print(
+            f"tune: warning: no candidate inside the budget is faster than exact at --length {args.length} "
+            f'(best {chosen.speedup:.2f}x); fill.mode = "off" prefills faster',
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -172,10 +181,13 @@ def _maps(args, model, tok, splits: tuple[int, ...]) -> dict[int, Path]:
         except ValueError as e:
             raise InputError(str(e)) from None
         found.update({int(s): args.out / "maps" / e["maps"] for s, e in report["splits"].items()})
-    for s, path in found.items():
-        meta = FillMaps(path, "resident", model.dtype, model.device).meta
-        check_maps_fit(meta, model.identity, model.config, s, str(path))
     return found
+
+
+def _checked_maps(model, split: int, path: Path) -> FillMaps:
+    maps = FillMaps(path, "resident", model.dtype, model.device)
+    check_maps_fit(maps.meta, model.identity, model.config, split, str(path))
+    return maps
 
 
 def _calibration(args, tok) -> list[Document]:

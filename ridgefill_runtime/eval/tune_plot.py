@@ -31,7 +31,12 @@ def draw_frontier(measured: list[Measured], budget: Budget, chosen: Measured | N
     line = frontier(measured, budget)
     if line:
         ax.plot(
-            [budget.value(m.quality) for m in line], [m.speedup for m in line], "-", color="tab:blue", label="frontier"
+            [budget.value(m.quality) for m in line],
+            [m.speedup for m in line],
+            "-o",
+            markersize=3,
+            color="tab:blue",
+            label="frontier",
         )
     ax.axvline(budget.limit, color="tab:red", linestyle="--", linewidth=1, label=f"--{budget.option} {budget.limit:g}")
     if chosen is not None:
