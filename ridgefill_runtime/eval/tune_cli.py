@@ -87,14 +87,16 @@ def run_tune(args) -> int:
     if not texts:
         raise InputError(f"--heldout: no files in {', '.join(map(str, args.heldout))}")
     docs = _heldout_ids(tok, texts, args.max_doc_tokens, max(settings.tails))
+    haystacks = _haystacks(texts) if budget.metric == "retrieval" else None
+    # NOTE: built (and its exact run warmed up) before the long parts, so a prompt the engine
+    # refuses (longer than the context, the K/V pool) stops the command at once
+    bench = SpeedBench(model, tok, config, _speed_prompt(tok, texts, args.length), args.reps)
     maps_paths = _maps(args, model, tok, settings.splits)
     maps = {s: _checked_maps(model, s, p) for s, p in maps_paths.items()}
     arms = {c: arm_of(c, str(maps_paths[c.split]), maps[c.split], tok, unigram) for c in settings.candidates()}
-    haystacks = _haystacks(texts) if budget.metric == "retrieval" else None
     summary, per_doc, needles = quality(
         model, tok, arms, docs, haystacks, _ints(args.needle_lengths), args.needles_per_task
     )
-    bench = SpeedBench(model, tok, config, _speed_prompt(tok, texts, args.length), args.reps)
     timing = speeds(bench, arms)
     measured = [Measured(c, summary[c.name], *timing[c]) for c in arms]
     try:
