@@ -46,10 +46,12 @@ def quality(
     bar = tqdm(total=len(tails) * len(docs), desc="quality", unit="doc", file=sys.stderr)
     for tail in tails:
         tail_arms = [a for c, a in arms.items() if c.tail == tail]
+        bar.set_description(f"quality: documents, tail {tail}")
         for ids in docs:
             per_doc[tail].append(document_measures(model, ids, tail_arms, tail, None))
             bar.update()
         if haystacks is not None:
+            bar.set_description(f"quality: needles, tail {tail}")  # NOTE: needle_results has no bar of its own
             needles[tail] = needle_results(
                 model, tokenizer, tail_arms, list(haystacks), needle_lengths, needles_per_task, tail
             )
