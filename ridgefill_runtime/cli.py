@@ -1,4 +1,4 @@
-"""`ridgefill generate | score | fit | eval`: the runtime's commands. Errors print as one line,
+"""`ridgefill generate | score | fit | eval | tune`: the runtime's commands. Errors print as one line,
 not a traceback.
 
 The `ridgefill` console command is server/main.py, which adds `serve` through `extra_commands`
@@ -118,6 +118,10 @@ def build_parser(extra_commands: ExtraCommands | None = None) -> argparse.Argume
     from .eval.cli import add_eval_parser
 
     add_eval_parser(sub, _engine_args)
+
+    from .eval.tune_cli import add_tune_parser
+
+    add_tune_parser(sub, _engine_args)
 
     if extra_commands is not None:
         extra_commands(sub)

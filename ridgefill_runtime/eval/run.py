@@ -10,6 +10,7 @@ import torch
 from ..cache.spec import spec_of
 from ..config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
 from ..engine import Engine
+from ..fill.select import RowSelector
 from ..offline import PromptLogits
 from ..sequence import SamplingParams
 from .measures import binomial_floor, kl_and_agreement, novel_mask, paired_bootstrap, target_nll
@@ -28,6 +29,9 @@ class Arm:
     name: str
     fill: FillConfig
     maps: object = None
+    # NOTE: the exact-row selector for fill.rows; the default knows only position 0 (no token
+    # table), which is all the "special" selection needs on a bare model
+    selector: RowSelector | None = None
 
 
 def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_arm: str | None) -> dict:
@@ -48,7 +52,7 @@ def document_measures(model, ids: list[int], arms: list[Arm], tail: int, splice_
     for name, arm, splice in runs:
         hook = None if splice is None else _splicer(exact_runner, exact_seq, splice, arm.fill.split)
         state = None if splice not in ("state", "all") else _state_splicer(model, ids[:b], arm.fill.split)
-        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK)(
+        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK, selector=arm.selector)(
             ids, after_fill=hook, at_prefix_end=state
         )
         logits = logits[:-1]
