@@ -297,7 +297,9 @@ def test_the_ridgefill_command_lists_and_dispatches_every_command(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "ridgefill_server", "--help"], capture_output=True, text=True, timeout=120
     )
-    assert p.returncode == 0 and all(c in p.stdout for c in ("generate", "score", "fit", "eval", "tune", "serve")), p.stdout
+    assert p.returncode == 0 and all(c in p.stdout for c in ("generate", "score", "fit", "eval", "tune", "serve")), (
+        p.stdout
+    )
     p = subprocess.run(
         [sys.executable, "-m", "ridgefill_server", "generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
         capture_output=True,
