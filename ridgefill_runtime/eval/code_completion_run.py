@@ -22,10 +22,9 @@ import torch
 
 from ..config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
 from ..engine import Engine
-from ..offline import PromptLogits
 from ..sequence import SamplingParams
 from .code_completion import CodePrompt
-from .measures import novel_mask, paired_bootstrap, target_nll
+from .measures import novel_mask, paired_bootstrap
 from .run import CHUNK, KEY_RISE, Arm
 
 MAX_NEW = 48  # tokens: a long line of code is about 20-30 tokens
@@ -73,8 +72,16 @@ class Comparison:
         return cls(float(arm_line == exact_line), edit_similarity(arm_line, exact_line))
 
 
-def greedy_line(model, tokenizer, fill: FillConfig, maps, ids: list[int], max_new: int = MAX_NEW) -> str:
-    """One arm's greedy completion of the prompt, through a fresh engine sized to it."""
+@dataclass(frozen=True)
+class ArmRun:
+    line: str  # the greedy completion's answer line
+    nll: torch.Tensor  # [n - 1 - first]: -log p(prompt token i + 1) for rows i = first..n-2 (float64)
+    first: int  # the first row with logits (the fill boundary; 0 for exact)
+
+
+def run_arm(model, tokenizer, fill: FillConfig, maps, ids: list[int], max_new: int = MAX_NEW) -> ArmRun:
+    """One arm on one prompt, through a fresh engine sized to it (the server's path): the prompt
+    rows' target log-probabilities and the greedy completion, from one prefill."""
     # NOTE: no prefix caching: every arm computes its prompt itself
     blocks = (len(ids) + max_new) // 16 + 4
     cfg = EngineConfig(
@@ -83,41 +90,41 @@ def greedy_line(model, tokenizer, fill: FillConfig, maps, ids: list[int], max_ne
         scheduler=SchedulerConfig(max_num_batched_tokens=CHUNK, chunk_size=CHUNK),
     )
     eng = Engine(model, tokenizer, cfg, maps)
-    seq = eng.add_request(list(ids), SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, prompt_logprobs=True)
+    seq = eng.add_request(list(ids), params)
     while eng.has_unfinished():
         eng.step()
-    return answer_line(tokenizer.decode(seq.output_ids))
+    nll = -torch.tensor(seq.logprobs.prompt, dtype=torch.float64)
+    return ArmRun(answer_line(tokenizer.decode(seq.output_ids)), nll, seq.fill.boundary)
 
 
-def tail_dnll(model, ids: list[int], arms: list[Arm], scored: int = SCORED) -> dict:
-    """Per arm: mean ΔNLL (arm - exact) on novel and key tokens of the last `scored` tokens."""
-    tails = {a.fill.tail for a in arms}
-    if len(tails) != 1 or scored > min(tails) or scored >= len(ids):
-        raise ValueError(f"scored {scored} needs one arm tail >= it and < the prompt ({tails}, {len(ids)})")
-    tail = tails.pop()
-    n, b = len(ids), len(ids) - scored
-    targets = torch.tensor(ids[b + 1 :])  # [scored - 1]
-    _, exact, _, _ = PromptLogits(model, chunk=CHUNK)(ids, logits_from=b)  # [scored, V]
-    nll_exact = target_nll(exact[:-1], targets)
-    _, cut, _, _ = PromptLogits(model, chunk=CHUNK)(ids[n - tail :])  # [tail, V]: the filled region cut away
-    key = (target_nll(cut[tail - scored : -1], targets) - nll_exact) > KEY_RISE
-    novel = novel_mask(ids)[b + 1 :]
-    out = {"novel": int(novel.sum()), "key": int(key.sum())}
-    for arm in arms:
-        _, logits, _, _ = PromptLogits(model, arm.fill, arm.maps, chunk=CHUNK)(ids, logits_from=b)  # [scored, V]
-        d = target_nll(logits[:-1], targets) - nll_exact
-        out[arm.name] = {
-            "dnll_novel": float(d[novel].mean()) if novel.any() else None,
-            "dnll_key": float(d[key].mean()) if key.any() else None,
-        }
-    return out
+def dnll_masks(ids: list[int], exact: ArmRun, cut: ArmRun, scored: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Novel and key masks [scored - 1] of the last scored - 1 targets. `cut`: exact on the
+    prompt's last rows only (the filled region removed)."""
+    n = len(ids)
+    rise = cut.nll[-(scored - 1) :] - exact.nll[-(scored - 1) :]
+    return novel_mask(ids)[n - scored + 1 :], rise > KEY_RISE
+
+
+def arm_dnll(arm: ArmRun, exact: ArmRun, novel: torch.Tensor, key: torch.Tensor) -> dict:
+    d = arm.nll[-len(novel) :] - exact.nll[-len(novel) :]  # [scored - 1]
+    return {
+        "dnll_novel": float(d[novel].mean()) if novel.any() else None,
+        "dnll_key": float(d[key].mean()) if key.any() else None,
+    }
 
 
 def prompt_record(model, tokenizer, prompt: CodePrompt, arms: list[Arm], scored: int = SCORED) -> dict:
-    """Everything measured on one prompt: the answer lines, the comparisons and the ΔNLLs."""
+    """Everything measured on one prompt: the answer lines, the comparisons and the ΔNLLs over
+    the last `scored` tokens (which every arm's exact tail must cover)."""
     ids = list(prompt.ids)
-    exact_line = greedy_line(model, tokenizer, FillConfig(), None, ids)
-    dnll = tail_dnll(model, ids, arms, scored)
+    tails = {a.fill.tail for a in arms}
+    if len(tails) != 1 or scored > min(tails) or min(tails) >= len(ids):
+        raise ValueError(f"scored {scored} needs one arm tail, >= it and < the prompt ({tails}, {len(ids)} tokens)")
+    tail = tails.pop()
+    exact = run_arm(model, tokenizer, FillConfig(), None, ids)
+    cut = run_arm(model, tokenizer, FillConfig(), None, ids[len(ids) - tail :], max_new=0)
+    novel, key = dnll_masks(ids, exact, cut, scored)
     record = {
         "package": prompt.package,
         "length": prompt.length,
@@ -129,14 +136,15 @@ def prompt_record(model, tokenizer, prompt: CodePrompt, arms: list[Arm], scored:
         "distance": prompt.distance,
         "tokens": len(ids),
         "source_line": prompt.next_line,
-        "exact_line": exact_line,
-        "exact_vs_source": Comparison.of(exact_line, prompt.next_line).__dict__,
-        "novel": dnll["novel"],
-        "key": dnll["key"],
+        "exact_line": exact.line,
+        "exact_vs_source": Comparison.of(exact.line, prompt.next_line).__dict__,
+        "novel": int(novel.sum()),
+        "key": int(key.sum()),
     }
     for arm in arms:
-        line = greedy_line(model, tokenizer, arm.fill, arm.maps, ids)
-        record[arm.name] = {"line": line, **Comparison.of(line, exact_line).__dict__, **dnll[arm.name]}
+        run = run_arm(model, tokenizer, arm.fill, arm.maps, ids)
+        record[arm.name] = {"line": run.line, **Comparison.of(run.line, exact.line).__dict__}
+        record[arm.name].update(arm_dnll(run, exact, novel, key))
     return record
 
 
