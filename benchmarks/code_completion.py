@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompts-per-length", type=int, default=4)
     ap.add_argument("--arms", default="nofill,ridgefill", help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--note", default="", help="a sentence added under the table (e.g. what else ran on the machine)")
     return ap.parse_args()
 
 
@@ -89,6 +90,20 @@ def load_records(path: Path, settings: dict) -> list[dict]:
     return saved["records"]
 
 
+def prompt_table(records: list[dict], names: list[str]) -> str:
+    """One row per prompt: where the far name is, and the answer lines (= : equal to exact's)."""
+    code = lambda line: "`" + line.strip().replace("|", "\\|").replace("`", "'") + "`"  # noqa: E731
+    head = "| length | target (line) | name: defined in, distance | exact | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (4 + len(names))]
+    for r in records:
+        arms = " | ".join("=" if r[n]["exact_match"] else code(r[n]["line"]) for n in names)
+        lines.append(
+            f"| {r['length']} | {r['target']} ({r['cut_line'] + 1}) | {r['name']}: {r['defined_in']}, "
+            f"{r['distance']} | {code(r['exact_line'])} | {arms} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -129,7 +144,9 @@ def main() -> None:
     exact_src = "; ".join(
         f"{L}: {s['exact_vs_source'][0]:.2f} (n={s['exact_vs_source'][3]})" for L, s in summary.items()
     )
-    footer = f"\n\nExact prefill's line equal to the source's own next line, by length: {exact_src}.\n"
+    footer = f"\n\nExact prefill's line equal to the source's own next line, by length: {exact_src}."
+    footer += f" {args.note}\n\n" if args.note else "\n\n"
+    footer += prompt_table(records, names) + "\n"
     (args.out / "code_completion.md").write_text(header + markdown(summary, names) + footer)
     print(header + markdown(summary, names) + footer)
 
