@@ -93,7 +93,7 @@ def load_records(path: Path, settings: dict) -> list[dict]:
 def prompt_table(records: list[dict], names: list[str]) -> str:
     """One row per prompt: where the far name is, and the answer lines (= : equal to exact's)."""
     code = lambda line: "`" + line.strip().replace("|", "\\|").replace("`", "'") + "`"  # noqa: E731
-    head = "| length | target (line) | name: defined in, distance | exact | " + " | ".join(names) + " |"
+    head = "| length | target (next line) | name: defined in, distance | exact | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (4 + len(names))]
     for r in records:
         arms = " | ".join("=" if r[n]["exact_match"] else code(r[n]["line"]) for n in names)
