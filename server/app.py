@@ -149,7 +149,12 @@ def create_app(
     # NOTE: the last added runs first: request id and access log see every answer, including
     # the Host refusal (421), the stalled body (408) and the oversized body (413).
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_body_bytes)
-    app.add_middleware(BodyReadTimeout, timeout_s=server_config.body_timeout_s, draining=lambda: state.draining)
+    app.add_middleware(
+        BodyReadTimeout,
+        timeout_s=server_config.body_timeout_s,
+        deadline_s=server_config.body_deadline_s,
+        draining=lambda: state.draining,
+    )
     app.add_middleware(RateLimit, per_minute=server_config.rate_limit_per_minute)
     app.add_middleware(HostAllowList, allowed=server_config.allowed_hosts)
     app.add_middleware(
