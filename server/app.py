@@ -123,6 +123,8 @@ def create_app(
 
             built = build() if build is not None else build_engine(engine_config)
             async_engine = AsyncEngine(built, server_config.max_queued_requests, state.metrics)
+            if built.tokenizer is not None:
+                _ = built.tokenizer.longest_piece_bytes  # NOTE: read once here, not on the event loop
         except Exception as e:  # noqa: BLE001 - any failure to load is reported, not raised
             state.load_error = str(e) if isinstance(e, RidgefillError) else f"{type(e).__name__}: {e}"
             log.debug("model load failed", exc_info=True)

@@ -31,6 +31,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
+from .piece_bound import longest_piece_bytes
 from ..errors import InputError, ModelLoadError, UnsupportedError
 
 SERIALIZED_FORMAT = "ridgefill-tokenizer/1"
@@ -297,6 +298,12 @@ class Tokenizer:
         ids |= {i for i in (self.bos_token_id, self.pad_token_id, self.unk_token_id) if i is not None}
         ids |= set(self.eos_token_ids)
         return frozenset(ids)
+
+    @cached_property
+    def longest_piece_bytes(self) -> int | None:
+        """The most input bytes one token can stand for (None: no bound holds); a server refuses
+        a prompt longer than the context by it before tokenizing (loader/piece_bound.py)."""
+        return longest_piece_bytes(self._backend)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
