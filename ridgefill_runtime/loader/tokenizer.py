@@ -267,6 +267,11 @@ class Tokenizer:
         return self._info.chat_template
 
     @property
+    def template_tokens(self) -> Mapping[str, str]:
+        """The spellings of bos_token, eos_token, unk_token and pad_token (those the model has)."""
+        return MappingProxyType(dict(self._info.template_tokens))
+
+    @property
     def token_types(self) -> tuple[str, ...]:
         return self._info.token_types
 
