@@ -12,7 +12,7 @@ from .errors import InputError, UnsupportedError
 from .ops.grouped_ints import GroupedInts
 from .ops.packed_linear import compiled_for as packed_compiled_for
 from .fill.maps import FillMaps, check_maps_fit
-from .loader.load import load_checkpoint
+from .loader.load import load_checkpoint, naming_the_file
 from .models.registry import family
 from .sequence import SamplingParams
 
@@ -33,9 +33,10 @@ def build_engine(config: EngineConfig) -> Engine:
             f"llama/qwen3 model with Q8_0, Q4_0, Q4_1, Q4_K or Q6_K linear weights)"
         )
     # The checkpoint's family (models/registry.py) says which model class runs it.
-    model = family(ckpt.config.architecture).build_model(
-        ckpt.config, ckpt.tensors, dtype=_DTYPES[config.dtype], device=config.device
-    )
+    with naming_the_file(ckpt.source):
+        model = family(ckpt.config.architecture).build_model(
+            ckpt.config, ckpt.tensors, dtype=_DTYPES[config.dtype], device=config.device
+        )
     model.identity = ckpt.identity
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
     return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model))

@@ -21,7 +21,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this tree's ridgefill, w
 
 WORK="$(mktemp -d)"
 "$PY" scripts/lmeval_compare.py tasks "$WORK/tasks"
-"$PY" scripts/lmeval_compare.py tokenizer "$WORK/tokenizer"
+"$PY" -m ridgefill_runtime.loader.export_tokenizer "$WORK/tokenizer"  # the served model's, for lm-eval
 
 "$PY" -m ridgefill_server serve --threads 2 --port "$PORT" > "$WORK/server.log" 2>&1 &
 SERVER=$!

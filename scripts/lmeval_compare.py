@@ -1,9 +1,9 @@
 """Helpers of scripts/lmeval_check.sh, run with the project's Python (they read ridgefill's
-tokenizer and run `ridgefill score`):
+tokenizer and run `ridgefill score`; the tokenizer folder lm-eval reads is written by
+`ridgefill-export-tokenizer`, ridgefill_runtime/loader/export_tokenizer.py):
 
   tasks DIR        write two local lm-eval tasks and their jsonl data (no download): a 4-way
                    multiple-choice log-likelihood task and a generate_until task
-  tokenizer DIR    the embedded model's own tokenizer as a folder transformers loads offline
   compare SAMPLES OUT.json
                    lm-eval's per-sample log-likelihoods (its --log_samples jsonl) against
                    `ridgefill score` on the same texts: max |Δ|, and whether each text's
@@ -146,23 +146,6 @@ def _tokenizer():
     return load_checkpoint(None).tokenizer
 
 
-def write_tokenizer(folder: Path) -> None:
-    """tokenizer.json is the backend ridgefill encodes with, so lm-eval's token ids are ours."""
-    tok = _tokenizer()
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|im_end|>",
-                "bos_token": "<|im_start|>",
-                "model_max_length": 8192,
-            }
-        )
-    )
-
-
 def _pairs(samples: Path) -> list[dict]:
     """Each (context, continuation) request of lm-eval's log with the log-likelihood it got."""
     rows = []
@@ -246,12 +229,10 @@ def main(argv: list[str]) -> int:
     command, *rest = argv
     if command == "tasks":
         write_tasks(Path(rest[0]))
-    elif command == "tokenizer":
-        write_tokenizer(Path(rest[0]))
     elif command == "compare":
         return compare(Path(rest[0]), Path(rest[1]))
     else:
-        raise SystemExit(f"unknown command {command!r}: tasks | tokenizer | compare")
+        raise SystemExit(f"unknown command {command!r}: tasks | compare")
     return 0
 
 

@@ -123,6 +123,8 @@ def create_app(
 
             built = build() if build is not None else build_engine(engine_config)
             async_engine = AsyncEngine(built, server_config.max_queued_requests, state.metrics)
+            if built.tokenizer is not None:
+                _ = built.tokenizer.longest_piece_bytes  # NOTE: read once here, not on the event loop
         except Exception as e:  # noqa: BLE001 - any failure to load is reported, not raised
             state.load_error = str(e) if isinstance(e, RidgefillError) else f"{type(e).__name__}: {e}"
             log.debug("model load failed", exc_info=True)
@@ -149,7 +151,12 @@ def create_app(
     # NOTE: the last added runs first: request id and access log see every answer, including
     # the Host refusal (421), the stalled body (408) and the oversized body (413).
     app.add_middleware(BodySizeLimit, max_bytes=server_config.max_body_bytes)
-    app.add_middleware(BodyReadTimeout, timeout_s=server_config.body_timeout_s, draining=lambda: state.draining)
+    app.add_middleware(
+        BodyReadTimeout,
+        timeout_s=server_config.body_timeout_s,
+        deadline_s=server_config.body_deadline_s,
+        draining=lambda: state.draining,
+    )
     app.add_middleware(RateLimit, per_minute=server_config.rate_limit_per_minute)
     app.add_middleware(HostAllowList, allowed=server_config.allowed_hosts)
     app.add_middleware(

@@ -128,6 +128,13 @@ class ServerConfig:
         flag="--body-timeout-s",
         check="positive",
     )
+    body_deadline_s: float = setting(
+        60.0,
+        help="a whole request body must arrive within this of its request head, else 408 (a body trickled a "
+        "byte at a time never trips body_timeout_s)",
+        flag="--body-deadline-s",
+        check="positive",
+    )
     keep_alive_s: float = setting(
         5.0, help="idle keep-alive connections are closed after this", flag="--keep-alive-s", check="positive"
     )
@@ -141,8 +148,9 @@ class ServerConfig:
     )
     max_connections: int = setting(
         1000,
-        help="open connections; at the cap the oldest idle one is closed for a new one (503 when none is "
-        "idle). Lowered to fit the open-files limit, whose soft value is raised to the hard one at startup",
+        help="open connections; at the cap a new one closes the oldest idle or still-sending one (a body "
+        "not yet whole); when every one is running a request, a few more are let in for /health only, the "
+        "rest get 503. Lowered to fit the open-files limit, whose soft value is raised to the hard one at startup",
         flag="--max-connections",
         check="positive",
     )

@@ -7,8 +7,11 @@ connections: idle sockets pile up until accept() fails with EMFILE. So:
 - GuardedH11Protocol arms a header timer when a connection opens (and when the first byte of
   a later request arrives) and closes the connection if no full request head came in time.
 - ConnectionGuard caps open connections. At the cap, a new connection evicts the oldest one
-  still waiting for a request head; only when every connection is busy is the new one refused
-  with 503. A flood of idle sockets then cannot lock out /health or real clients.
+  still waiting for a request head (idle), else the oldest one still sending its request body
+  (slow): neither holds a request the server could run. Only when every connection is running a
+  request does the new one go to a small reserve that serves /health alone (so a supervisor
+  always gets an answer), and past that reserve it is refused with 503. A flood of idle or
+  trickling sockets then cannot lock out /health or real clients.
 - RateLimitedLog keeps one line per kind of per-connection error (no traceback storms).
 - DrainingServer: the first SIGTERM/SIGINT starts the drain and the process exits 0;
   a second one forces the exit. It keeps listening while the engine drains, so a client that
@@ -28,6 +31,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -43,33 +47,56 @@ FD_RESERVE = 128 + 3 * LISTEN_BACKLOG
 SHUTDOWN_BACKSTOP_S = 3.0  # past the grace: cancel request tasks that still did not end
 
 
-class ConnectionGuard:
-    """Open connections of one server, oldest first (a dict keeps insertion order)."""
+HEALTH_RESERVE = 4  # connections past the cap, each for one /health request, when none can be evicted
+HEALTH_PATH = b"/health"
+MAX_REQUEST_LINE = 8192  # a reserve connection's request line must fit in this to be read
 
-    def __init__(self, cap: int):
-        self.cap = cap
+
+class ConnectionGuard:
+    """Open connections of one server, oldest first (a dict keeps insertion order), and the
+    /health-only reserve beyond them."""
+
+    def __init__(self, cap: int, reserve: int = HEALTH_RESERVE):
+        self.cap, self.reserve = cap, reserve
         self._open: dict[GuardedH11Protocol, None] = {}
-        self.evicted = self.refused = 0  # counts, for scripts/reliability/slow_clients.py
+        self._reserved: dict[GuardedH11Protocol, None] = {}
+        self.evicted = self.refused = self.reserve_admitted = 0  # counts, for scripts/reliability/slow_clients.py
 
     def admit(self, conn: GuardedH11Protocol) -> bool:
-        if len(self._open) >= self.cap:
-            victim = next((c for c in self._open if c.awaiting_request()), None)
-            if victim is None:
+        """True: `conn` may stay (conn.health_only says whether only for /health)."""
+        if len(self._open) >= self.cap and not self._evict_one():
+            if len(self._reserved) >= self.reserve:
                 self.refused += 1
                 _limited("connection refused: all %d connections are busy (server.max_connections)", self.cap)
                 return False
-            self.evicted += 1
-            _limited("closed the oldest idle connection: %d connections open (server.max_connections)", self.cap)
-            self.release(victim)
-            victim.transport.close()
+            self.reserve_admitted += 1
+            conn.health_only = True
+            self._reserved[conn] = None
+            return True
         self._open[conn] = None
+        return True
+
+    def _evict_one(self) -> bool:
+        """Close the oldest connection holding no runnable request: idle ones first, then ones
+        still sending a body. False when every connection is running a request."""
+        victim = next((c for c in self._open if c.awaiting_request()), None)
+        kind = "idle"
+        if victim is None:
+            victim, kind = next((c for c in self._open if c.sending_body()), None), "still-sending"
+        if victim is None:
+            return False
+        self.evicted += 1
+        _limited("closed the oldest %s connection: %d connections open (server.max_connections)", kind, self.cap)
+        self.release(victim)
+        victim.transport.close()
         return True
 
     def release(self, conn: GuardedH11Protocol) -> None:
         self._open.pop(conn, None)
+        self._reserved.pop(conn, None)
 
     def __len__(self) -> int:
-        return len(self._open)
+        return len(self._open) + len(self._reserved)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -79,10 +106,16 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._guard, self._header_timeout_s = guard, header_timeout_s
         self._header_timer: asyncio.TimerHandle | None = None
+        self.health_only = False  # set by the guard: admitted to the reserve, for one /health request
+        self._request_line: bytearray | None = bytearray()  # a reserve connection's bytes, held until its path is known
 
     def awaiting_request(self) -> bool:
         """No request in progress: idle, or its request head has not fully arrived."""
         return self.cycle is None or self.cycle.response_complete
+
+    def sending_body(self) -> bool:
+        """A request head arrived and its body is still coming: nothing the server can run yet."""
+        return not self.awaiting_request() and self.conn.their_state is h11.SEND_BODY
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -98,14 +131,45 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.health_only:
+            data = self._health_request_only(data)
+            if not data:
+                return
         if self.awaiting_request() and self._header_timer is None:
             self._arm_header_timer()  # first byte of a request on a kept-alive connection
         super().data_received(data)
         if not self.awaiting_request():
             self._cancel_header_timer()
 
+    def _health_request_only(self, data: bytes) -> bytes:
+        """A reserve connection's data for h11 once its request line names /health; b"" while the
+        line is incomplete; a 503 and the close for any other path. Checked before h11 parses
+        it, so no other request ever reaches the app through the reserve."""
+        if self._request_line is None:
+            return data  # the line was checked already
+        self._request_line += data
+        line, newline, _ = bytes(self._request_line).partition(b"\n")
+        if not newline:
+            if len(self._request_line) > MAX_REQUEST_LINE:
+                self._refuse()
+            return b""
+        target = line.split(b" ")[1] if line.count(b" ") >= 2 else b""
+        if target.split(b"?")[0] != HEALTH_PATH:
+            self._refuse()
+            return b""
+        held, self._request_line = bytes(self._request_line), None
+        return held
+
+    def _refuse(self) -> None:
+        self._guard.refused += 1
+        self.transport.write(_refusal(self._guard.cap))
+        self.transport.close()
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self.health_only:
+            self.transport.close()  # NOTE: one answer per reserve slot; the slot frees for the next probe
+            return
         if self.awaiting_request() and self.conn.trailing_data[0]:
             self._arm_header_timer()  # part of a pipelined request is already buffered
 
@@ -213,8 +277,8 @@ def raise_open_files_limit() -> int:
 
 def connection_cap(configured: int, open_files: int) -> int:
     """server.max_connections, lowered to stay below the open-files limit (each connection
-    is one file), so accept() never fails with EMFILE."""
-    fits = max(open_files - FD_RESERVE, 1)
+    is one file, the /health reserve included), so accept() never fails with EMFILE."""
+    fits = max(open_files - FD_RESERVE - HEALTH_RESERVE, 1)
     if configured > fits:
         log.warning(
             "server.max_connections %d lowered to %d to fit the open-files limit %d", configured, fits, open_files

@@ -76,21 +76,24 @@ class BodySizeLimit:
 
 
 class BodyReadTimeout:
-    """408 when a request body stalls: each part of the body must arrive within timeout_s.
-    Without it a client that declares more bytes than it sends holds its request (and its
-    connection) open forever. Once `draining()` is true (shutdown), a body still awaited gets
-    503 at once instead, so it cannot hold up the exit. The answer goes out from here, with
-    Connection: close; the app then sees a disconnect, and whatever it answers is dropped."""
+    """408 when a request body stalls or trickles: each part of the body must arrive within
+    timeout_s (server.body_timeout_s), and the whole body within deadline_s of the request head
+    (server.body_deadline_s). Without the first, a client that declares more bytes than it sends
+    holds its request (and its connection) open forever; without the second, one that sends a byte
+    just inside each part's timeout does the same. Once `draining()` is true (shutdown), a body
+    still awaited gets 503 at once instead, so it cannot hold up the exit. The answer goes out from
+    here, with Connection: close; the app then sees a disconnect, and whatever it answers is dropped."""
 
     POLL_S = 0.25  # how often a wait for the body looks at draining()
 
-    def __init__(self, app, timeout_s: float, draining: Callable[[], bool] = lambda: False):
-        self.app, self.timeout_s, self.draining = app, timeout_s, draining
+    def __init__(self, app, timeout_s: float, deadline_s: float, draining: Callable[[], bool] = lambda: False):
+        self.app, self.timeout_s, self.deadline_s, self.draining = app, timeout_s, deadline_s, draining
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         body_done = answered = started = False
+        whole_body_by = time.monotonic() + self.deadline_s  # NOTE: the head has arrived: the clock starts now
 
         async def timed_receive():
             nonlocal body_done, answered
@@ -98,11 +101,11 @@ class BodyReadTimeout:
                 return {"type": "http.disconnect"}
             if body_done:  # NOTE: later receives wait for a disconnect; they must not time out
                 return await receive()
-            message = await self._next_part(receive)
+            message, missed = await self._next_part(receive, whole_body_by)
             if message is None:
                 answered = True
                 if not started:
-                    await self._refuse(send)
+                    await self._refuse(send, missed)
                 return {"type": "http.disconnect"}
             body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
@@ -116,31 +119,32 @@ class BodyReadTimeout:
 
         await self.app(scope, timed_receive, guarded_send)
 
-    async def _next_part(self, receive):
-        """The next receive() message, or None past the timeout or once draining."""
-        deadline = time.monotonic() + self.timeout_s
+    async def _next_part(self, receive, whole_body_by: float):
+        """(the next receive() message, None), or (None, the limit it missed: "part" or
+        "whole") past a timeout, or (None, "draining") once draining."""
+        part_by = time.monotonic() + self.timeout_s
+        deadline, limit = (part_by, "part") if part_by <= whole_body_by else (whole_body_by, "whole")
         while not self.draining():
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                return None, limit
             try:
                 # NOTE: cancelling uvicorn's receive() mid-wait loses nothing; wait_for returns
                 # a message that arrives while it cancels.
-                return await asyncio.wait_for(receive(), min(left, self.POLL_S))
+                return await asyncio.wait_for(receive(), min(left, self.POLL_S)), None
             except TimeoutError:
                 continue
-        return None
+        return None, "draining"
 
-    async def _refuse(self, send):
-        if self.draining():
+    async def _refuse(self, send, missed: str | None):
+        if missed == "draining":
             await send_json_error(send, 503, "the server is shutting down", close=True)
+            return
+        if missed == "whole":
+            why = f"the whole request body did not arrive within {self.deadline_s:g} s (server.body_deadline_s)"
         else:
-            await send_json_error(
-                send,
-                408,
-                f"the request body did not arrive within {self.timeout_s:g} s (server.body_timeout_s)",
-                close=True,
-            )
+            why = f"the request body did not arrive within {self.timeout_s:g} s (server.body_timeout_s)"
+        await send_json_error(send, 408, why, close=True)
 
 
 class RateLimit:

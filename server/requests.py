@@ -9,6 +9,7 @@ from ridgefill_runtime.errors import InputError
 from ridgefill_runtime.config import REUSE_POLICIES
 from ridgefill_runtime.fill.recipes import RECIPES
 from ridgefill_runtime.fill.settings import needs_counts
+from ridgefill_runtime.loader.piece_bound import fewest_tokens
 from ridgefill_runtime.sequence import MAX_LOGPROBS, SamplingParams
 
 from .errors import HTTPError
@@ -328,6 +329,36 @@ def _check_id_count(count: int, max_model_len: int) -> None:
     if count > max_model_len:
         raise HTTPError(
             400, f"prompt ({count} token ids) exceeds the context length of {max_model_len} tokens", "prompt"
+        )
+
+
+def completion_prompt_bytes(req: CompletionRequest) -> int:
+    """UTF-8 bytes of a completion prompt's text; 0 for token ids."""
+    p = req.prompt
+    text = p if isinstance(p, str) else p[0] if len(p) == 1 and isinstance(p[0], str) else ""
+    return len(text.encode("utf-8"))
+
+
+def messages_bytes(messages: list[ChatMessage]) -> int:
+    """UTF-8 bytes of a conversation's contents (the chat template only adds to them)."""
+    return sum(len(_message_text(m, i).encode("utf-8")) for i, m in enumerate(messages))
+
+
+def check_prompt_bytes(text_bytes: int, tokenizer, max_model_len: int, param: str) -> None:
+    """Refuse a prompt text that cannot fit the context whatever its tokens, before tokenizing it:
+    no token stands for more than the tokenizer's longest piece (loader/piece_bound.py), so B bytes
+    are at least B / longest tokens. A prompt under that bound is tokenized and judged by its
+    token count, as before."""
+    longest = getattr(tokenizer, "longest_piece_bytes", None)
+    if longest is None or not text_bytes:
+        return
+    fewest = fewest_tokens(text_bytes, longest)
+    if fewest > max_model_len:
+        raise HTTPError(
+            400,
+            f"prompt ({text_bytes} bytes, so at least {fewest} tokens: no token of this model stands for "
+            f"more than {longest} bytes) exceeds the context length of {max_model_len} tokens",
+            param,
         )
 
 

@@ -174,6 +174,8 @@ class Generation:
 
     logprobs(body) -> (top logprobs asked or None, whether the prompt rows are scored), after
       the route's own checks of the body; check_prompt(body, max_model_len) before tokenizing;
+      prompt_bytes(body) the UTF-8 bytes of the text the tokenizer will read (0 for token ids),
+      which refuse a prompt too long for the context before it is tokenized;
       sampling(body, server config) the base sampling parameters; prompt(body, tokenizer) the
       token ids (run in a worker thread); fit(body, params, prompt length, max_model_len) the
       parameters once the prompt length is known; shape(body, prompt, tokenizer, strings) what
@@ -182,6 +184,8 @@ class Generation:
     id_prefix: str
     logprobs: Callable[[Any], tuple[int | None, bool]]
     check_prompt: Callable[[Any, int], None]
+    prompt_param: str  # the field an error about the prompt names
+    prompt_bytes: Callable[[Any], int]
     sampling: Callable[[Any, ServerConfig], SamplingParams]
     prompt: Callable[[Any, Any], list[int]]
     fit: Callable[[Any, SamplingParams, int, int], SamplingParams]
@@ -216,6 +220,8 @@ COMPLETIONS = Generation(
     id_prefix="cmpl",
     logprobs=_completion_logprobs,
     check_prompt=rq.check_completion_prompt,
+    prompt_param="prompt",
+    prompt_bytes=rq.completion_prompt_bytes,
     sampling=lambda body, config: rq.sampling_params(
         body, body.max_tokens, rq.DEFAULT_MAX_TOKENS, config.max_stop_strings
     ),
@@ -237,6 +243,8 @@ CHAT = Generation(
     id_prefix="chatcmpl",
     logprobs=lambda body: (rq.chat_logprobs(body), False),
     check_prompt=lambda body, max_model_len: rq.check_messages(body.messages),
+    prompt_param="messages",
+    prompt_bytes=lambda body: rq.messages_bytes(body.messages),
     sampling=lambda body, config: rq.chat_sampling_params(
         body, config.default_chat_max_tokens, config.max_stop_strings
     ),
@@ -275,6 +283,7 @@ async def generate(route: Generation, body, request: Request):
     strings = state.token_strings(logprobs)
     rows, terminal, reuse = _fill_for(body, eng)
     route.check_prompt(body, eng.engine.max_model_len)
+    rq.check_prompt_bytes(route.prompt_bytes(body), eng.engine.tokenizer, eng.engine.max_model_len, route.prompt_param)
     params = rq.with_logprobs(route.sampling(body, config), logprobs, prompt=scores_prompt)
     params = rq.with_speculation(body, params, eng.engine.speculative)
     params = rq.with_loops(body, params)

@@ -31,6 +31,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 
+from .piece_bound import longest_piece_bytes
 from ..errors import InputError, ModelLoadError, UnsupportedError
 
 SERIALIZED_FORMAT = "ridgefill-tokenizer/1"
@@ -266,6 +267,11 @@ class Tokenizer:
         return self._info.chat_template
 
     @property
+    def template_tokens(self) -> Mapping[str, str]:
+        """The spellings of bos_token, eos_token, unk_token and pad_token (those the model has)."""
+        return MappingProxyType(dict(self._info.template_tokens))
+
+    @property
     def token_types(self) -> tuple[str, ...]:
         return self._info.token_types
 
@@ -297,6 +303,12 @@ class Tokenizer:
         ids |= {i for i in (self.bos_token_id, self.pad_token_id, self.unk_token_id) if i is not None}
         ids |= set(self.eos_token_ids)
         return frozenset(ids)
+
+    @cached_property
+    def longest_piece_bytes(self) -> int | None:
+        """The most input bytes one token can stand for (None: no bound holds); a server refuses
+        a prompt longer than the context by it before tokenizing (loader/piece_bound.py)."""
+        return longest_piece_bytes(self._backend)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

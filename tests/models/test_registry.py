@@ -56,6 +56,7 @@ def tiny_family():
 def test_one_list_names_the_built_in_families():
     assert registry.supported() == (
         "llama",
+        "qwen2",
         "qwen3",
         "qwen3_5_text",
         "qwen3_5",
@@ -64,7 +65,7 @@ def test_one_list_names_the_built_in_families():
         "gemma3_text",
     )
     # no GGUF reader for the hybrids or looped models
-    assert registry.gguf_architectures() == ("llama", "qwen3", "gemma3")
+    assert registry.gguf_architectures() == ("llama", "qwen2", "qwen3", "gemma3")
     assert registry.family("qwen3").qk_norm and not registry.family("llama").qk_norm
     assert (
         registry.family("llama").gguf.interleaved_rope_rows and not registry.family("qwen3").gguf.interleaved_rope_rows
@@ -72,7 +73,7 @@ def test_one_list_names_the_built_in_families():
 
 
 def test_unsupported_architecture_messages_name_the_supported_list():
-    every = "llama, qwen3, qwen3_5_text, qwen3_5, qwen3_next, huginn_raven, gemma3_text"
+    every = "llama, qwen2, qwen3, qwen3_5_text, qwen3_5, qwen3_next, huginn_raven, gemma3_text"
     with pytest.raises(UnsupportedError, match=rf"unsupported architecture 'mamba' \(supported: {every}\)"):
         registry.family(_config("mamba").architecture)
     with pytest.raises(
@@ -84,7 +85,7 @@ def test_unsupported_architecture_messages_name_the_supported_list():
     with pytest.raises(
         UnsupportedError,
         match=r"^x.gguf: GGUF architecture 'mamba' is not supported "
-        r"\(supported: llama, qwen3, gemma3\)$",
+        r"\(supported: llama, qwen2, qwen3, gemma3\)$",
     ):
         registry.family_for_gguf("mamba", "x.gguf")
 
