@@ -39,6 +39,7 @@ PACKAGED_MAPS = {
     "gemma3-270m": ("gemma3-270m", 9),
     # Fitted on the standard library's top-level modules (code; fill/corpus.py), not the kernel docs.
     "qwen2.5-coder-0.5b": ("qwen2.5-coder-0.5b", 12),
+    "qwen2.5-coder-1.5b": ("qwen2.5-coder-1.5b", 14),
 }
 # Other [fill] keys a packaged model sets when the user gives none (e.g. {"tail": 512}); with the
 # split above they apply to every arm, so arms compared on one model run at one split and tail.
