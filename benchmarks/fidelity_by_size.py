@@ -21,7 +21,14 @@ B = Path(__file__).resolve().parent
 
 # label, parameters, split / layers, eval.json, fill_speed output, code_completion.json
 MODELS = (
-    ("SmolLM2-135M", "135M", (15, 30), "fill_eval/split15/eval.json", "fill_speed_result.txt", "code_completion/smollm2"),
+    (
+        "SmolLM2-135M",
+        "135M",
+        (15, 30),
+        "fill_eval/split15/eval.json",
+        "fill_speed_result.txt",
+        "code_completion/smollm2",
+    ),
     ("Gemma 3 270M", "270M", (9, 18), "gemma3_eval/split9/eval.json", "gemma3_eval/fill_speed_split9.txt", None),
     (
         "Qwen2.5-Coder-0.5B",
