@@ -278,7 +278,8 @@ class PromptBuilder:
         budget = length - sum(self.tokens(f.header + f.text) for f in between) - self.tokens(tail_text)
         # earlier blocks, nearest first: the definition file, then the other files; the last
         # one taken is trimmed from its start, never past the definition's line
-        earlier, room = [], budget
+        earlier: list[str] = []
+        room = budget
         for i, f in enumerate([home] + others):
             whole = self.tokens(f.header + f.text)
             if whole <= room:
