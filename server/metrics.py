@@ -131,6 +131,12 @@ def _families(s: ServingStats | None) -> Iterator:
     yield GaugeMetricFamily("ridgefill_kv_cache_usage_ratio", "Fraction of KV blocks in use", value=e.kv_usage)
     yield GaugeMetricFamily("ridgefill_kv_cache_blocks_used", "KV blocks in use", value=e.kv_blocks_used)
     yield GaugeMetricFamily("ridgefill_kv_cache_blocks_total", "KV blocks in the pool", value=e.kv_blocks_total)
+    yield GaugeMetricFamily(
+        "ridgefill_kv_cache_touched_bytes",
+        "K/V pool bytes of the blocks ever used: resident from their first write on (RSS minus this is "
+        "what a leak would grow)",
+        value=e.kv_touched_bytes,
+    )
     yield CounterMetricFamily(
         "ridgefill_preemptions", "Sequences preempted (recomputed) to free KV blocks", value=e.preemptions_total
     )

@@ -27,6 +27,10 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}
         self._exact: dict[int, tuple[int, ...]] = {}  # published block -> offsets of its exactly made rows
         self.evictions = 0
+        # NOTE: the pool's slabs are torch.empty, so a block costs resident memory only from its
+        # first write on; the soak subtracts what the blocks ever taken hold from the RSS.
+        self._touched = bytearray(num_blocks)
+        self.num_touched = 0  # distinct blocks ever handed out
 
     @property
     def num_free(self) -> int:
@@ -150,7 +154,11 @@ class BlockManager:
 
     def _take_free(self) -> int:
         if self._clean:
-            return self._clean.pop()
+            block = self._clean.pop()
+            if not self._touched[block]:
+                self._touched[block] = 1
+                self.num_touched += 1
+            return block
         block, _ = self._cached.popitem(last=False)  # NOTE: the least recently used entry goes
         self._unpublish(block)
         self.evictions += 1

@@ -92,6 +92,7 @@ class ModelCaches:
             on_rollback=self.states.restore_row,
             prefix_caching=prefix_caching,
             window_pages=pages,
+            kv_bytes_per_block=self.kv.bytes_per_token() * self.block_size,
         )
 
 

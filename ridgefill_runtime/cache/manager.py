@@ -38,6 +38,7 @@ class CacheStats:
     prefix_queried_tokens: int = 0  # prompt tokens admissions looked up
     prefix_hit_tokens: int = 0  # of those, found in the prefix cache
     prefix_evictions: int = 0  # cache entries dropped to make room
+    kv_touched_bytes: int = 0  # K/V pool bytes of the blocks ever handed out (resident since)
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
@@ -59,15 +60,18 @@ class CacheManager:
         on_rollback: Callable[[int, int], None] = lambda slot, row: None,
         prefix_caching: bool = False,
         window_pages: WindowPages | None = None,
+        kv_bytes_per_block: int = 0,
     ):
         """window_pages: a sliding-window model's per-group pages (the blocks then count pages:
         each block of a table takes one per group, and window groups give theirs back as rows
-        pass); None: one block holds every layer's K/V."""
+        pass); None: one block holds every layer's K/V. kv_bytes_per_block: what one block (or
+        page) holds in the K/V pool, for stats' kv_touched_bytes."""
         if num_state_slots <= 0:
             raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
         self.blocks = blocks
         self.num_state_slots = num_state_slots
         self.stash_bytes_per_row = stash_bytes_per_row
+        self.kv_bytes_per_block = kv_bytes_per_block
         self._on_free_slot, self._on_stash_done, self._on_rollback = on_free_slot, on_stash_done, on_rollback
         # NOTE: a stack, like the blocks: the most recently freed slot is reused first.
         self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
@@ -242,6 +246,7 @@ class CacheManager:
             prefix_queried_tokens=self.prefix.queried_tokens if self.prefix else 0,
             prefix_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
             prefix_evictions=self.blocks.evictions,
+            kv_touched_bytes=self.blocks.num_touched * self.kv_bytes_per_block,
         )
 
 

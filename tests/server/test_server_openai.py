@@ -142,6 +142,7 @@ def test_metrics_move_as_requests_run(served):
     ):
         assert _metric(after, name) == 0
     assert _metric(after, "ridgefill_kv_cache_usage_ratio") == 0  # nothing running now
+    assert _metric(after, "ridgefill_kv_cache_touched_bytes") > 0  # the request's blocks were written
     for name in (
         "ridgefill_e2e_request_latency_seconds_count",
         "ridgefill_request_queue_time_seconds_count",
