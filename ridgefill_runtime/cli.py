@@ -8,40 +8,31 @@ and hands every other command here; the runtime never imports the server.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import FILL_ARMS, EngineConfig
-from .errors import RidgefillError
-from .settings_file import add_flags, given_fields, given_flags, operator_tables
+from .config import FILL_ARMS
+from .errors import InputError, RidgefillError
+from .operator_config import add_engine_flags, engine_config_of, fill_mode_of_arm
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    """EngineConfig's own flags (the ones `serve` has), and --threads."""
-    add_flags(p, EngineConfig, "model")
+def _engine_args(p: argparse.ArgumentParser, fill: bool = True) -> None:
+    """--config (the operator file `serve` reads), the engine flags `serve` has (without the
+    --fill-* ones for a command that sets its own fill), and --threads."""
+    add_engine_flags(p, fill=fill)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
 def _fill_args(p: argparse.ArgumentParser, arm_help: str) -> None:
-    """The fill flags `serve` has (--fill-mode, --fill-split, ...), over --fill-config's [fill]."""
+    """The older fill spellings of generate and score, in FillConfig's words; scripts and notes use them."""
     p.add_argument(
         "--fill-config",
-        type=Path,
         default=None,
-        help="TOML whose [fill] table is read as `ridgefill serve --config` reads it (mode, split, "
-        "tail, maps, [fill.corrections], [fill.rows]; see examples/ridgefill.toml); "
-        "default: the shipped maps and selectors",
+        help="the same as --config (an older spelling, when only the file's [fill] table was read)",
     )
-    flags = {}
-    for cls, table in operator_tables(EngineConfig):
-        if table.startswith("fill"):
-            flags.update(add_flags(p, cls, table))
-    p.set_defaults(fill_flags=flags)
-    # NOTE: the two older spellings, in FillConfig's words; scripts and notes use them
     p.add_argument(
         "--arm",
         default=None,
@@ -93,7 +84,7 @@ def build_parser(extra_commands: ExtraCommands | None = None) -> argparse.Argume
     _fill_args(s, "prefix handling; fill arms score only the rows they compute exactly (the tail)")
 
     f = sub.add_parser("fit", help="fit RidgeFill maps: one capture pass, then a ridge solve per late layer")
-    _engine_args(f)
+    _engine_args(f, fill=False)
     f.add_argument("--calib", nargs="+", required=True, type=Path, help="calibration text files or folders")
     f.add_argument("--heldout", nargs="+", required=True, type=Path, help="held-out text files or folders (λ choice)")
     f.add_argument("--splits", required=True, help="comma-separated split layers, e.g. 12,15,18")
@@ -152,25 +143,22 @@ def _run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(**given_fields(args, EngineConfig))
-    if args.command == "eval":
-        from .eval.cli import run_eval
+    if args.command in ("eval", "fit"):
+        config = engine_config_of(args)
+        if args.command == "eval":
+            from .eval.cli import run_eval
 
-        return run_eval(args, LLM(config))
-    if args.command == "fit":
+            return run_eval(args, LLM(config), config)
         from .fill.fit_cli import run_fit
 
         return run_fit(args, config)
-    from .fill.settings import fill_for_arm
-
-    fill = fill_for_arm(
-        args.arm,
-        args.fill_config,
-        model=args.model,
-        selectors=parse_selectors(args.selectors),
-        flags=given_flags(args, args.fill_flags),
+    if args.fill_config is not None:
+        if args.config is not None:
+            raise InputError("give --config or --fill-config (its older spelling), not both")
+        args.config = args.fill_config
+    config = engine_config_of(
+        args, {"fill.mode": fill_mode_of_arm(args.arm), "fill.rows.selectors": parse_selectors(args.selectors)}
     )
-    config = dataclasses.replace(config, fill=fill)
     if args.command == "score":
         return _score(LLM(config), args)
     return _generate(LLM(config), args)
@@ -181,7 +169,6 @@ def parse_selectors(text: str | None) -> list[str] | None:
     if text is None:
         return None
     from .config import SELECTORS
-    from .errors import InputError
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     for name in names:

@@ -4,8 +4,8 @@ TOML type (from the field's annotation), its default, its help, its checks and i
 `setting(...)` declares a field; from the dataclasses this module derives the TOML schema
 (`table_keys`), the command-line flags (`add_flags`) and the generic value checks
 (`check_settings`), and reads files (`read_toml`, `flatten`, `checked_key`, `store`). The
-server's operator file (server/config.py) and `--fill-config` (fill/settings.py) both read
-through here, so a key is spelled, typed and refused the same way wherever it is given. Errors
+operator file (operator_config.py for every command, server/config.py adding [server]) and
+fill/settings.py's [fill] read through here, so a key is spelled, typed and refused the same way wherever it is given. Errors
 name the key and where its value came from: a file path, "command line" or "$ENV".
 
 NOTE: imports nothing of the runtime but its errors: config.py declares its fields with

@@ -1,12 +1,13 @@
 """The operator config file (TOML) and the server's own frozen settings.
 
-`load_config(path, overrides)` is the one place a setting is read: the file first, then CLI
-overrides on top (dotted keys such as "server.port"; None means "not given"). An unknown key
-or a value of the wrong type stops startup with one error naming the key and the file. Every
-key is a field of a config dataclass (EngineConfig and its nested configs, ServerConfig here),
-declared once with `setting(...)` (ridgefill_runtime/settings_file.py, which reads and checks
-the values); the [fill] table's schema and defaults are the runtime's
-(ridgefill_runtime/fill/settings.py), which `ridgefill generate/score --fill-config` read too.
+`load_config(path, overrides)` is the one place `serve` reads a setting: the file first, then
+$RIDGEFILL_API_KEY, then CLI overrides on top (dotted keys such as "server.port"; None means
+"not given"). An unknown key or a value of the wrong type stops startup with one error naming
+the key and the file. Every key is a field of a config dataclass (EngineConfig and its nested
+configs, ServerConfig here), declared once with `setting(...)` (ridgefill_runtime/settings_file.py,
+which reads and checks the values). The engine's tables are read by
+ridgefill_runtime/operator_config.py, as `ridgefill generate | score | eval --config` read them;
+this module adds [server].
 """
 
 from __future__ import annotations
@@ -19,29 +20,13 @@ from typing import Any
 
 # NOTE: nothing here may import torch at module level (ridgefill_runtime.fill.maps does): a
 # bad flag or file must fail in well under a second, not after a 4-8 s torch import.
-from ridgefill_runtime.config import EngineConfig, FillConfig
-from ridgefill_runtime.loader.embedded import model_path
-from ridgefill_runtime.errors import ConfigError, ModelLoadError
-from ridgefill_runtime.fill.settings import (
-    FILL_KEYS,
-    FillSettings,
-    new_fill_values,
-    put_fill_value,
-    resolve_fill,
-    rows_origin,
-)
-from ridgefill_runtime.settings_file import (
-    Key,
-    check_settings,
-    checked_key,
-    flatten,
-    nested_tables,
-    read_toml,
-    renamed_keys,
-    setting,
-    store,
-    table_keys,
-)
+from ridgefill_runtime.config import EngineConfig
+from ridgefill_runtime.errors import ConfigError
+from ridgefill_runtime.fill.settings import FillSettings
+from ridgefill_runtime.operator_config import ENGINE_SCHEMA, build_engine, check_device, gather
+from ridgefill_runtime.settings_file import Key, check_settings, setting, table_keys
+
+__all__ = ["ConfigError", "ServerConfig", "check_device", "effective_config_text", "load_config"]
 
 API_KEY_ENV = "RIDGEFILL_API_KEY"  # read only by load_config, between the file and the flags
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -200,58 +185,28 @@ def is_loopback(host: str) -> bool:
 
 
 def _sections() -> dict[str, dict[str, Key]]:
-    """The operator file's tables, from the config dataclasses' fields: [model] (EngineConfig's
-    own settings), a table per nested config of EngineConfig ([cache], [scheduler], ...; [fill]
-    is the runtime's schema, FILL_KEYS, with its groups and [fill.rows] as dotted keys), [server]."""
-    sections = {"model": table_keys(EngineConfig, "engine", nested=False)}
-    for name, cls in nested_tables(EngineConfig):
-        sections[name] = FILL_KEYS if cls is FillConfig else table_keys(cls, name)
-    sections["server"] = table_keys(ServerConfig, "server")
-    return sections
+    """The operator file's tables: the engine's (ridgefill_runtime/operator_config.py, which the
+    runtime's commands read too) and [server]."""
+    return {**ENGINE_SCHEMA, "server": table_keys(ServerConfig, "server")}
 
 
 # section -> key -> Key (accepted types, the collected table the value goes to, its field)
 _SCHEMA: dict[str, dict[str, Key]] = _sections()
-_RENAMED = renamed_keys(EngineConfig, "model", nested=False)  # "model.model" -> "model.path"
-# the tables a nested config dataclass is collected in: EngineConfig's field name for it
-_NESTED = {name: cls for name, cls in nested_tables(EngineConfig) if cls is not FillConfig}
 
 
 def load_config(
     path: str | Path | None, overrides: dict[str, Any] | None = None
 ) -> tuple[EngineConfig, ServerConfig, FillSettings]:
     """Read the TOML file (optional) and apply CLI overrides; raises ConfigError."""
-    values: dict[str, dict[str, Any]] = {
-        "engine": {},
-        **{name: {} for name in _NESTED},
-        **new_fill_values(),
-        "server": {},
-    }
-    origin: dict[str, str] = {}  # dotted key -> where its value came from, for errors found later
-    source = str(path) if path else "command line"
-    if path:
-        for dotted, value in flatten(read_toml(Path(path))):
-            _put(values, origin, dotted, value, source)
-    if API_KEY_ENV in os.environ:  # NOTE: above the file, below the flags
-        _put(values, origin, "server.api_key", os.environ[API_KEY_ENV], f"${API_KEY_ENV}")
-    for dotted, value in (overrides or {}).items():
-        if value is not None:
-            _put(values, origin, dotted, value, "command line")
-    _read_api_key_file(values["server"], origin)
-    fill_settings, fill = resolve_fill(values, origin, model=values["engine"].get("model"), source=source)
+    # NOTE: $RIDGEFILL_API_KEY sits above the file, below the flags
+    env = [("server.api_key", os.environ[API_KEY_ENV], f"${API_KEY_ENV}")] if API_KEY_ENV in os.environ else []
+    gathered = gather(path, overrides, extra={"server": _SCHEMA["server"]}, between=env)
+    _read_api_key_file(gathered.values["server"], gathered.origin)
     try:
-        nested = {name: cls(**values[name]) for name, cls in _NESTED.items()}
-        engine = EngineConfig(fill=fill, **nested, **values["engine"])
-        server = ServerConfig(**values["server"])
+        server = ServerConfig(**gathered.values["server"])
     except ValueError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    if fill.enabled and "unigram" in values["rows"]:
-        _check_unigram_file(fill.rows.unigram, origin.get("fill.rows.unigram", rows_origin(origin, source)))
-    if fill.arm == "ridgefill":
-        # NOTE: a recipe may have chosen the arm, and the shipped maps need no key at all
-        where = origin.get("fill.maps") or origin.get("fill.mode") or origin.get("fill.recipe", source)
-        _check_maps_header(fill, where)
-    _check_model_path(engine.model, origin)
+        raise ConfigError(f"{gathered.source}: {e}") from None
+    engine, fill_settings = build_engine(gathered)
     return engine, server, fill_settings
 
 
@@ -280,76 +235,6 @@ def _read_api_key_file(server: dict[str, Any], origin: dict[str, str]) -> None:
         raise ConfigError(f"{where}: key 'server.api_key_file': {path} is empty")
     server["api_key"] = key
     origin["server.api_key"] = where
-
-
-def _check_model_path(model: str | None, origin: dict[str, str]) -> None:
-    """A model path that does not exist is an operator error at startup, not a load failure
-    found after the server has started."""
-    if model is None:
-        return
-    try:
-        found = model_path(model).exists()
-    except ModelLoadError as e:  # a packaged model whose packages are missing or damaged
-        raise ConfigError(f"{origin['model.path']}: key 'model.path': {e}") from None
-    if not found:
-        raise ConfigError(f"{origin['model.path']}: key 'model.path': {model} not found")
-
-
-def check_device(engine: EngineConfig) -> None:
-    """Refuse model.device = cuda[:N] on a machine without that GPU, naming the setting.
-    Imports torch, so callers run it after the checks that do not need it."""
-    device = engine.device
-    if device == "cpu":
-        return
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise ConfigError(f"model.device (--device) {device!r}: must be cpu, cuda or cuda:N")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"model.device (--device) {device!r}: no CUDA device is available "
-            f'(torch.cuda.is_available() is false); use "cpu"'
-        )
-    if index and int(index) >= torch.cuda.device_count():
-        raise ConfigError(
-            f"model.device (--device) {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-        )
-
-
-def _check_unigram_file(path: str, where: str) -> None:
-    """A counts file that does not exist is refused at startup, not when the first request needs it."""
-    if not Path(path).is_file():
-        raise ConfigError(f"{where}: key 'fill.rows.unigram': counts file {path} not found")
-
-
-def _check_maps_header(fill: FillConfig, where: str) -> None:
-    """Refuse a missing, foreign or other-split map file before the server starts; the model
-    itself is checked against the maps when it loads (llm.load_fill_maps)."""
-    from ridgefill_runtime.fill.maps import MapMeta  # imports torch: only for mode = "plain"
-    from safetensors import safe_open
-
-    path = Path(fill.maps)
-    if not path.is_file():
-        raise ConfigError(f"{where}: key 'fill.maps': map file {path} not found")
-    try:
-        with safe_open(str(path), framework="pt") as f:  # reads the header only
-            meta = MapMeta.from_strings(f.metadata() or {}, str(path))
-    except ModelLoadError as e:
-        raise ConfigError(f"{where}: key 'fill.maps': {e}") from None
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise ConfigError(f"{where}: key 'fill.maps': {path}: unreadable map file ({type(e).__name__}: {e})") from None
-    if meta.split != fill.split:
-        raise ConfigError(
-            f"{where}: key 'fill.maps': {path} holds maps fitted for split {meta.split}, but fill.split is {fill.split}"
-        )
-
-
-def _put(values: dict, origin: dict, dotted: str, value: Any, source: str) -> None:
-    if dotted.partition(".")[0] == "fill":
-        put_fill_value(values, origin, dotted, value, source)  # the runtime's [fill] schema
-        return
-    store(values, origin, checked_key(_SCHEMA, dotted, value, source, _RENAMED), dotted, value, source)
 
 
 def effective_config_text(engine: EngineConfig, server: ServerConfig, fill: FillSettings) -> str:

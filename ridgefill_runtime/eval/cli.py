@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from ..config import FillConfig
+from ..config import EngineConfig, FillConfig
 from ..fill.corpus import evaluation_docs
 from ..fill.maps import FillMaps, check_maps_fit
 from ..fill.settings import PACKAGED_MAPS, shipped_maps
@@ -18,11 +18,14 @@ TERMINAL_ARM = "ridgefill+terminal"
 
 def add_eval_parser(sub, engine_args) -> None:
     e = sub.add_parser("eval", help="each fill arm paired with exact: ΔNLL, KL, agreement, needles, splices")
-    engine_args(e)
-    default = FillConfig()  # NOTE: the defaults of fill.split and fill.tail, declared there
-    e.add_argument("--split", type=int, default=default.split, help="fill.split of every arm")
-    e.add_argument("--tail", type=int, default=default.tail, help="fill.tail of every arm")
-    e.add_argument("--maps", default=None, help="map file (default: the shipped maps for --split)")
+    engine_args(e, fill=False)  # NOTE: --split, --tail, --maps below are the arms' fill settings
+    e.add_argument("--split", type=int, default=None, help="fill.split of every arm (default: --config's fill.split)")
+    e.add_argument("--tail", type=int, default=None, help="fill.tail of every arm (default: --config's fill.tail)")
+    e.add_argument(
+        "--maps",
+        default=None,
+        help="map file (default: --config's fill.maps when its split is --split's, else the shipped maps for --split)",
+    )
     e.add_argument(
         "--arms",
         default="nofill,identity,ridgefill",
@@ -38,19 +41,28 @@ def add_eval_parser(sub, engine_args) -> None:
     e.add_argument("--out", type=Path, default=Path("eval-out"))
 
 
-def run_eval(args, llm) -> int:
+def arms_fill(args, config: EngineConfig) -> tuple[int, int, str]:
+    """(split, tail, map file) of every arm: --split, --tail and --maps, else the engine's fill
+    (--config and the flags; a packaged model's split when none is set), else the shipped maps."""
+    split = config.fill.split if args.split is None else args.split
+    tail = config.fill.tail if args.tail is None else args.tail
+    packaged = config.model if config.model in PACKAGED_MAPS else None
+    configured = config.fill.maps if config.fill.split == split else None
+    return split, tail, args.maps or configured or str(shipped_maps(split, packaged))
+
+
+def run_eval(args, llm, config: EngineConfig) -> int:
     model, tok = llm.engine.model, llm.tokenizer
-    packaged = args.model if args.model in PACKAGED_MAPS else None
-    maps_path = args.maps or str(shipped_maps(args.split, packaged))
+    split, tail, maps_path = arms_fill(args, config)
     maps = FillMaps(maps_path, "resident", model.dtype, model.device)
-    check_maps_fit(maps.meta, model.identity, model.config, args.split, maps_path)
+    check_maps_fit(maps.meta, model.identity, model.config, split, maps_path)
     arms = []
     for name in args.arms.split(","):
         arm, terminal = ("ridgefill", True) if name == TERMINAL_ARM else (name, False)
         fill = FillConfig(
             arm=arm,
-            split=args.split,
-            tail=args.tail,
+            split=split,
+            tail=tail,
             maps=maps_path if arm == "ridgefill" else None,
             value_rescale=args.value_rescale and arm != "nofill",
             key_rescale=args.key_rescale and arm != "nofill",
@@ -69,7 +81,7 @@ def run_eval(args, llm) -> int:
     splice_arm = None if args.no_splices or "ridgefill" not in args.arms else "ridgefill"
     per_doc = []
     for i, (d, ids) in enumerate(docs):
-        r = document_measures(model, ids, arms, args.tail, splice_arm)
+        r = document_measures(model, ids, arms, tail, splice_arm)
         r.update(path=d.path, sha256=d.sha256)
         per_doc.append(r)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -81,13 +93,13 @@ def run_eval(args, llm) -> int:
         )
     lengths = [int(x) for x in args.needle_lengths.split(",")]
     haystacks = [d.text for d in texts[len(docs) :]]
-    needles = needle_results(model, tok, arms, haystacks, lengths, args.needles_per_task, args.tail)
+    needles = needle_results(model, tok, arms, haystacks, lengths, args.needles_per_task, tail)
     names = [a.name for a in arms] + ([f"{splice_arm}+exact_{w}" for w in splices_for(model)] if splice_arm else [])
     summary = summarize(per_doc, needles, names)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
-        "split": args.split,
-        "tail": args.tail,
+        "split": split,
+        "tail": tail,
         "maps": maps_path,
         "lambda": maps.meta.lam,
         "value_rescale": args.value_rescale,
@@ -99,7 +111,7 @@ def run_eval(args, llm) -> int:
     (args.out / "eval.json").write_text(json.dumps(record, indent=1))
     table = markdown(summary, names)
     header = (
-        f"split {args.split}/{model.config.num_layers}, tail {args.tail}, {len(per_doc)} documents, "
+        f"split {split}/{model.config.num_layers}, tail {tail}, {len(per_doc)} documents, "
         f"{summary['needles_in_prefix']} needle prompts ({summary['needles_solved_by_exact']} solved by exact); "
         "mean arm − exact with paired bootstrap 95% intervals\n\n"
     )

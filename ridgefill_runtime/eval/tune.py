@@ -207,7 +207,7 @@ def frontier(measured: list[Measured], budget: Budget) -> list[Measured]:
 
 def fill_toml(chosen: Measured, maps: Path, model: str | None, unigram: str | None, note: str) -> str:
     """The chosen setting as a settings file: [fill] (and [model] path when a model was named),
-    read by `ridgefill serve --config FILE` and by `--fill-config FILE`."""
+    read by `ridgefill serve | generate | score --config FILE`."""
     c = chosen.candidate
     lines = [f"# {line}" for line in note.splitlines()]
     if model is not None:

@@ -8,14 +8,14 @@ import math
 import sys
 from pathlib import Path
 
-from ..config import EngineConfig, FillConfig
+from ..config import FillConfig
 from ..errors import InputError
 from ..fill.corpus import calibration_and_heldout, read_text
 from ..fill.fit_cli import text_files
 from ..fill.fitting import Document, fit_maps
 from ..fill.maps import FillMaps, check_maps_fit
 from ..fill.settings import PACKAGED_MAPS, needs_counts, shipped_maps, shipped_unigram
-from ..settings_file import given_fields
+from ..operator_config import engine_config_of
 from .rows_eval import SELECTOR_SETS
 from .tune import BUDGET_RULE, BudgetError, Measured, TuneSettings, budget_of, choose, fill_toml, frontier
 from .tune_measure import SpeedBench, arm_of, quality, speeds
@@ -33,7 +33,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_tune_parser(sub, engine_args) -> None:
     t = sub.add_parser("tune", help="choose split, tail and exact rows: the fastest fill inside a quality budget")
-    engine_args(t)
+    engine_args(t, fill=False)  # NOTE: the fill is what tune chooses
     t.add_argument("--heldout", nargs="+", required=True, type=Path, help="held-out text files or folders (quality)")
     t.add_argument(
         "--calib",
@@ -78,8 +78,8 @@ def run_tune(args) -> int:
     budget = budget_of(args.max_novel_dnll, args.max_key_dnll, args.min_retrieval)
     rows = tuple(r.strip() for r in args.rows.split(",") if r.strip())
     settings = TuneSettings(_ints(args.splits), _ints(args.tails), rows, budget, args.length, args.reps)
-    unigram = _unigram(args, settings)
-    config = EngineConfig(**given_fields(args, EngineConfig))
+    config = engine_config_of(args)
+    unigram = _unigram(args, settings, config.model)
     llm = LLM(config)
     model, tok = llm.engine.model, llm.tokenizer
     settings.check_layers(model.config.num_layers)
@@ -91,7 +91,7 @@ def run_tune(args) -> int:
     # NOTE: built (and its exact run warmed up) before the long parts, so a prompt the engine
     # refuses (longer than the context, the K/V pool) stops the command at once
     bench = SpeedBench(model, tok, config, _speed_prompt(tok, texts, args.length), args.reps)
-    maps_paths = _maps(args, model, tok, settings.splits)
+    maps_paths = _maps(args, config.model, model, tok, settings.splits)
     maps = {s: _checked_maps(model, s, p) for s, p in maps_paths.items()}
     arms = {c: arm_of(c, str(maps_paths[c.split]), maps[c.split], tok, unigram) for c in settings.candidates()}
     summary, per_doc, needles = quality(
@@ -111,7 +111,7 @@ def run_tune(args) -> int:
         f"(budget --{budget.option} {budget.limit:g}); every candidate: tune.json"
     )
     path = args.out / "fill.toml"
-    path.write_text(fill_toml(chosen, maps_paths[chosen.candidate.split].resolve(), args.model, args.unigram, note))
+    path.write_text(fill_toml(chosen, maps_paths[chosen.candidate.split].resolve(), config.model, args.unigram, note))
     print(f"tune: chosen {chosen.candidate.name} ({chosen.speedup:.2f}x) -> {path}")
     if chosen.speedup <= 1.0:
         # NOTE: the choice stands (it is the rule's), but exact prefill would serve faster here
@@ -123,11 +123,11 @@ def run_tune(args) -> int:
     return 0
 
 
-def _unigram(args, settings: TuneSettings) -> str | None:
+def _unigram(args, settings: TuneSettings, model_name: str | None) -> str | None:
     """The counts the probe/protected policies read: --unigram, else the embedded model's shipped ones."""
     if args.unigram is not None:
         return args.unigram
-    if args.model is None:
+    if model_name is None:
         return str(shipped_unigram())
     wanted = sorted({s for r in settings.rows for s in needs_counts(SELECTOR_SETS[r])})
     if wanted:
@@ -161,16 +161,16 @@ def _speed_prompt(tok, texts: list[tuple[str, str]], length: int) -> list[int]:
     raise InputError(f"--length {length}: the held-out files hold only {len(ids)} tokens")
 
 
-def _maps(args, model, tok, splits: tuple[int, ...]) -> dict[int, Path]:
+def _maps(args, model_name: str | None, model, tok, splits: tuple[int, ...]) -> dict[int, Path]:
     """Map file per split: --maps-dir's, else the shipped ones of the embedded or a packaged
     model, else fitted here into OUT/maps from the calibration text."""
     found: dict[int, Path] = {}
-    packaged = args.model if args.model in PACKAGED_MAPS else None
+    packaged = model_name if model_name in PACKAGED_MAPS else None
     for s in splits:
         given = args.maps_dir / f"maps-split{s}.safetensors" if args.maps_dir else None
         if given is not None and given.exists():
             found[s] = given
-        elif (args.model is None or packaged) and shipped_maps(s, packaged).exists():
+        elif (model_name is None or packaged) and shipped_maps(s, packaged).exists():
             found[s] = shipped_maps(s, packaged)
     missing = [s for s in splits if s not in found]
     if missing:

@@ -1,6 +1,7 @@
-"""The [fill] settings: one schema for `ridgefill serve --config` and for `--fill-config`
-(generate, score), and the maps, exact-row selectors and unigram counts shipped for the
-embedded default model, which fill the settings a file leaves out.
+"""The [fill] settings: one schema for the operator file's [fill] table, whichever command reads
+it (operator_config.py), and for `fill_for_arm` (benchmarks, tests); and the maps, exact-row
+selectors and unigram counts shipped for the embedded default model, which fill the settings a
+file leaves out.
 
 The keys are FillConfig's, RowsConfig's ([fill.rows]) and FillSettings' fields, declared there
 (settings_file.setting; examples/ridgefill.toml, generated from them, documents each).
@@ -202,7 +203,7 @@ def _rows(model: str | None, fill_on: bool, given: dict[str, Any], origin: dict[
     return config
 
 
-# -- --fill-config (generate, score) ---------------------------------------------------------------
+# -- One [fill] table alone (benchmarks, tests) ---------------------------------------------------------------
 
 
 def fill_for_arm(
@@ -213,7 +214,7 @@ def fill_for_arm(
     selectors: Sequence[str] | None = None,
     flags: Mapping[str, Any] | None = None,
 ) -> FillConfig:
-    """The FillConfig of `--fill-config`'s [fill] table (the keys of the server's [fill]; the
+    """The FillConfig of a file's [fill] table (the keys of the operator file's [fill]; the
     file's other tables are not read), under the fill `flags` given ({dotted key: value}, as
     `serve`'s: --fill-mode, --fill-split, ...), with `arm` (--arm, FillConfig's word for
     fill.mode) and `selectors` (--selectors) over those. `model` None is the embedded default

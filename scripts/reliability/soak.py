@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import collections
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -101,12 +102,14 @@ def main() -> None:
     args = p.parse_args()
     with serve("--threads", str(args.threads)) as srv:
         samples: list[tuple[float, float, float]] = []  # (seconds, RSS MiB, touched pool MiB)
+        loads: list[float] = []  # 1-minute load average at each sample: the soak's own load plus anything else
 
         async def sampled() -> collections.Counter:
             t0 = time.monotonic()
             task = asyncio.create_task(traffic(srv.url, args.users, args.minutes * 60, args.seed))
             while not task.done():
                 samples.append((time.monotonic() - t0, rss_mib(srv.proc.pid), pool_touched_mib(srv.url)))
+                loads.append(os.getloadavg()[0])
                 await asyncio.wait([task], timeout=10)
             samples.append((time.monotonic() - t0, rss_mib(srv.proc.pid), pool_touched_mib(srv.url)))
             return task.result()
@@ -127,6 +130,8 @@ def main() -> None:
         f"(slope {rss_slope:+.1f} ± {rss_err:.1f} MiB/h); K/V pool touched {pool0:.0f} -> {pool1:.0f} MiB; "
         f"RSS minus touched pool {first - pool0:.0f} -> {last - pool1:.0f} MiB "
         f"(slope {own_slope:+.1f} ± {own_err:.1f} MiB/h, ± one standard error, {len(warm)} samples)",
+        f"soak: 1-minute load average during the run: mean {sum(loads) / len(loads):.2f}, max {max(loads):.2f} "
+        f"(the server and this client share {os.cpu_count()} cores)",
         "soak: statuses " + ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())),
     ]
     per_minute: dict[int, tuple[float, float]] = {}
@@ -144,6 +149,7 @@ def main() -> None:
                     "args": vars(args) | {"out": str(args.out)},
                     "summary": lines,
                     "statuses": dict(statuses),
+                    "load_average_1min": loads,
                     "samples": [
                         {"s": round(t, 1), "rss_mib": rss, "pool_touched_mib": pool} for t, rss, pool in samples
                     ],

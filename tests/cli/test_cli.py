@@ -47,7 +47,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_missing_model_is_one_line_error(tmp_path):
     p = run_cli("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
     assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip().count("\n") == 0 and "nope: model path not found" in p.stderr
+    assert p.stderr.strip().count("\n") == 0 and f"key 'model.path': {tmp_path / 'nope'} not found" in p.stderr
 
 
 def test_corrupt_gguf_is_one_line_error(tmp_path):
