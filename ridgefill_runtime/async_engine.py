@@ -52,7 +52,7 @@ class StreamEvent:
     delta_text: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error" | "grammar_error"
     error: str | None = None  # set when finish_reason == "error", or an abort at shutdown
     new_logprobs: list = field(default_factory=list)  # TokenLogprobs of new_token_ids (params.logprobs)
 

@@ -185,13 +185,22 @@ class LoopConfig:
     allow_short_window: a ripe window W < γ breaks Proposition 1 (batched verification then
       depends on where blocks start); refused unless this is set."""
 
-    loops: int | None = setting(None, help="R per token (default: the model's mean_recurrence)", example="32")
-    cache: str = setting("ripe", help='"full" | "deepest" | "ripe" (deepest plane + the last `window` at full depth)')
-    window: int = setting(64, help='W of "ripe"')
-    block: int = setting(4, help="γ drafts per self-speculative step (0: sequential decoding)")
-    draft_loops: int = setting(4, help="d loops per draft token, d < loops")
+    loops: int | None = setting(
+        None, help="R per token (default: the model's mean_recurrence)", example="32", flag="--loops"
+    )
+    cache: str = setting(
+        "ripe",
+        help='"full" | "deepest" | "ripe" (deepest plane + the last `window` at full depth)',
+        flag="--loop-cache",
+        choices=LOOP_CACHES,
+    )
+    window: int = setting(64, help='W of "ripe"', flag="--loop-window")
+    block: int = setting(4, help="γ drafts per self-speculative step (0: sequential decoding)", flag="--loop-block")
+    draft_loops: int = setting(4, help="d loops per draft token, d < loops", flag="--loop-draft-loops")
     allow_short_window: bool = setting(
-        False, help="allow window < block (batched verification then depends on block starts)"
+        False,
+        help="allow window < block (batched verification then depends on block starts)",
+        flag="--loop-allow-short-window",
     )
 
     def __post_init__(self) -> None:
@@ -246,6 +255,31 @@ class LoopPlan:
 
 
 SPECULATIVE_METHODS = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class StructuredConfig:
+    """Structured outputs (a request's response_format or structured_outputs): the limits on
+    the grammars requests bring. The grammar engine is llguidance (grammar/book.py); a compiled
+    grammar is kept per distinct schema, so a schema sent again costs no compile."""
+
+    max_schema_bytes: int = setting(
+        65536,
+        help="largest schema, regex, choice list or grammar a request may give, in bytes (more get 400)",
+        flag="--max-schema-bytes",
+        check="positive",
+    )
+    compile_timeout_s: float = setting(
+        10.0,
+        help="a grammar not compiled within this gets 400 (compiled in a worker thread, never on the event loop)",
+        check="positive",
+    )
+    cached_grammars: int = setting(
+        256, help="compiled grammars kept, least recently used dropped first", check="positive"
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self, "structured")
 
 
 @dataclass(frozen=True)
@@ -322,6 +356,7 @@ class EngineConfig:
     fill: FillConfig = field(default_factory=lambda: FillConfig())
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     looped: LoopConfig = field(default_factory=LoopConfig)  # read only for looped models
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
 
     def __post_init__(self) -> None:
         check_settings(self, "model")

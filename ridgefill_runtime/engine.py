@@ -19,6 +19,8 @@ from .errors import InputError
 from .fill.plan import rewrites_filled_rows
 from .fill.select import RowSelector
 from .fill.tokens import TokenTable, load_counts
+from .grammar.book import GrammarBook
+from .grammar.constrain import Constrainer
 from .runner import Runner
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
@@ -138,8 +140,18 @@ class Engine:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
         graphs = engine_decode_graphs(model, self.caches, config, self.max_model_len)
+        # NOTE: a tokenizer-less model (token ids only) serves no grammars: Engine.validate says so
+        self.grammars = GrammarBook(tokenizer, config.structured) if tokenizer is not None else None
+        constrainer = Constrainer(self.grammars, cfg.vocab_size, torch.get_num_threads()) if self.grammars else None
         self.runner = Runner(
-            model, self.caches, self.caches.block_size, self.fill, fill_maps, defer_windows=defer, graphs=graphs
+            model,
+            self.caches,
+            self.caches.block_size,
+            self.fill,
+            fill_maps,
+            defer_windows=defer,
+            graphs=graphs,
+            constrainer=constrainer,
         )
         self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
@@ -189,9 +201,8 @@ class Engine:
             if params.looped is not None:
                 raise InputError("ridgefill.loops: loop settings are for looped models; this one runs each layer once")
             return None
-        return resolve_loops(
-            self.config.looped, self.loop_store, params.looped, speculates=params.greedy and not params.prompt_logprobs
-        )
+        speculates = params.greedy and not params.prompt_logprobs and params.grammar is None
+        return resolve_loops(self.config.looped, self.loop_store, params.looped, speculates=speculates)
 
     def check_terminal_request(self, terminal_state: bool | None) -> None:
         """A request may ask for the terminal-state correction only where maps hold ΔM."""
@@ -216,6 +227,8 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {need} "
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
+        if params.grammar is not None and self.grammars is None:
+            raise InputError(f"{params.grammar.param}: this model has no tokenizer, so it serves no structured outputs")
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """End seq now, wherever it is, and drop everything kept for it."""
@@ -325,8 +338,9 @@ class Engine:
 def spec_tokens(config: SpeculativeConfig, params: SamplingParams) -> int:
     """Most drafts a request's decode steps verify: the engine's num_tokens, or fewer if the
     request asks (params.speculative; 0: off). Only greedy requests speculate (acceptance
-    compares drafts with the argmax), and scoring requests never do."""
-    if not config.enabled or not params.greedy or params.prompt_logprobs:
+    compares drafts with the argmax), and scoring requests and structured outputs never do (their
+    drafts would need verifying under the grammar: not built yet)."""
+    if not config.enabled or not params.greedy or params.prompt_logprobs or params.grammar is not None:
         return 0
     asked = config.num_tokens if params.speculative is None else params.speculative
     return min(asked, config.num_tokens)

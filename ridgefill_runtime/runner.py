@@ -6,6 +6,7 @@ fill measured in it (split states, selector attention) the runner itself keeps i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from .scheduler import ScheduledSeq, StepResult
 from .sequence import TokenLogprobs
 from .stages import Stage
 from .step_layout import SeqLayout, attention_batch, padded_block_tables
+
+if TYPE_CHECKING:
+    from .grammar.constrain import Constrainer
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,13 @@ class Runner:
         maps=None,
         defer_windows: bool = False,
         graphs: DecodeGraphs | None = None,
+        constrainer: Constrainer | None = None,
     ):
         """`caches`: what build_caches made for this model. defer_windows: the fill writes a filled
         row's K/V at sliding-window late layers only once a later row reaches it (fill/plan.py);
         only where nothing else reads the filled cache (no prefix cache, no splice, no replay).
-        `graphs`: captured decode steps (decode_graphs.py) that plain decode steps replay."""
+        `graphs`: captured decode steps (decode_graphs.py) that plain decode steps replay.
+        `constrainer`: structured outputs' matchers (grammar/constrain.py); None: no grammars."""
         self.model = model
         self.graphs = graphs
         self.caches = caches
@@ -61,6 +67,7 @@ class Runner:
         self.fill_config = fill or FillConfig()
         self.predict = _predictor(self.fill_config.arm, maps)
         self._generators: dict[int, torch.Generator] = {}
+        self.constrainer = constrainer
         # NOTE: with maps holding ΔM any request may ask for the correction (Sequence.fill.terminal_state)
         self.has_terminal_shift = _holds_terminal_shift(maps, self.caches.spec, self.fill_config.split)
         terminal = maps.terminal_shift if self.has_terminal_shift else None
@@ -123,6 +130,12 @@ class Runner:
         logits, owners = step.logits, step.owners
         next_tokens: list[list[int] | None] = []
         scores: list[tuple[int, list[float], list[int]] | None] = []
+        raw, dead = logits, set()
+        if self.constrainer is not None and self.constrainer.any_constrained(items):
+            if any(it.seq.params.logprobs is not None for it in items):
+                raw = logits.clone()  # NOTE: reported logprobs are the model's, before the grammar's mask
+            # NOTE: before the greedy choices: a constrained row's argmax is over the tokens its grammar allows
+            dead = self.constrainer.mask(items, owners, logits)
         greedy = _greedy_choices(items, owners, logits)
         for k, item in enumerate(items):
             lo, hi = owners[k]
@@ -131,20 +144,23 @@ class Runner:
             sampled = range(hi - item.num_sampled, hi)
             next_tokens.append(
                 self._accepted(item, draft, logits[sampled.start : hi], [greedy.get(r) for r in sampled])
-                if item.samples
+                if item.samples and item.seq.seq_id not in dead
                 else None
             )
         return StepResult(
             next_tokens=next_tokens,
             prompt_logprobs=scores,
             row_scores=step.row_scores,
-            token_logprobs=_token_logprobs(items, owners, next_tokens, logits),
+            token_logprobs=_token_logprobs(items, owners, next_tokens, raw),
+            ended=self.constrainer.advance(items, next_tokens, dead) if self.constrainer is not None else {},
         )
 
     def forget(self, seq_id: int) -> None:
         """NOTE: only the sampler's state: what the caches keep goes with the sequence's state
         slot, which the scheduler's cache manager frees."""
         self._generators.pop(seq_id, None)
+        if self.constrainer is not None:
+            self.constrainer.forget(seq_id)
 
     def stash(self, seq) -> SplitStash | None:
         return self.states.stash(seq.state_slot)

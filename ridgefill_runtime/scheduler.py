@@ -31,6 +31,9 @@ class StepResult:
     row_scores: list[dict[str, list[float]] | None] | None = None  # selector scores per prefix row
     # seq_id -> one entry per token of its run, for sequences asking params.logprobs
     token_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    # seq_id -> the finish reason of a sequence its grammar ended this step ("stop": complete;
+    # "grammar_error": nothing allowed, and then no token in next_tokens)
+    ended: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if len(self.prompt_logprobs) != len(self.next_tokens):
@@ -233,13 +236,16 @@ class Scheduler:
                 self.caches.publish(seq)
                 continue
             touched.append(seq)
+            ended = result.ended.get(seq.seq_id)
             if not tokens:  # max_tokens == 0: a scoring request ends after its prefill
-                self.finish(seq, "length")
+                self.finish(seq, ended or "length")
                 continue
             appended = self._append_run(seq, tokens, eos_ids)
             seq.logprobs.output.extend(result.token_logprobs.get(seq.seq_id, ())[:appended])
             if item.draft:
                 self._settle_draft(item, appended)
+            if ended is not None and not seq.finished:
+                self.finish(seq, ended)
             if not seq.finished:  # NOTE: after a rollback, so rejected draft rows are never published
                 self.caches.publish(seq)
         for item in items:  # NOTE: after any rollback: a rejected draft row is run again

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from .config import LoopOverrides, LoopPlan, RowsConfig
 from .errors import InputError
+from .grammar.spec import GrammarSpec
 from .stages import Stage
 
 # Temperatures below this sample greedily (vLLM's rule): dividing float32 logits by a smaller one
@@ -50,6 +51,7 @@ class SamplingParams:
     # most draft tokens a step may verify; None takes the engine's setting, 0 turns it off.
     speculative: int | None = None
     looped: LoopOverrides | None = None  # a looped model's loops / cache policy / self-speculation
+    grammar: GrammarSpec | None = None  # structured output: every sampled token keeps to it
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

@@ -32,9 +32,10 @@ WIDTH = 118
 
 HEADER = """\
 # ridgefill operator config: `ridgefill serve --config examples/ridgefill.toml`.
-# Every key is optional; the values below are the defaults. Command-line flags override
-# this file. An unknown key or a value of the wrong type stops startup with an error
-# naming the key and this file.
+# `ridgefill generate | score | eval | fit | tune --config FILE` read the same file, all but
+# its [server] table. Every key is optional; the values below are the defaults. Command-line
+# flags override this file. An unknown key or a value of the wrong type stops startup with an
+# error naming the key and this file.
 #
 # Generated from the config dataclasses by scripts/write_example_config.py: edit the fields'
 # help there, not here.
@@ -42,6 +43,11 @@ HEADER = """\
 
 # Each table's introduction (the keys' own comments are their fields' help).
 INTROS = {
+    "structured": """\
+Structured outputs: a request's response_format ({"type": "json_object"} or {"type":
+"json_schema", "json_schema": {"name": ..., "schema": {...}}}) or vLLM's structured_outputs
+({"json": ...}, {"regex": ...}, {"choice": [...]}, {"grammar": <Lark>}) constrains every
+sampled token (llguidance). Such requests do not speculate.""",
     "speculative": """\
 Speculative decoding for greedy requests (temperature 0): "ngram" drafts up to num_tokens
 tokens per decode step from an earlier occurrence of the sequence's last min_ngram..max_ngram
@@ -57,8 +63,8 @@ RidgeFill prefill: layers below `split` run exactly for every prompt row; the pr
 (all but the last `tail`) get their late-layer K/V from x̂ = A x_S + b (the maps). Prompts
 no longer than `tail` are never filled. A request may ask for exact prefill with
 "ridgefill": {"mode": "off"} in its body.
-`ridgefill generate | score --fill-config FILE` reads this table (and only this one) the
-same way; there --arm replaces `mode`.""",
+`ridgefill generate | score` read it too, where --arm replaces `mode`; `ridgefill eval` takes
+its split, tail and maps for every arm it compares.""",
     "fill.rows": """\
 Exact prefix rows: prefix rows the selectors pick run through the late layers exactly
 instead of being filled. Without this table, a fill mode (plain, nofill, identity) uses the

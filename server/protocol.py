@@ -56,6 +56,39 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: OpenAI's named schema. `strict` is accepted either way: the
+    output always keeps to the schema (grammar-constrained), as OpenAI's strict mode promises."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (the given schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of a JSON Schema (`json`; true: any JSON value),
+    any JSON object (`json_object`), a regex the whole output matches, a choice among strings,
+    or a Lark grammar (llguidance's dialect)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | StrictBool | None = Field(default=None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(BaseModel):
     # NOTE: Python's JSON parser accepts Infinity and NaN; no sampling setting means anything
     # with them, so every float field refuses them.
@@ -75,6 +108,8 @@ class _SamplingFields(BaseModel):
     # completions: an int 0..20 (alternatives per token); chat: true/false, with top_logprobs
     logprobs: StrictInt | StrictBool | None = None
     timeout: StrictFloat | None = None  # extension: seconds until the request ends ("timeout"); capped by the server
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension
     ridgefill: RidgefillOptions | None = None
 
 

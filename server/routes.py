@@ -12,6 +12,7 @@ it; /health stays open for supervisors.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +48,7 @@ from .protocol import (
     new_id,
     usage_of,
 )
+from .structured import compile_grammar, grammar_of
 from .streaming import (
     CompletionChoiceStream,
     Echo,
@@ -287,7 +289,11 @@ async def generate(route: Generation, body, request: Request):
     params = rq.with_logprobs(route.sampling(body, config), logprobs, prompt=scores_prompt)
     params = rq.with_speculation(body, params, eng.engine.speculative)
     params = rq.with_loops(body, params)
-    # NOTE: every cheap check is done; the template and tokenizer may take seconds, in a thread.
+    grammar = grammar_of(body)
+    # NOTE: every cheap check is done; the template, tokenizer and grammar may take seconds, in threads.
+    if grammar is not None:
+        await compile_grammar(eng.engine, grammar)
+        params = dataclasses.replace(params, grammar=grammar)
     prompt = await asyncio.to_thread(route.prompt, body, eng.engine.tokenizer)
     params = route.fit(body, params, len(prompt), eng.engine.max_model_len)
     shape = route.shape(body, prompt, eng.engine.tokenizer, strings)

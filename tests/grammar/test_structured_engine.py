@@ -1,0 +1,127 @@
+"""Structured outputs through the engine on the embedded SmolLM2: every output of 32 JSON
+Schemas, greedy and sampled, parses and validates (jsonschema, an independent validator);
+unconstrained requests batched with them give exactly what they give alone; a grammar that
+allows no token ends its sequence with "grammar_error" and no token."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from ridgefill_runtime.config import CacheConfig, EngineConfig, SpeculativeConfig
+from ridgefill_runtime.grammar.spec import GrammarSpec, json_schema_spec
+from ridgefill_runtime.llm import build_engine
+from ridgefill_runtime.sequence import SamplingParams
+
+from schemas import SCHEMAS
+
+PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
+        torch.set_num_threads(2)
+        return build_engine(EngineConfig(cache=CacheConfig(num_blocks=512)))
+
+
+def chat(engine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def run(engine, requests: list[tuple[list[int], SamplingParams]]):
+    seqs = [engine.add_request(ids, params) for ids, params in requests]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
+def test_every_output_of_32_schemas_validates_greedy_and_sampled(engine):
+    assert len(SCHEMAS) >= 30
+    requests = []
+    for i, (what, schema) in enumerate(SCHEMAS):
+        prompt = chat(engine, f"Reply with {what} as JSON.")
+        spec = json_schema_spec(schema, "response_format")
+        engine.grammars.compile(spec)
+        requests.append((prompt, SamplingParams(max_tokens=160, temperature=0, grammar=spec)))
+        requests.append((prompt, SamplingParams(max_tokens=160, temperature=0.8, seed=i, grammar=spec)))
+    seqs = run(engine, requests)
+    for (_, params), seq in zip(requests, seqs):
+        schema = json.loads(params.grammar.source)
+        assert seq.finish_reason == "stop", (schema, seq.finish_reason, engine.tokenizer.decode(seq.output_ids))
+        text = engine.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_unconstrained_requests_batched_with_constrained_ones_are_unchanged(engine):
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    alone = [run(engine, [(chat(engine, p), greedy)])[0].output_ids for p in PLAIN]
+    spec = json_schema_spec(SCHEMAS[0][1], "response_format")
+    mixed = []
+    for p in PLAIN:
+        mixed.append((chat(engine, p), greedy))
+        mixed.append(
+            (
+                chat(engine, "Reply with a person as JSON."),
+                SamplingParams(max_tokens=60, temperature=0.7, seed=1, grammar=spec),
+            )
+        )
+    seqs = run(engine, mixed)
+    assert [s.output_ids for s in seqs[::2]] == alone
+    for s in seqs[1::2]:
+        jsonschema.validate(json.loads(engine.tokenizer.decode(s.output_ids, skip_special_tokens=True)), SCHEMAS[0][1])
+
+
+def test_regex_choice_and_lark_outputs_match(engine):
+    cases = [
+        (GrammarSpec("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"), lambda t: len(t) == 10 and t[4] == t[7] == "-"),
+        (GrammarSpec("choice", json.dumps(["positive", "negative"])), lambda t: t in ("positive", "negative")),
+        (
+            GrammarSpec("lark", 'start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]{1,3}/\n'),
+            lambda t: t[0] == "(" and t[-1] == ")",
+        ),
+    ]
+    requests = [
+        (chat(engine, "Answer briefly."), SamplingParams(max_tokens=40, temperature=0, grammar=s)) for s, _ in cases
+    ]
+    for seq, (_, check) in zip(run(engine, requests), cases):
+        text = engine.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        assert seq.finish_reason == "stop" and check(text), text
+
+
+def test_a_grammar_that_allows_nothing_ends_the_sequence(engine):
+    """A matcher in its error state allows no token: the sequence ends "grammar_error" with no new token."""
+    spec = GrammarSpec("regex", "ab+")
+    seq = engine.add_request(chat(engine, "x"), SamplingParams(max_tokens=20, temperature=0, grammar=spec))
+    while not seq.output_ids:
+        engine.step()
+    had = list(seq.output_ids)
+    matcher = engine.runner.constrainer._matchers[seq.seq_id]
+    matcher.consume_token(engine.tokenizer.encode("zzz", add_special_tokens=False)[0])  # not in the language
+    assert matcher.is_error()
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.finish_reason == "grammar_error" and seq.output_ids == had
+    assert seq.seq_id not in engine.runner.constrainer._matchers  # forgotten with the sequence
+
+
+def test_structured_requests_do_not_speculate(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
+        eng = build_engine(
+            EngineConfig(cache=CacheConfig(num_blocks=256), speculative=SpeculativeConfig(method="ngram"))
+        )
+    spec = json_schema_spec({"type": "array", "items": {"enum": ["ab", "cd"]}, "maxItems": 8}, "response_format")
+    seq = run(
+        eng,
+        [(chat(eng, "List ab and cd four times as JSON."), SamplingParams(max_tokens=60, temperature=0, grammar=spec))],
+    )[0]
+    assert seq.spec.verifications == 0
+    jsonschema.validate(
+        json.loads(eng.tokenizer.decode(seq.output_ids, skip_special_tokens=True)), json.loads(spec.source)
+    )
