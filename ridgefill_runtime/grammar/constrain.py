@@ -46,9 +46,15 @@ class Constrainer:
         self._pool().unsafe_compute_mask_ptr(
             [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, len(picked)
         )
-        allowed = unpack_bitmask(bitmask, self.book.vocab_size, logits.shape[-1]).to(logits.device)  # [n, V]
+        allowed = unpack_bitmask(bitmask, self.book.vocab_size, logits.shape[-1])  # [n, V]
+        # NOTE: a matcher in its error state still allows the end-of-text token; it has no valid continuation
+        errored = [i for i, m in enumerate(matchers) if m.is_error()]
+        if errored:
+            allowed[errored] = False
+        allowed = allowed.to(logits.device)
         rows = torch.tensor([owners[k][1] - 1 for k, _ in picked], device=logits.device)
-        apply_masks(logits, rows, allowed)
+        with torch.inference_mode():  # NOTE: the step's logits are an inference tensor
+            apply_masks(logits, rows, allowed)
         dead = (~allowed.any(-1)).tolist()
         return {item.seq.seq_id for (_, item), d in zip(picked, dead) if d}
 

@@ -35,13 +35,14 @@ class GrammarSpec:
 
 
 def json_schema_spec(schema: Any, param: str) -> GrammarSpec:
-    """A JSON Schema (an object, or true for any JSON value) as a spec; keys sorted, so equal
-    schemas share one compiled grammar."""
+    """A JSON Schema (an object, or true for any JSON value) as a spec. Its keys keep their
+    order: the grammar writes an object's properties in the order the schema declares them
+    (a "reasoning" before its "answer" is the point of many schemas)."""
     if schema is True:
         schema = {}
     if not isinstance(schema, dict):
         raise InputError(f"{param}: a JSON Schema must be an object, got {type(schema).__name__}")
-    return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), param)
+    return GrammarSpec("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False), param)
 
 
 def choice_spec(choices: Any, param: str) -> GrammarSpec:

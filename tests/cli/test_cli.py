@@ -306,7 +306,8 @@ def test_the_ridgefill_command_lists_and_dispatches_every_command(tmp_path):
         text=True,
         timeout=300,
     )
-    assert p.returncode == 1 and p.stderr.strip() == f"ridgefill: error: {tmp_path / 'nope'}: model path not found"
+    assert p.returncode == 1
+    assert p.stderr.strip() == f"ridgefill: error: command line: key 'model.path': {tmp_path / 'nope'} not found"
     p = subprocess.run(
         [sys.executable, "-m", "ridgefill_server", "serve", "--port", "0"], capture_output=True, text=True, timeout=60
     )
