@@ -140,8 +140,9 @@ class Engine:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
         graphs = engine_decode_graphs(model, self.caches, config, self.max_model_len)
-        # NOTE: a tokenizer-less model (token ids only) serves no grammars: Engine.validate says so
-        self.grammars = GrammarBook(tokenizer, config.structured) if tokenizer is not None else None
+        # NOTE: without a Hugging Face tokenizers backend (a model served as token ids only) no
+        # grammar can be spelled in tokens: Engine.validate refuses structured requests by name
+        self.grammars = GrammarBook(tokenizer, config.structured) if hasattr(tokenizer, "backend") else None
         constrainer = Constrainer(self.grammars, cfg.vocab_size, torch.get_num_threads()) if self.grammars else None
         self.runner = Runner(
             model,
@@ -228,7 +229,10 @@ class Engine:
                 f"exceeds the context length of {self.max_model_len} tokens"
             )
         if params.grammar is not None and self.grammars is None:
-            raise InputError(f"{params.grammar.param}: this model has no tokenizer, so it serves no structured outputs")
+            raise InputError(
+                f"{params.grammar.param}: this model's tokenizer cannot spell a grammar in tokens, so it serves "
+                "no structured outputs"
+            )
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         """End seq now, wherever it is, and drop everything kept for it."""

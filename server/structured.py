@@ -70,7 +70,9 @@ async def compile_grammar(engine, spec: GrammarSpec) -> None:
     book = engine.grammars
     if book is None:
         raise HTTPError(
-            400, f"{spec.param}: this model has no tokenizer, so it serves no structured outputs", spec.param
+            400,
+            f"{spec.param}: this model's tokenizer cannot spell a grammar in tokens, so it serves no structured outputs",
+            spec.param,
         )
     limit = book.config.compile_timeout_s
     try:
