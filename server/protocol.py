@@ -375,6 +375,20 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info, vLLM's fields: the tokenizer's class and its tokenizer_config.json
+    entries (special-token spellings, the chat template, the context length)."""
+
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    unk_token: str | None = None
+    pad_token: str | None = None
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

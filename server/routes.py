@@ -44,6 +44,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizerInfoResponse,
     TokenizeResponse,
     new_id,
     usage_of,
@@ -165,6 +166,24 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     eng = state.ready()
     text = await asyncio.to_thread(rq.detokenize_ids, eng.engine.tokenizer, body.tokens)
     return DetokenizeResponse(prompt=text)
+
+
+@router.get("/tokenizer_info", dependencies=keyed)
+async def tokenizer_info(request: Request):
+    """The served tokenizer's special-token spellings and chat template, in vLLM's shape: what
+    lm-eval's remote tokenizer backend reads (with /tokenize and /detokenize for the ids)."""
+    state = _state(request)
+    eng = state.ready()
+    tok = eng.engine.tokenizer
+    if not hasattr(tok, "template_tokens"):
+        raise HTTPError(404, "this model is served as token ids: it has no tokenizer to describe")
+    return TokenizerInfoResponse(
+        tokenizer_class="PreTrainedTokenizerFast",
+        model_max_length=eng.engine.max_model_len,
+        vocab_size=tok.vocab_size,
+        chat_template=tok.chat_template,
+        **{name: tok.template_tokens.get(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")},
+    )
 
 
 # -- generation: one flow, two shapes ---------------------------------------------------------------
