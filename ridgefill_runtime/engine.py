@@ -202,7 +202,7 @@ class Engine:
             if params.looped is not None:
                 raise InputError("ridgefill.loops: loop settings are for looped models; this one runs each layer once")
             return None
-        speculates = params.greedy and not params.prompt_logprobs and params.grammar is None
+        speculates = params.greedy and not params.prompt_logprobs
         return resolve_loops(self.config.looped, self.loop_store, params.looped, speculates=speculates)
 
     def check_terminal_request(self, terminal_state: bool | None) -> None:
@@ -342,9 +342,9 @@ class Engine:
 def spec_tokens(config: SpeculativeConfig, params: SamplingParams) -> int:
     """Most drafts a request's decode steps verify: the engine's num_tokens, or fewer if the
     request asks (params.speculative; 0: off). Only greedy requests speculate (acceptance
-    compares drafts with the argmax), and scoring requests and structured outputs never do (their
-    drafts would need verifying under the grammar: not built yet)."""
-    if not config.enabled or not params.greedy or params.prompt_logprobs or params.grammar is not None:
+    compares drafts with the argmax; a structured output's argmax is its grammar's, grammar/constrain.py),
+    and scoring requests never do."""
+    if not config.enabled or not params.greedy or params.prompt_logprobs:
         return 0
     asked = config.num_tokens if params.speculative is None else params.speculative
     return min(asked, config.num_tokens)

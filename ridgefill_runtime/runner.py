@@ -135,7 +135,7 @@ class Runner:
             if any(it.seq.params.logprobs is not None for it in items):
                 raw = logits.clone()  # NOTE: reported logprobs are the model's, before the grammar's mask
             # NOTE: before the greedy choices: a constrained row's argmax is over the tokens its grammar allows
-            dead = self.constrainer.mask(items, owners, logits)
+            dead = self.constrainer.mask(items, owners, logits, step.drafts or {})
         greedy = _greedy_choices(items, owners, logits)
         for k, item in enumerate(items):
             lo, hi = owners[k]

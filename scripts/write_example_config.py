@@ -47,7 +47,7 @@ INTROS = {
 Structured outputs: a request's response_format ({"type": "json_object"} or {"type":
 "json_schema", "json_schema": {"name": ..., "schema": {...}}}) or vLLM's structured_outputs
 ({"json": ...}, {"regex": ...}, {"choice": [...]}, {"grammar": <Lark>}) constrains every
-sampled token (llguidance). Such requests do not speculate.""",
+sampled token (llguidance); speculative drafts are verified under the grammar.""",
     "speculative": """\
 Speculative decoding for greedy requests (temperature 0): "ngram" drafts up to num_tokens
 tokens per decode step from an earlier occurrence of the sequence's last min_ngram..max_ngram

@@ -31,32 +31,44 @@ class Constrainer:
     def any_constrained(self, items) -> bool:
         return any(_constrained(item) for item in items)
 
-    def mask(self, items, owners: list[tuple[int, int]], logits: torch.Tensor) -> set[int]:
-        """Mask the sampled row of every constrained item in logits [R, V] in place; returns
-        the sequence ids whose grammar allows no token (they must sample nothing)."""
+    def mask(
+        self, items, owners: list[tuple[int, int]], logits: torch.Tensor, drafts: dict[int, list[int]]
+    ) -> set[int]:
+        """Mask the sampled rows of every constrained item in logits [R, V] in place; returns the
+        sequence ids whose grammar allows no token (they must sample nothing). An item verifying
+        a draft (`drafts`: seq_id -> its draft) gets, on its row i, the mask after draft[:i]: the
+        greedy choice there is the grammar's, so a draft token the grammar refuses is rejected."""
         picked = [(k, item) for k, item in enumerate(items) if _constrained(item)]
         if not picked:
             return set()
-        for _, item in picked:
-            if item.num_sampled != 1:  # NOTE: the engine gives constrained requests no drafts
-                raise RuntimeError(f"sequence {item.seq.seq_id}: a constrained sequence verifies no drafts")
-        matchers = [self._matcher(item.seq) for _, item in picked]
+        plain = [(k, item) for k, item in picked if item.num_sampled == 1]
+        verifying = [(k, item) for k, item in picked if item.num_sampled > 1]
         words = mask_words(self.book.vocab_size)
-        bitmask = torch.zeros(len(picked), words, dtype=torch.int32)  # [n, words]
-        self._pool().unsafe_compute_mask_ptr(
-            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, len(picked)
-        )
+        bitmask = torch.zeros(sum(item.num_sampled for _, item in picked), words, dtype=torch.int32)  # [n, words]
+        rows: list[int] = []
+        matchers = [self._matcher(item.seq) for _, item in plain]
+        if matchers:  # NOTE: every plain row in one call: llguidance computes them in parallel, off the GIL
+            self._pool().unsafe_compute_mask_ptr(
+                [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4, bitmask.shape[0]
+            )
+        rows += [owners[k][1] - 1 for k, _ in plain]
+        owner_rows = [(item.seq.seq_id, [i]) for i, (_, item) in enumerate(plain)]
+        for k, item in verifying:
+            draft = drafts.get(item.seq.seq_id, item.draft)
+            first = len(rows)
+            _draft_masks(self._matcher(item.seq), draft, bitmask[first : first + len(draft) + 1])
+            rows += range(owners[k][1] - item.num_sampled, owners[k][1])
+            owner_rows.append((item.seq.seq_id, list(range(first, first + len(draft) + 1))))
         allowed = unpack_bitmask(bitmask, self.book.vocab_size, logits.shape[-1])  # [n, V]
         # NOTE: a matcher in its error state still allows the end-of-text token; it has no valid continuation
-        errored = [i for i, m in enumerate(matchers) if m.is_error()]
+        errored = [i for seq_id, at in owner_rows if self._matchers[seq_id].is_error() for i in at]
         if errored:
             allowed[errored] = False
         allowed = allowed.to(logits.device)
-        rows = torch.tensor([owners[k][1] - 1 for k, _ in picked], device=logits.device)
         with torch.inference_mode():  # NOTE: the step's logits are an inference tensor
-            apply_masks(logits, rows, allowed)
-        dead = (~allowed.any(-1)).tolist()
-        return {item.seq.seq_id for (_, item), d in zip(picked, dead) if d}
+            apply_masks(logits, torch.tensor(rows, device=logits.device), allowed)
+        empty = (~allowed.any(-1)).tolist()
+        return {seq_id for seq_id, at in owner_rows if empty[at[0]]}
 
     def advance(self, items, next_tokens: list[list[int] | None], dead: set[int]) -> dict[int, str]:
         """Each constrained sequence's matcher consumes its new token; returns {sequence id:
@@ -91,6 +103,23 @@ class Constrainer:
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=self._threads)
         return self._executor
+
+
+def _draft_masks(matcher: llguidance.LLMatcher, draft: list[int], into: torch.Tensor) -> None:
+    """into [len(draft) + 1, words]: row i the mask after draft[:i]. Only the draft's prefix the
+    grammar takes is walked (the verification rejects the rest at the first refused token, so
+    the rows after it are never read: they repeat that row's mask); the matcher ends where it began."""
+    words = into.shape[1]
+    taken = matcher.validate_tokens(draft)
+    for i in range(len(draft) + 1):
+        if i <= taken:
+            matcher.unsafe_compute_mask_ptr(into[i].data_ptr(), words * 4)
+            if i < taken:
+                matcher.consume_token(draft[i])
+        else:
+            into[i] = into[taken]
+    if taken:
+        matcher.rollback(taken)
 
 
 def _constrained(item) -> bool:

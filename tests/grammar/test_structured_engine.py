@@ -1,17 +1,19 @@
 """Structured outputs through the engine on the embedded SmolLM2: every output of 32 JSON
 Schemas, greedy and sampled, parses and validates (jsonschema, an independent validator);
 unconstrained requests batched with them give exactly what they give alone; a grammar that
-allows no token ends its sequence with "grammar_error" and no token."""
+allows no token ends its sequence with "grammar_error" and no token; n-gram and looped
+self-speculation verify their drafts under the grammar and keep the greedy output."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
 import torch
 
-from ridgefill_runtime.config import CacheConfig, EngineConfig, SpeculativeConfig
+from ridgefill_runtime.config import CacheConfig, EngineConfig, LoopConfig, LoopOverrides, SpeculativeConfig
 from ridgefill_runtime.grammar.spec import GrammarSpec, json_schema_spec
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
@@ -123,18 +125,51 @@ def test_a_grammar_that_allows_nothing_ends_the_sequence(engine):
     assert seq.seq_id not in engine.runner.constrainer._matchers  # forgotten with the sequence
 
 
-def test_structured_requests_do_not_speculate(tmp_path_factory):
+def test_ngram_speculation_under_a_grammar_keeps_the_greedy_output(engine, tmp_path_factory):
+    """Drafts are verified under the grammar (row i masked after draft[:i]): the output equals
+    the non-speculating engine's, and drafts were accepted."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
-        eng = build_engine(
+        spec_engine = build_engine(
             EngineConfig(cache=CacheConfig(num_blocks=256), speculative=SpeculativeConfig(method="ngram"))
         )
-    spec = json_schema_spec({"type": "array", "items": {"enum": ["ab", "cd"]}, "maxItems": 8}, "response_format")
-    seq = run(
-        eng,
-        [(chat(eng, "List ab and cd four times as JSON."), SamplingParams(max_tokens=60, temperature=0, grammar=spec))],
-    )[0]
-    assert seq.spec.verifications == 0
-    jsonschema.validate(
-        json.loads(eng.tokenizer.decode(seq.output_ids, skip_special_tokens=True)), json.loads(spec.source)
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 6, "maxItems": 12}
+    spec = json_schema_spec(schema, "response_format")
+    prompt = chat(engine, "List colours as a JSON array, repeating red, green, blue.")
+    params = SamplingParams(max_tokens=80, temperature=0, grammar=spec)
+    plain = run(engine, [(prompt, params)])[0]
+    fast = run(spec_engine, [(prompt, params)])[0]
+    assert fast.output_ids == plain.output_ids and fast.finish_reason == plain.finish_reason == "stop"
+    assert fast.spec.verifications > 0 and fast.spec.verified_tokens > fast.spec.verifications  # drafts accepted
+    jsonschema.validate(json.loads(spec_engine.tokenizer.decode(fast.output_ids, skip_special_tokens=True)), schema)
+
+
+def test_looped_self_speculation_under_a_grammar_keeps_the_greedy_output():
+    """The trained looped model drafts with its own first loops; verified under a regex, block 4
+    gives block 0's tokens, and the output keeps to the regex."""
+    eng = build_engine(
+        EngineConfig(
+            model="looped",
+            looped=LoopConfig(loops=16, cache="ripe", window=32, block=4, draft_loops=4),
+            cache=CacheConfig(num_blocks=64),
+        )
     )
+    regex = "[a-z ,]{1,200}"
+    spec = GrammarSpec("regex", regex, "structured_outputs.regex")
+    prompt = eng.tokenizer.encode("The kernel keeps a list of the devices it has found, and each driver")
+    outs = {}
+    for block in (0, 4):
+        params = SamplingParams(max_tokens=32, temperature=0, grammar=spec, looped=LoopOverrides(block=block))
+        outs[block] = run(eng, [(prompt, params)])[0]
+    assert outs[4].output_ids == outs[0].output_ids
+    assert outs[4].spec.verifications > 0 and outs[4].spec.verified_tokens > outs[4].spec.verifications
+    text = eng.tokenizer.decode(outs[4].output_ids, skip_special_tokens=True)
+    assert re.fullmatch("[a-z ,]*", text), text
+    # a grammar that allows everything changes nothing: the same tokens, the same verifications
+    free = GrammarSpec("regex", "(.|\\n){1,400}", "structured_outputs.regex")
+    runs = [
+        run(eng, [(prompt, SamplingParams(max_tokens=32, temperature=0, grammar=g, looped=LoopOverrides(block=4)))])[0]
+        for g in (None, free)
+    ]
+    assert runs[1].output_ids == runs[0].output_ids
+    assert runs[1].spec.verifications == runs[0].spec.verifications
