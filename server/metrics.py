@@ -62,6 +62,12 @@ class ServerMetrics(EngineObserver):
             "ridgefill_fill_exact_prefix_rows", "Exact prefix rows in filled prompts", registry=r
         )
         self.tail_rows = Counter("ridgefill_fill_tail_rows", "Exact tail rows in filled prompts", registry=r)
+        self.structured_requests = Counter(
+            "ridgefill_structured_requests",
+            "Requests with a structured output, by grammar kind (json_schema, regex, choice, lark)",
+            ["kind"],
+            registry=r,
+        )
         self.http_requests = Counter(
             "ridgefill_http_requests", "HTTP requests by route and status", ["route", "status"], registry=r
         )

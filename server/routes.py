@@ -312,6 +312,7 @@ async def generate(route: Generation, body, request: Request):
     # NOTE: every cheap check is done; the template, tokenizer and grammar may take seconds, in threads.
     if grammar is not None:
         await compile_grammar(eng.engine, grammar)
+        state.metrics.structured_requests.labels(kind=grammar.kind).inc()
         params = dataclasses.replace(params, grammar=grammar)
     prompt = await asyncio.to_thread(route.prompt, body, eng.engine.tokenizer)
     params = route.fit(body, params, len(prompt), eng.engine.max_model_len)

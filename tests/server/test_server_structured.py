@@ -140,3 +140,20 @@ def test_bad_constraints_are_400_naming_the_field(served, body, param):
     assert param in (err.get("param") or "") + err["message"], err
     ok = post(served, "/v1/completions", prompt="Hello", max_tokens=4, temperature=0)
     assert ok.status_code == 200
+
+
+def test_metrics_count_structured_requests_by_kind(served):
+    def count(kind: str) -> float:
+        text = httpx.get(served.url + "/metrics", timeout=30).text
+        line = next(
+            (x for x in text.splitlines() if x.startswith(f'ridgefill_structured_requests_total{{kind="{kind}"}}')),
+            None,
+        )
+        return 0.0 if line is None else float(line.split()[-1])
+
+    before = count("regex")
+    assert (
+        post(served, "/v1/completions", prompt="A:", max_tokens=4, structured_outputs={"regex": "[0-9]+"}).status_code
+        == 200
+    )
+    assert count("regex") == before + 1
