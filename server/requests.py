@@ -91,13 +91,17 @@ def with_logprobs(params: SamplingParams, top: int | None, prompt: bool = False)
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """One SamplingParams per choice: with a seed, choice i samples with seed + i (so choice 0
-    is what the same request with n = 1 gives); without one, each draws its own."""
+    is what the same request with n = 1 gives); without one, each draws its own. Only choice 0
+    scores the prompt (echo with logprobs): the others echo its scores, and, scoring nothing,
+    start from the prompt blocks it publishes instead of computing the prompt again (issue 32)."""
     if params.seed is None:
-        return [params] * n
-    try:
-        return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
-    except InputError as e:
-        raise HTTPError(400, f"{e} (choice i samples with seed + i, up to seed + {n - 1})", "seed") from None
+        choices = [params] * n
+    else:
+        try:
+            choices = [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+        except InputError as e:
+            raise HTTPError(400, f"{e} (choice i samples with seed + i, up to seed + {n - 1})", "seed") from None
+    return choices[:1] + [dataclasses.replace(c, prompt_logprobs=False, prompt_top_logprobs=0) for c in choices[1:]]
 
 
 def wants_fill(req: _SamplingFields, scores_prompt: bool = False) -> bool:

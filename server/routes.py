@@ -223,7 +223,8 @@ class _CompletionShape:
     strings: TokenStrings | None
 
     def choices(self, handles) -> list[CompletionChoiceStream]:
-        return [CompletionChoiceStream(i, h, self.strings, self.echo) for i, h in enumerate(handles)]
+        # NOTE: choice 0 scored the prompt for all (requests.choice_params)
+        return [CompletionChoiceStream(i, h, self.strings, self.echo, handles[0]) for i, h in enumerate(handles)]
 
 
 def _completion_logprobs(body: CompletionRequest) -> tuple[int | None, bool]:

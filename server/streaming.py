@@ -130,10 +130,13 @@ class CompletionChoiceStream:
     text is held back (a partial character, a possible stop string) has its logprobs held too,
     until the text that holds it goes out."""
 
-    def __init__(self, index: int, handle: RequestHandle, strings: TokenStrings | None, echo: Echo):
+    def __init__(
+        self, index: int, handle: RequestHandle, strings: TokenStrings | None, echo: Echo, scorer: RequestHandle
+    ):
         """`strings`: None when the request asked no logprobs; with an echo, the prompt's
-        logprobs come too (the engine scored it: SamplingParams.prompt_logprobs)."""
-        self.index, self.handle, self.echo = index, handle, echo
+        logprobs come too, from `scorer`, the choice whose sequence scored the prompt
+        (SamplingParams.prompt_logprobs; one per request)."""
+        self.index, self.handle, self.echo, self.scorer = index, handle, echo, scorer
         self.logprobs = strings is not None
         self._echoed = echo.text is None
         self._held: list[TokenLogprobs] = []
@@ -162,7 +165,10 @@ class CompletionChoiceStream:
     def _prompt_logprobs(self) -> CompletionLogprobs | None:
         if self._builder is None:
             return None
-        seq = self.handle.seq  # NOTE: its prefill is over (or abandoned): the engine writes no more scores
+        # NOTE: the scorer's prefill is over (or abandoned): the engine writes no more scores. It is the
+        # oldest of the request's sequences, so it is never preempted for them and finishes its
+        # prefill no later than they do theirs, which start from its blocks.
+        seq = self.scorer.seq
         scores = seq.logprobs.prompt if seq is not None else []
         top = seq.logprobs.prompt_top if seq is not None else []
         return self._builder.prompt(list(self.echo.prompt_ids), scores, top)

@@ -314,3 +314,26 @@ def test_detokenize_inverts_tokenize(served):
     ids = _ids(served, prompt=text, add_special_tokens=False)
     assert _post(served, "/detokenize", {"tokens": ids}) == {"prompt": text}
     assert _post(served, "/detokenize", {"tokens": []}) == {"prompt": ""}
+
+
+def test_n_choices_with_echo_logprobs_score_the_prompt_once(served):
+    """n = 4, echo, logprobs: choice 0 scores the prompt; the others echo its scores (equal to
+    the n = 1 answer's) and start from its published blocks instead of computing the prompt."""
+    prompt = "The river mill ground wheat for the whole valley. " * 12  # ~150 tokens, several blocks
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0.9, "seed": 1, "echo": True, "logprobs": 2}
+    alone = _post(served, "/v1/completions", body)["choices"][0]["logprobs"]
+    before = served.engine.stats().prefix_hit_tokens_total
+    choices = _post(served, "/v1/completions", {**body, "n": 4})["choices"]
+    hit = served.engine.stats().prefix_hit_tokens_total - before
+    n_prompt = len(served.engine.tokenizer.encode(prompt))
+    bs = served.engine.blocks.block_size
+    assert hit >= 3 * ((n_prompt - 1) // bs) * bs  # every other choice took every full block
+    first = choices[0]["logprobs"]
+    for c in choices:  # one scoring, echoed by all: the same numbers
+        lp = c["logprobs"]
+        assert lp["token_logprobs"][:n_prompt] == first["token_logprobs"][:n_prompt]
+        assert lp["top_logprobs"][:n_prompt] == first["top_logprobs"][:n_prompt]
+    # and the n = 1 answer's, to the batching bound (the steps around the prefill differ)
+    assert first["tokens"][:n_prompt] == alone["tokens"][:n_prompt]
+    got, want = first["token_logprobs"][1:n_prompt], alone["token_logprobs"][1:n_prompt]
+    assert max(abs(a - b) for a, b in zip(got, want)) < TOL
