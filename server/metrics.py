@@ -64,7 +64,7 @@ class ServerMetrics(EngineObserver):
         self.tail_rows = Counter("ridgefill_fill_tail_rows", "Exact tail rows in filled prompts", registry=r)
         self.structured_requests = Counter(
             "ridgefill_structured_requests",
-            "Requests with a structured output, by grammar kind (json_schema, regex, choice, lark)",
+            "Requests with a structured output, by grammar kind (json_schema, regex, choice, lark; tools: a required call)",
             ["kind"],
             registry=r,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from ridgefill_runtime.config import SELECTORS, LoopOverrides, RowsConfig, SpeculativeConfig
 from ridgefill_runtime.errors import InputError
@@ -13,7 +14,7 @@ from ridgefill_runtime.loader.piece_bound import fewest_tokens
 from ridgefill_runtime.sequence import MAX_LOGPROBS, SamplingParams
 
 from .errors import HTTPError
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ToolCall, _SamplingFields
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Every generated token is checked against every stop string: long ones, like many ones
@@ -383,16 +384,17 @@ def check_messages(messages: list[ChatMessage]) -> None:
     if len(messages) > MAX_MESSAGES:
         raise HTTPError(400, f"messages holds {len(messages)} messages; at most {MAX_MESSAGES} are allowed", "messages")
     for i, m in enumerate(messages):
-        _message_text(m, i)  # refuses bad content now, before any slow work
+        _message_dict(m, i)  # refuses bad content now, before any slow work
 
 
-def chat_prompt(messages: list[ChatMessage], tokenizer) -> list[int]:
-    """Token ids of the conversation `check_messages` accepted, rendered by the chat template."""
+def chat_prompt(messages: list[ChatMessage], tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """Token ids of the conversation `check_messages` accepted, rendered by the chat template
+    (with the request's tools, in OpenAI's shape, where it has any: server/tools.py)."""
     if tokenizer is None:
         raise HTTPError(400, "this model has no tokenizer: send a completion prompt as token ids", "messages")
     rendered = [_message_dict(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tools=tools)
     except InputError as e:
         raise HTTPError(400, str(e), "messages") from None
     # NOTE: the template already writes any BOS it wants; do not add another.
@@ -429,7 +431,25 @@ def echo_text(req: CompletionRequest, prompt_ids: list[int], tokenizer) -> str:
 def _message_dict(m: ChatMessage, index: int) -> dict:
     # NOTE: "developer" is OpenAI's newer name for the system role; templates know only "system".
     role = "system" if m.role == "developer" else m.role
-    return {"role": role, "content": _message_text(m, index)}
+    message: dict = {"role": role, "content": _message_text(m, index)}
+    if m.tool_calls:
+        if m.role != "assistant":
+            param = f"messages[{index}].tool_calls"
+            raise HTTPError(400, f"{param}: only an assistant message has tool calls", param)
+        message["tool_calls"] = [_template_call(call, index, j) for j, call in enumerate(m.tool_calls)]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _template_call(call: ToolCall, index: int, j: int) -> dict:
+    """An earlier call as chat templates read it: arguments an object (they write it with tojson)."""
+    param = f"messages[{index}].tool_calls[{j}].function.arguments"
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise HTTPError(400, f"{param}: is not JSON text", param) from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _message_text(m: ChatMessage, index: int) -> str:

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ridgefill_runtime.async_engine import AsyncEngine, EngineOverloaded, EngineStopped
 from ridgefill_runtime.errors import InputError
+from ridgefill_runtime.grammar.spec import GrammarSpec
 from ridgefill_runtime.loop_plan import field_of
 from ridgefill_runtime.sequence import SamplingParams
 
@@ -34,6 +35,7 @@ from .config import ServerConfig
 from .errors import HTTPError, engine_failure_status, parse_json_int
 from .logprobs import TokenStrings
 from .metrics import CONTENT_TYPE
+from .tools import check_tools, template_tools, tool_format_of, tool_plan
 from .protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -49,8 +51,9 @@ from .protocol import (
     new_id,
     usage_of,
 )
-from .structured import compile_grammar, grammar_of
+from .structured import compile_grammar, grammar_of, metric_kind
 from .streaming import (
+    ChatShape,
     CompletionChoiceStream,
     Echo,
     chat_choice,
@@ -152,11 +155,21 @@ async def tokenize(body: TokenizeRequest, request: Request):
     # NOTE: tokenizing megabytes takes seconds; a worker thread keeps the loop serving.
     if body.messages is not None:
         rq.check_messages(body.messages)
-        ids = await asyncio.to_thread(rq.chat_prompt, body.messages, tok)
+        tools = _tokenize_tools(body, tok)
+        ids = await asyncio.to_thread(rq.chat_prompt, body.messages, tok, tools)
     else:
         rq.check_text(body.prompt, "prompt")
         ids = await asyncio.to_thread(rq.tokenize_text, tok, body.prompt, body.add_special_tokens)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=eng.engine.max_model_len)
+
+
+def _tokenize_tools(body: TokenizeRequest, tokenizer) -> list[dict] | None:
+    """/tokenize's tools (with messages), checked as a chat request's are."""
+    if not body.tools:
+        return None
+    check_tools(body.tools)
+    tool_format_of(tokenizer)
+    return template_tools(body.tools)
 
 
 @router.post("/detokenize", dependencies=keyed)
@@ -200,7 +213,8 @@ class Generation:
       sampling(body, server config) the base sampling parameters; prompt(body, tokenizer) the
       token ids (run in a worker thread); fit(body, params, prompt length, max_model_len) the
       parameters once the prompt length is known; shape(body, prompt, tokenizer, strings) what
-      `stream` and `respond` shape the answer with (made before anything is submitted)."""
+      `stream` and `respond` shape the answer with (made before anything is submitted);
+      constraint(body, tokenizer) the request's one structured-output constraint, or None."""
 
     id_prefix: str
     logprobs: Callable[[Any], tuple[int | None, bool]]
@@ -213,6 +227,7 @@ class Generation:
     shape: Callable[[Any, list[int], Any, TokenStrings | None], Any]
     stream: Callable[..., AsyncIterator[str]]  # (eng, handles, id, model, usage, shape) -> SSE chunks
     respond: Callable[..., Any]  # (id, model, handles, outs, shape) -> the response body
+    constraint: Callable[[Any, Any], GrammarSpec | None]
 
 
 @dataclass(frozen=True)
@@ -259,7 +274,19 @@ COMPLETIONS = Generation(
         usage=usage_of(handles),
         choices=[completion_choice(c, out) for c, out in zip(shape.choices(handles), outs)],
     ),
+    constraint=lambda body, tokenizer: grammar_of(body),
 )
+
+
+def _chat_tools(body: ChatCompletionRequest, tokenizer) -> list[dict] | None:
+    plan = tool_plan(body, tokenizer)
+    return plan.template_tools() if plan else None
+
+
+def _chat_constraint(body: ChatCompletionRequest, tokenizer) -> GrammarSpec | None:
+    plan = tool_plan(body, tokenizer)
+    return grammar_of(body, plan.grammar(tokenizer) if plan else None)
+
 
 CHAT = Generation(
     id_prefix="chatcmpl",
@@ -270,16 +297,17 @@ CHAT = Generation(
     sampling=lambda body, config: rq.chat_sampling_params(
         body, config.default_chat_max_tokens, config.max_stop_strings
     ),
-    prompt=lambda body, tokenizer: rq.chat_prompt(body.messages, tokenizer),
+    prompt=lambda body, tokenizer: rq.chat_prompt(body.messages, tokenizer, _chat_tools(body, tokenizer)),
     fit=rq.fit_default_limit,
-    shape=lambda body, prompt, tokenizer, strings: strings,  # a chat choice needs only the token texts
+    shape=lambda body, prompt, tokenizer, strings: ChatShape(strings, tool_plan(body, tokenizer)),
     stream=stream_chat,
-    respond=lambda rid, model, handles, outs, strings: ChatCompletionResponse(
+    respond=lambda rid, model, handles, outs, shape: ChatCompletionResponse(
         id=rid,
         model=model,
         usage=usage_of(handles),
-        choices=[chat_choice(i, strings, out) for i, out in enumerate(outs)],
+        choices=[chat_choice(i, shape.strings, out, shape.parser()) for i, out in enumerate(outs)],
     ),
+    constraint=_chat_constraint,
 )
 
 
@@ -309,11 +337,11 @@ async def generate(route: Generation, body, request: Request):
     params = rq.with_logprobs(route.sampling(body, config), logprobs, prompt=scores_prompt)
     params = rq.with_speculation(body, params, eng.engine.speculative)
     params = rq.with_loops(body, params)
-    grammar = grammar_of(body)
+    grammar = route.constraint(body, eng.engine.tokenizer)
     # NOTE: every cheap check is done; the template, tokenizer and grammar may take seconds, in threads.
     if grammar is not None:
         await compile_grammar(eng.engine, grammar)
-        state.metrics.structured_requests.labels(kind=grammar.kind).inc()
+        state.metrics.structured_requests.labels(kind=metric_kind(grammar)).inc()
         params = dataclasses.replace(params, grammar=grammar)
     prompt = await asyncio.to_thread(route.prompt, body, eng.engine.tokenizer)
     params = route.fit(body, params, len(prompt), eng.engine.max_model_len)

@@ -32,10 +32,16 @@ from .protocol import (
     CompletionChunk,
     CompletionLogprobs,
     DeltaMessage,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
     Usage,
     now,
     usage_of,
 )
+from .tool_parser import HermesParser
+from .tools import ToolPlan, finish_reason
 
 
 @dataclass
@@ -212,10 +218,13 @@ async def stream_completion(
 
 class ChatChoiceStream:
     """One chat choice's pieces: its new text (and the logprobs of the tokens it carries, held
-    with the text as in CompletionChoiceStream), then an empty delta with the finish reason."""
+    with the text as in CompletionChoiceStream), then an empty delta with the finish reason.
+    With tools (`parser`), the text goes through the tool-call parser: content as it is let
+    out, each call as one delta when its block closes, and "tool_calls" as the finish reason
+    of a choice that called any."""
 
-    def __init__(self, index: int, strings: TokenStrings | None):
-        self.index, self.strings = index, strings
+    def __init__(self, index: int, strings: TokenStrings | None, parser: HermesParser | None = None):
+        self.index, self.strings, self.parser = index, strings, parser
         self._held: list[TokenLogprobs] = []
 
     def opening(self) -> ChatChunkChoice:
@@ -223,18 +232,33 @@ class ChatChoiceStream:
 
     def pieces(self, event: StreamEvent) -> list[ChatChunkChoice]:
         self._held.extend(event.new_logprobs)
-        out = []
-        if event.delta_text:
-            out.append(
-                ChatChunkChoice(index=self.index, delta=DeltaMessage(content=event.delta_text), logprobs=self._take())
-            )
+        out = [ChatChunkChoice(index=self.index, delta=delta, logprobs=self._take()) for delta in self._deltas(event)]
         if event.finished:
+            reason = finish_reason(event.finish_reason, self.parser.calls if self.parser else 0)
             out.append(
-                ChatChunkChoice(
-                    index=self.index, delta=DeltaMessage(), logprobs=self._take(), finish_reason=event.finish_reason
-                )
+                ChatChunkChoice(index=self.index, delta=DeltaMessage(), logprobs=self._take(), finish_reason=reason)
             )
         return out
+
+    def _deltas(self, event: StreamEvent) -> list[DeltaMessage]:
+        if self.parser is None:
+            return [DeltaMessage(content=event.delta_text)] if event.delta_text else []
+        parsed = self.parser.feed(event.delta_text) + (self.parser.finish() if event.finished else [])
+        first_call = self.parser.calls - sum(p.call is not None for p in parsed)
+        deltas = []
+        for piece in parsed:
+            if piece.call is None:
+                deltas.append(DeltaMessage(content=piece.content))
+                continue
+            call = piece.call
+            function = FunctionCallDelta(name=call.name, arguments=call.arguments)
+            deltas.append(
+                DeltaMessage(
+                    tool_calls=[ToolCallDelta(index=first_call, id=call.id, type="function", function=function)]
+                )
+            )
+            first_call += 1
+        return deltas
 
     def _take(self) -> ChatLogprobs | None:
         """The held tokens' logprobs (None: none asked, or none held for a bare finish)."""
@@ -244,11 +268,35 @@ class ChatChoiceStream:
         return ChatLogprobs(content=chat_content(self.strings, held))
 
 
-def chat_choice(index: int, strings: TokenStrings | None, out: Outcome) -> ChatChoice:
+def chat_choice(
+    index: int, strings: TokenStrings | None, out: Outcome, parser: HermesParser | None = None
+) -> ChatChoice:
+    """The plain answer's choice; with tools, the whole text through the stream's parser."""
     logprobs = None if strings is None else ChatLogprobs(content=chat_content(strings, out.logprobs))
-    return ChatChoice(
-        index=index, message=AssistantMessage(content=out.text), logprobs=logprobs, finish_reason=out.finish_reason
-    )
+    if parser is None:
+        message = AssistantMessage(content=out.text)
+    else:
+        pieces = parser.feed(out.text) + parser.finish()
+        calls = [
+            ToolCall(id=p.call.id, function=FunctionCall(name=p.call.name, arguments=p.call.arguments))
+            for p in pieces
+            if p.call is not None
+        ]
+        content = "".join(p.content for p in pieces)
+        message = AssistantMessage(content=content if content or not calls else None, tool_calls=calls or None)
+    reason = finish_reason(out.finish_reason, parser.calls if parser else 0)
+    return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason)
+
+
+@dataclass(frozen=True)
+class ChatShape:
+    """A chat answer's shape: the token texts for logprobs, and the request's tools (or None)."""
+
+    strings: TokenStrings | None
+    tools: ToolPlan | None = None
+
+    def parser(self) -> HermesParser | None:
+        return self.tools.parser() if self.tools else None
 
 
 async def stream_chat(
@@ -257,10 +305,10 @@ async def stream_chat(
     rid: str,
     model: str,
     include_usage: bool,
-    strings: TokenStrings | None,
+    shape: ChatShape,
 ) -> AsyncIterator[str]:
     created = now()
-    choices = [ChatChoiceStream(i, strings) for i in range(len(handles))]
+    choices = [ChatChoiceStream(i, shape.strings, shape.parser()) for i in range(len(handles))]
 
     def chunk(choice: ChatChunkChoice | None, usage: Usage | None = None) -> str:
         return sse(

@@ -19,13 +19,20 @@ from .protocol import _SamplingFields
 ANY_OBJECT = {"type": "object"}  # json_object: any JSON object
 
 
-def grammar_of(req: _SamplingFields) -> GrammarSpec | None:
-    """The request's one structured-output constraint, or None."""
-    specs = [s for s in (_response_format(req), *_structured_outputs(req)) if s is not None]
+def grammar_of(req: _SamplingFields, tools: GrammarSpec | None = None) -> GrammarSpec | None:
+    """The request's one structured-output constraint, or None. `tools`: a chat request's
+    required or named tool call (server/tools.py), which the answer cannot keep to alongside
+    another constraint."""
+    specs = [s for s in (_response_format(req), *_structured_outputs(req), tools) if s is not None]
     if len(specs) > 1:
         names = " and ".join(s.param for s in specs)
         raise HTTPError(400, f"give one structured-output constraint, got {names}", specs[1].param)
     return specs[0] if specs else None
+
+
+def metric_kind(spec: GrammarSpec) -> str:
+    """ridgefill_structured_requests_total's label: the grammar kind, or "tools" for a tool call."""
+    return "tools" if spec.param == "tools" else spec.kind
 
 
 def _response_format(req: _SamplingFields) -> GrammarSpec | None:
