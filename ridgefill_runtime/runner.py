@@ -97,7 +97,10 @@ class Runner:
             return StepLogits(
                 self.graphs.run(ids, positions, batch), [(k, k + 1) for k in range(len(items))], [None] * len(items)
             )
-        drafts = self.drafter(items) if self.drafter is not None and any(it.draft for it in items) else None
+        drafts = None
+        if self.drafter is not None and any(it.draft for it in items):
+            guide = self.constrainer.draft_guide(items) if self.constrainer is not None else None
+            drafts = self.drafter(items, guide)
         ids, positions, batch = self.prepare([it for it in items if it.kind.from_tokens], drafts)
         plan = self.planner.build(items, batch) if needs_fill_step(items) else None
         rows, owners = self._logit_rows(items)

@@ -90,6 +90,12 @@ class Constrainer:
                 ended[seq.seq_id] = "stop"
         return ended
 
+    def draft_guide(self, items) -> DraftGuide | None:
+        """The grammar's hand in a looped model's self-drafts this step, or None when no
+        drafting item is constrained."""
+        drafting = {it.seq.seq_id: self._matcher(it.seq) for it in items if it.draft and _constrained(it)}
+        return DraftGuide(drafting, self.book.vocab_size) if drafting else None
+
     def forget(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)
 
@@ -125,3 +131,49 @@ def _draft_masks(matcher: llguidance.LLMatcher, draft: list[int], into: torch.Te
 def _constrained(item) -> bool:
     params = item.seq.params
     return item.samples and params.grammar is not None and params.max_tokens > 0
+
+
+class DraftGuide:
+    """Masks a looped model's draft passes with each constrained sequence's grammar, so a draft
+    is one the grammar allows (unguided, the draft loops write what the grammar refuses and the
+    verification accepts almost nothing). Each matcher walks its sequence's draft as it is written
+    and is rolled back at the end (`close`), where the verification finds it. Past the point
+    where the grammar is complete or refuses a token, a row is left unmasked: the verification
+    rejects that draft token anyway."""
+
+    def __init__(self, matchers: dict[int, llguidance.LLMatcher], vocab_size: int):
+        self._matchers = matchers
+        self._vocab = vocab_size
+        self._walked = dict.fromkeys(matchers, 0)  # tokens each matcher consumed of its draft
+        self._off: set[int] = set()  # sequences past the grammar's end or off it
+
+    def mask(self, seq_ids: list[int], logits: torch.Tensor) -> None:
+        """logits [len(seq_ids), V]: row k is seq_ids[k]'s next draft pass."""
+        guided = [(k, i) for k, i in enumerate(seq_ids) if i in self._matchers and i not in self._off]
+        if not guided:
+            return
+        words = mask_words(self._vocab)
+        bitmask = torch.zeros(len(guided), words, dtype=torch.int32)  # [n, words]
+        for row, (_, seq_id) in enumerate(guided):
+            self._matchers[seq_id].unsafe_compute_mask_ptr(bitmask[row].data_ptr(), words * 4)
+        allowed = unpack_bitmask(bitmask, self._vocab, logits.shape[-1]).to(logits.device)  # [n, V]
+        empty = ~allowed.any(-1)
+        allowed[empty] = True  # NOTE: a complete or dead grammar: any draft, the verification decides
+        with torch.inference_mode():
+            apply_masks(logits, torch.tensor([k for k, _ in guided], device=logits.device), allowed)
+
+    def take(self, seq_ids: list[int], tokens: list[int]) -> None:
+        """Each guided matcher consumes its sequence's new draft token."""
+        for seq_id, token in zip(seq_ids, tokens):
+            matcher = self._matchers.get(seq_id)
+            if matcher is None or seq_id in self._off:
+                continue
+            if matcher.is_stopped() or not matcher.consume_token(token):
+                self._off.add(seq_id)
+            else:
+                self._walked[seq_id] += 1
+
+    def close(self) -> None:
+        for seq_id, walked in self._walked.items():
+            if walked:
+                self._matchers[seq_id].rollback(walked)

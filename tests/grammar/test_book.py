@@ -84,3 +84,35 @@ def test_size_cap_and_the_kept_grammars(tokenizer):
     assert list(book._templates) == [specs[1], specs[0]]
     # a spec from another field is the same grammar: kept once
     assert GrammarSpec("regex", "a{2}", "x") == GrammarSpec("regex", "a{2}", "y")
+
+
+def test_draft_guide_masks_each_pass_and_rolls_back(tokenizer):
+    """DraftGuide (grammar/constrain.py) against the matcher itself: row g's argmax is a token
+    the grammar allows after the draft's first g tokens, whatever the raw logits prefer; an
+    unconstrained sequence's row is untouched; the matcher ends where it began."""
+    import torch
+
+    from ridgefill_runtime.grammar.constrain import DraftGuide
+
+    book = GrammarBook(tokenizer, StructuredConfig())
+    spec = GrammarSpec("choice", json.dumps(["yes please", "no thanks"]), "rf")
+    matcher = book.matcher(spec)
+    before = matcher.deep_copy()
+    guide = DraftGuide({7: matcher}, book.vocab_size)
+    rows = tokenizer.vocab_size + 3  # a padded model has more logit rows than tokens
+    favourite = tokenizer.encode("maybe", add_special_tokens=False)[0]
+    draft = []
+    for _ in range(3):
+        logits = torch.zeros(2, rows)
+        logits[:, favourite] = 10.0  # both rows prefer a token the grammar never allows
+        guide.mask([7, 8], logits)
+        assert logits[1].argmax().item() == favourite  # seq 8 is not constrained
+        token = logits[0].argmax().item()
+        probe = book.matcher(spec)
+        assert probe.consume_tokens(draft + [token])  # allowed after the draft so far
+        guide.take([7, 8], [token, favourite])
+        draft.append(token)
+    guide.close()
+    ids = tokenizer.encode("no thanks", add_special_tokens=False)
+    assert matcher.validate_tokens(ids) == before.validate_tokens(ids) == len(ids)
+    assert matcher.validate_tokens(draft) == len(draft)  # still at the start: the draft is walkable again

@@ -146,7 +146,9 @@ def test_ngram_speculation_under_a_grammar_keeps_the_greedy_output(engine, tmp_p
 
 def test_looped_self_speculation_under_a_grammar_keeps_the_greedy_output():
     """The trained looped model drafts with its own first loops; verified under a regex, block 4
-    gives block 0's tokens, and the output keeps to the regex."""
+    gives block 0's tokens, and the output keeps to the regex. The drafts are written under the
+    grammar too (constrain.DraftGuide): unguided, the draft loops wrote what the regex refuses
+    and 30 tokens took 28 verifications; guided, as many as without a grammar."""
     eng = build_engine(
         EngineConfig(
             model="looped",
@@ -162,7 +164,7 @@ def test_looped_self_speculation_under_a_grammar_keeps_the_greedy_output():
         params = SamplingParams(max_tokens=32, temperature=0, grammar=spec, looped=LoopOverrides(block=block))
         outs[block] = run(eng, [(prompt, params)])[0]
     assert outs[4].output_ids == outs[0].output_ids
-    assert outs[4].spec.verifications > 0 and outs[4].spec.verified_tokens > outs[4].spec.verifications
+    assert outs[4].spec.verifications > 0 and outs[4].spec.verified_tokens > 3 * outs[4].spec.verifications
     text = eng.tokenizer.decode(outs[4].output_ids, skip_special_tokens=True)
     assert re.fullmatch("[a-z ,]*", text), text
     # a grammar that allows everything changes nothing: the same tokens, the same verifications
