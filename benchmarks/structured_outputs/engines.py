@@ -1,4 +1,5 @@
-"""Grammar engines side by side on one tokenizer: llguidance (what ridgefill uses) and xgrammar.
+"""Grammar engines side by side on one tokenizer: llguidance (what ridgefill uses), xgrammar and
+outlines-core.
 
 Runs in whichever environment has the engine (xgrammar needs triton and transformers, so it
 lives in a venv of its own); reads nothing of ridgefill but the test schemas' data and a Hugging
@@ -8,6 +9,8 @@ first token), then walks a valid output of it token by token, timing each mask a
 
   python benchmarks/structured_outputs/engines.py --engine llguidance --tokenizer DIR --instances FILE
   /tmp/xgv/bin/python benchmarks/structured_outputs/engines.py --engine xgrammar --tokenizer DIR --instances FILE
+  /tmp/ocv/bin/python benchmarks/structured_outputs/engines.py --engine outlines-core --tokenizer DIR --instances FILE
+(outlines-core's venv: `pip install outlines-core numpy`; it needs no torch.)
 """
 
 from __future__ import annotations
@@ -76,21 +79,79 @@ class Xgrammar:
         return matcher.accept_token(token)
 
 
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme): char -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class OutlinesCore:
+    """outlines-core: a JSON Schema becomes a regex, the regex an index over the vocabulary (the
+    compile), then a guide walks it. Its vocabulary is built from the tokenizer.json's byte-level
+    tokens as bytes; special tokens other than the end of text are left out, as its own loader does."""
+
+    def __init__(self, folder: Path, eos: int):
+        import numpy
+        import outlines_core
+
+        self.oc, self.np = outlines_core, numpy
+        t0 = time.perf_counter()
+        doc = json.loads((folder / "tokenizer.json").read_text())
+        alphabet = _byte_alphabet()
+        special = {t["id"] for t in doc.get("added_tokens", []) if t.get("special")}
+        tokens: dict[bytes, list[int]] = {}
+        for text, i in doc["model"]["vocab"].items():
+            if i == eos or i in special:
+                continue
+            tokens.setdefault(bytes(alphabet[c] for c in text), []).append(i)
+        self.vocab = outlines_core.Vocabulary(eos, tokens)
+        self.size = max(doc["model"]["vocab"].values()) + 1
+        self.tokenizer_s = time.perf_counter() - t0
+        self.mask = numpy.zeros((self.size + 31) // 32, dtype=numpy.int32)
+
+    def compile(self, schema: dict):
+        from outlines_core.json_schema import build_regex_from_schema
+
+        # NOTE: outlines-core has no separator option; an optional space lets through the ", " and ": "
+        # the other two engines are told to write (a looser language, so its refusals are not ours)
+        regex = build_regex_from_schema(json.dumps(schema), whitespace_pattern="[ ]?")
+        return self.oc.Guide(self.oc.Index(regex, self.vocab))
+
+    def step(self, guide, token: int) -> bool:
+        guide.write_mask_into(self.mask.ctypes.data, self.mask.size, 4)
+        try:
+            guide.advance(token)
+        except ValueError:
+            return False
+        return True
+
+
+ENGINES = {"llguidance": Llguidance, "xgrammar": Xgrammar, "outlines-core": OutlinesCore}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine", choices=("llguidance", "xgrammar"), required=True)
+    p.add_argument("--engine", choices=tuple(ENGINES), required=True)
     p.add_argument("--tokenizer", type=Path, required=True, help="a Hugging Face tokenizer folder")
     p.add_argument("--instances", type=Path, required=True, help="JSON: schema index -> token ids of a valid output")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="OMP/torch threads (masks here are single-row)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    import torch
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.engine != "outlines-core":
+        import torch
 
-    torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.threads)
     data = json.loads(args.instances.read_text())
     eos = data["eos"]
-    engine = (Llguidance if args.engine == "llguidance" else Xgrammar)(args.tokenizer, eos)
+    engine = ENGINES[args.engine](args.tokenizer, eos)
     compile_ms, step_us, refused = [], [], []
     for i, (what, schema) in enumerate(SCHEMAS):
         ids = data["instances"].get(str(i))
