@@ -420,7 +420,15 @@ def prefix_caching_on(setting: str, spec) -> bool:
     if setting == "on" and not spec.prefix_cacheable:
         raise ValueError('cache.prefix_caching = "on": ' + spec.why_not_prefix_cacheable())
     if setting == "auto":
-        return spec.prefix_cacheable and not spec.windowed
+        on = spec.prefix_cacheable and not spec.windowed
+        if not on:  # NOTE: once per engine: a cache left off silently looks like a cache that never hits
+            why = (
+                spec.why_not_prefix_cacheable()
+                if not spec.prefix_cacheable
+                else 'sliding-window layers return their old pages to the pool, which a cached prefix would need kept; use cache.prefix_caching = "on" to keep them'
+            )
+            log.warning('cache.prefix_caching = "auto" leaves the prefix cache off for this model: %s', why)
+        return on
     return setting == "on"
 
 

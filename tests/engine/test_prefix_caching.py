@@ -281,11 +281,20 @@ def check_same_cache(eng: Engine, seq, fresh: Engine, fresh_seq, n: int) -> None
             assert rel_err(a, b) < 1e-5, (layer, part)
 
 
-def test_prefix_caching_is_for_kv_only_models():
+def test_prefix_caching_is_for_kv_only_models(caplog):
     kv = CacheSpec(layers=(AttentionCache(2, 8),) * 3, dtype=torch.float32)
     hybrid = CacheSpec(layers=(AttentionCache(2, 8), RecurrentCache((("state", (2, 4, 4)),))), dtype=torch.float32)
-    assert prefix_caching_on("auto", kv) and not prefix_caching_on("off", kv)
-    assert not prefix_caching_on("auto", hybrid)
+    with caplog.at_level("WARNING", logger="ridgefill.engine"):
+        assert prefix_caching_on("auto", kv) and not prefix_caching_on("off", kv)
+        assert not caplog.records  # on, or off as asked: nothing to say
+        assert not prefix_caching_on("auto", hybrid)
+    # NOTE: "auto" turning the cache off says so, with the reason, rather than a cache that never hits
+    assert len(caplog.records) == 1 and "recurrent state" in caplog.records[0].getMessage()
+    windowed = CacheSpec(layers=(AttentionCache(2, 8, window=16), AttentionCache(2, 8)), dtype=torch.float32)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ridgefill.engine"):
+        assert not prefix_caching_on("auto", windowed) and prefix_caching_on("on", windowed)
+    assert len(caplog.records) == 1 and "sliding-window" in caplog.records[0].getMessage()
     with pytest.raises(ValueError, match="recurrent state"):
         prefix_caching_on("on", hybrid)
     with pytest.raises(ValueError, match="prefix_caching"):
