@@ -150,12 +150,14 @@ class Runner:
                 if item.samples and item.seq.seq_id not in dead
                 else None
             )
+        # NOTE: before the logprobs: the grammar may cut an accepted run at its end
+        ended = self.constrainer.advance(items, next_tokens, dead) if self.constrainer is not None else {}
         return StepResult(
             next_tokens=next_tokens,
             prompt_logprobs=scores,
             row_scores=step.row_scores,
             token_logprobs=_token_logprobs(items, owners, next_tokens, raw),
-            ended=self.constrainer.advance(items, next_tokens, dead) if self.constrainer is not None else {},
+            ended=ended,
         )
 
     def forget(self, seq_id: int) -> None:

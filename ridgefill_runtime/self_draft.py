@@ -38,22 +38,18 @@ class SelfDrafter:
         outputs' masks on the draft passes of the sequences it constrains."""
         spec = [it for it in items if it.draft]
         drafts: dict[int, list[int]] = {it.seq.seq_id: [] for it in spec}
-        try:
-            for g in range(max(len(it.draft) for it in spec)):
-                live = [it for it in spec if len(it.draft) > g]
-                last = [it.token_ids()[0] if g == 0 else drafts[it.seq.seq_id][-1] for it in live]
-                logits = self._pass(live, last, g)  # [len(live), V]
-                ids = [it.seq.seq_id for it in live]
-                if guide is not None:
-                    guide.mask(ids, logits)
-                tokens = logits.argmax(-1).tolist()
-                if guide is not None:
-                    guide.take(ids, tokens)
-                for seq_id, token in zip(ids, tokens):
-                    drafts[seq_id].append(token)
-        finally:
+        for g in range(max(len(it.draft) for it in spec)):
+            live = [it for it in spec if len(it.draft) > g]
+            last = [it.token_ids()[0] if g == 0 else drafts[it.seq.seq_id][-1] for it in live]
+            logits = self._pass(live, last, g)  # [len(live), V]
+            ids = [it.seq.seq_id for it in live]
             if guide is not None:
-                guide.close()
+                guide.mask(ids, logits)
+            tokens = logits.argmax(-1).tolist()
+            if guide is not None:
+                guide.take(ids, tokens)
+            for seq_id, token in zip(ids, tokens):
+                drafts[seq_id].append(token)
         return drafts
 
     def _pass(self, live, tokens: list[int], g: int) -> torch.Tensor:

@@ -71,8 +71,9 @@ class Constrainer:
         return {seq_id for seq_id, at in owner_rows if empty[at[0]]}
 
     def advance(self, items, next_tokens: list[list[int] | None], dead: set[int]) -> dict[int, str]:
-        """Each constrained sequence's matcher consumes its new token; returns {sequence id:
-        finish reason} for those the grammar ends."""
+        """Each constrained sequence's matcher consumes its new tokens; returns {sequence id:
+        finish reason} for those the grammar ends. A run that goes on past the grammar's end is
+        cut there, in place."""
         ended: dict[int, str] = {}
         for item, run in zip(items, next_tokens):
             seq = item.seq
@@ -84,16 +85,23 @@ class Constrainer:
             if not run:
                 continue
             matcher = self._matchers[seq.seq_id]
-            if not matcher.consume_tokens(run):
-                ended[seq.seq_id] = GRAMMAR_ERROR
-            elif matcher.is_stopped():
-                ended[seq.seq_id] = "stop"
+            for k, token in enumerate(run):
+                if not matcher.consume_token(token):
+                    ended[seq.seq_id] = GRAMMAR_ERROR
+                    break
+                if matcher.is_stopped():
+                    # NOTE: an accepted draft run may go past the grammar's end (the row after it allows
+                    # only the end of text): cut there, so speculation ends where one token at a time does
+                    del run[k + 1 :]
+                    ended[seq.seq_id] = "stop"
+                    break
         return ended
 
     def draft_guide(self, items) -> DraftGuide | None:
         """The grammar's hand in a looped model's self-drafts this step, or None when no
         drafting item is constrained."""
-        drafting = {it.seq.seq_id: self._matcher(it.seq) for it in items if it.draft and _constrained(it)}
+        # NOTE: copies walk the drafts, so the sequences' own matchers stay where they are (see _draft_masks)
+        drafting = {it.seq.seq_id: self._matcher(it.seq).deep_copy() for it in items if it.draft and _constrained(it)}
         return DraftGuide(drafting, self.book.vocab_size) if drafting else None
 
     def forget(self, seq_id: int) -> None:
@@ -114,18 +122,19 @@ class Constrainer:
 def _draft_masks(matcher: llguidance.LLMatcher, draft: list[int], into: torch.Tensor) -> None:
     """into [len(draft) + 1, words]: row i the mask after draft[:i]. Only the draft's prefix the
     grammar takes is walked (the verification rejects the rest at the first refused token, so
-    the rows after it are never read: they repeat that row's mask); the matcher ends where it began."""
+    the rows after it are never read: they repeat that row's mask). A copy walks it: rolling
+    the matcher back across the end-of-text token that completes a grammar left it one token
+    off, and the next step then refused the sequence's own accepted tokens."""
     words = into.shape[1]
-    taken = matcher.validate_tokens(draft)
+    walker = matcher.deep_copy()
+    taken = walker.validate_tokens(draft)
     for i in range(len(draft) + 1):
         if i <= taken:
-            matcher.unsafe_compute_mask_ptr(into[i].data_ptr(), words * 4)
+            walker.unsafe_compute_mask_ptr(into[i].data_ptr(), words * 4)
             if i < taken:
-                matcher.consume_token(draft[i])
+                walker.consume_token(draft[i])
         else:
             into[i] = into[taken]
-    if taken:
-        matcher.rollback(taken)
 
 
 def _constrained(item) -> bool:
@@ -136,15 +145,14 @@ def _constrained(item) -> bool:
 class DraftGuide:
     """Masks a looped model's draft passes with each constrained sequence's grammar, so a draft
     is one the grammar allows (unguided, the draft loops write what the grammar refuses and the
-    verification accepts almost nothing). Each matcher walks its sequence's draft as it is written
-    and is rolled back at the end (`close`), where the verification finds it. Past the point
+    verification accepts almost nothing). Each matcher (a copy of the sequence's) walks its
+    sequence's draft as it is written. Past the point
     where the grammar is complete or refuses a token, a row is left unmasked: the verification
     rejects that draft token anyway."""
 
     def __init__(self, matchers: dict[int, llguidance.LLMatcher], vocab_size: int):
         self._matchers = matchers
         self._vocab = vocab_size
-        self._walked = dict.fromkeys(matchers, 0)  # tokens each matcher consumed of its draft
         self._off: set[int] = set()  # sequences past the grammar's end or off it
 
     def mask(self, seq_ids: list[int], logits: torch.Tensor) -> None:
@@ -170,10 +178,3 @@ class DraftGuide:
                 continue
             if matcher.is_stopped() or not matcher.consume_token(token):
                 self._off.add(seq_id)
-            else:
-                self._walked[seq_id] += 1
-
-    def close(self) -> None:
-        for seq_id, walked in self._walked.items():
-            if walked:
-                self._matchers[seq_id].rollback(walked)

@@ -86,33 +86,42 @@ def test_size_cap_and_the_kept_grammars(tokenizer):
     assert GrammarSpec("regex", "a{2}", "x") == GrammarSpec("regex", "a{2}", "y")
 
 
-def test_draft_guide_masks_each_pass_and_rolls_back(tokenizer):
+def test_draft_guide_masks_each_draft_pass(tokenizer):
     """DraftGuide (grammar/constrain.py) against the matcher itself: row g's argmax is a token
     the grammar allows after the draft's first g tokens, whatever the raw logits prefer; an
-    unconstrained sequence's row is untouched; the matcher ends where it began."""
+    unconstrained sequence's row is untouched; past the grammar's end the rows are left alone."""
     import torch
 
     from ridgefill_runtime.grammar.constrain import DraftGuide
 
     book = GrammarBook(tokenizer, StructuredConfig())
     spec = GrammarSpec("choice", json.dumps(["yes please", "no thanks"]), "rf")
-    matcher = book.matcher(spec)
-    before = matcher.deep_copy()
-    guide = DraftGuide({7: matcher}, book.vocab_size)
+    guide = DraftGuide({7: book.matcher(spec)}, book.vocab_size)
     rows = tokenizer.vocab_size + 3  # a padded model has more logit rows than tokens
     favourite = tokenizer.encode("maybe", add_special_tokens=False)[0]
     draft = []
-    for _ in range(3):
+    for _ in range(12):
         logits = torch.zeros(2, rows)
         logits[:, favourite] = 10.0  # both rows prefer a token the grammar never allows
         guide.mask([7, 8], logits)
         assert logits[1].argmax().item() == favourite  # seq 8 is not constrained
         token = logits[0].argmax().item()
         probe = book.matcher(spec)
-        assert probe.consume_tokens(draft + [token])  # allowed after the draft so far
+        eos = set(tokenizer.eos_token_ids)
+        if not _consumed_all(probe, [t for t in draft if t not in eos]):
+            assert probe.consume_tokens(draft + [token])  # allowed after the draft so far
+        elif not eos & set(draft):
+            assert token in eos  # complete: the end of text is all it allows
+        else:  # past the end: the row is left to the model (the verification decides)
+            assert token == favourite
         guide.take([7, 8], [token, favourite])
         draft.append(token)
-    guide.close()
-    ids = tokenizer.encode("no thanks", add_special_tokens=False)
-    assert matcher.validate_tokens(ids) == before.validate_tokens(ids) == len(ids)
-    assert matcher.validate_tokens(draft) == len(draft)  # still at the start: the draft is walkable again
+    end = next(i for i, t in enumerate(draft) if t in set(tokenizer.eos_token_ids))
+    assert tokenizer.decode(draft[:end]) in ("yes please", "no thanks") and draft[end + 1 :] == [favourite] * (11 - end)
+
+
+def _consumed_all(matcher, tokens) -> bool:
+    """Whether the grammar is complete after `tokens`."""
+    m = matcher.deep_copy()
+    m.consume_tokens(tokens)
+    return m.is_stopped()

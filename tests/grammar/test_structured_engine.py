@@ -175,3 +175,63 @@ def test_looped_self_speculation_under_a_grammar_keeps_the_greedy_output():
     ]
     assert runs[1].output_ids == runs[0].output_ids
     assert runs[1].spec.verifications == runs[0].spec.verifications
+
+
+def _all_schema_requests(engine, prompt_of, max_tokens: int, **overrides):
+    requests = []
+    for what, schema in SCHEMAS:
+        spec = json_schema_spec(schema, "response_format")
+        engine.grammars.compile(spec)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, grammar=spec, **overrides)
+        requests.append((prompt_of(what), params))
+    return requests
+
+
+def _keeps_to_schemas(engine, requests, seqs) -> int:
+    """Each output is in its grammar's language so far; each that ended validates. Returns how many ended."""
+    ended = 0
+    for (_, params), seq in zip(requests, seqs):
+        ids = [t for t in seq.output_ids if t not in engine.eos_ids]
+        assert engine.grammars.matcher(params.grammar).try_consume_tokens(ids) == len(ids)
+        if seq.finish_reason == "stop":
+            text = engine.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            jsonschema.validate(json.loads(text), json.loads(params.grammar.source))
+            ended += 1
+    return ended
+
+
+def test_all_32_schemas_under_ngram_speculation_equal_the_plain_engine(engine, tmp_path_factory):
+    """Every schema's greedy output, batched, with n-gram drafts verified under the grammar:
+    the same tokens as without speculation, so the same valid JSON."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RIDGEFILL_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "rf-cache"))
+        spec_engine = build_engine(
+            EngineConfig(cache=CacheConfig(num_blocks=512), speculative=SpeculativeConfig(method="ngram"))
+        )
+    requests = _all_schema_requests(engine, lambda what: chat(engine, f"Reply with {what} as JSON."), 120)
+    plain = run(engine, requests)
+    fast = run(spec_engine, requests)
+    assert [s.output_ids for s in fast] == [s.output_ids for s in plain]
+    assert sum(s.spec.verifications for s in fast) > 0
+    assert _keeps_to_schemas(spec_engine, requests, fast) >= 28
+
+
+def test_all_32_schemas_on_the_looped_model_with_self_speculation():
+    """The trained looped model (a tiny one: its JSON is the grammar's, not the model's, doing)
+    under each schema, batched: block 4 (drafts guided by the grammar, verified under it) gives
+    block 0's tokens; every output keeps to its schema so far, every ended one validates."""
+    eng = build_engine(
+        EngineConfig(
+            model="looped",
+            looped=LoopConfig(loops=8, cache="ripe", window=32, block=4, draft_loops=2),
+            cache=CacheConfig(num_blocks=512),
+        )
+    )
+    prompt = eng.tokenizer.encode("The kernel keeps a list of the devices it has found")
+    outs = {}
+    for block in (0, 4):
+        requests = _all_schema_requests(eng, lambda what: prompt, 48, looped=LoopOverrides(block=block))
+        outs[block] = (requests, run(eng, requests))
+    assert [s.output_ids for s in outs[4][1]] == [s.output_ids for s in outs[0][1]]
+    assert sum(s.spec.verifications for s in outs[4][1]) > 0
+    _keeps_to_schemas(eng, *outs[4])
