@@ -121,10 +121,16 @@ class CacheConfig:
     prefix_caching: str = setting(
         "auto",
         help="reuse the K/V of full blocks other requests computed (cache/prefix_cache.py): auto (where the "
-        "model's caches are K/V only: not recurrent or looped models, and off for sliding-window models, "
-        "which free old pages instead) | on (refused elsewhere) | off",
+        "model's caches are K/V only: not recurrent or looped models) | on (refused elsewhere) | off",
         flag="--prefix-caching",
         choices=PREFIX_CACHING,
+    )
+    window_bounded: bool = setting(
+        True,
+        help="sliding-window layers let go of the pages no later row reads (cache/window_pages.py; with the "
+        "prefix cache they stay cache entries until the room is needed); false keeps every page of every "
+        "layer (vLLM's disable_hybrid_kv_cache_manager)",
+        flag="--window-bounded",
     )
     kv_dtype: str = setting(
         "auto",

@@ -111,7 +111,7 @@ class Engine:
         self.prefix_caching = prefix_caching_on(config.cache.prefix_caching, cache_spec)
         # NOTE: without the prefix cache, sliding-window layers give back the pages they can no longer read
         budget = engine_budget(
-            config, cfg.max_position_embeddings, self.loop_store is not None, window_bounded=not self.prefix_caching
+            config, cfg.max_position_embeddings, self.loop_store is not None, window_bounded=config.cache.window_bounded
         )
         self.caches = build_caches(cache_spec, budget, model.device)
         self.kv = self.caches.kv
@@ -414,21 +414,17 @@ def apply_fill(
 
 
 def prefix_caching_on(setting: str, spec) -> bool:
-    """cache.prefix_caching: "auto" turns it on where the model's caches are K/V only and no layer
-    has a sliding window (there "auto" chooses the smaller cache: a window layer's old pages go
-    back to the pool, and a cached prefix would need them kept; "on" keeps them)."""
+    """cache.prefix_caching: "auto" turns it on where the model's caches are K/V only (sliding-
+    window layers included: their pages are cached as they are let go, cache/window_pages.py)."""
     if setting == "on" and not spec.prefix_cacheable:
         raise ValueError('cache.prefix_caching = "on": ' + spec.why_not_prefix_cacheable())
     if setting == "auto":
-        on = spec.prefix_cacheable and not spec.windowed
-        if not on:  # NOTE: once per engine: a cache left off silently looks like a cache that never hits
-            why = (
-                spec.why_not_prefix_cacheable()
-                if not spec.prefix_cacheable
-                else 'sliding-window layers return their old pages to the pool, which a cached prefix would need kept; use cache.prefix_caching = "on" to keep them'
+        if not spec.prefix_cacheable:  # NOTE: once per engine: a cache left off silently looks like one that never hits
+            log.warning(
+                'cache.prefix_caching = "auto" leaves the prefix cache off for this model: %s',
+                spec.why_not_prefix_cacheable(),
             )
-            log.warning('cache.prefix_caching = "auto" leaves the prefix cache off for this model: %s', why)
-        return on
+        return spec.prefix_cacheable
     return setting == "on"
 
 

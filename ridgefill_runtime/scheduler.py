@@ -194,7 +194,7 @@ class Scheduler:
         on top of what the running ones still need, so prefills never fight over blocks."""
         while self.waiting and step.budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = usable_hit(seq, self.caches.match(seq))
+            hit = self.caches.match(seq, usable_hit)
             if hit.waits or not self.caches.can_allocate(seq, seq.num_tokens, self._blocks_owed(), hit):
                 break
             resume_from_cache(seq, hit)

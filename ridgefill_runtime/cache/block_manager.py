@@ -98,10 +98,17 @@ class BlockManager:
         """Append a published block to `table`, which now holds it too."""
         if block not in self._key_of:
             raise RuntimeError(f"block {block} is not published: only cache entries are shared")
+        self.hold(block)
+        table.append(block)
+
+    def hold(self, block: int) -> None:
+        """One more reference on a block that is held or a cache entry (which then stops being
+        free); put() gives it back."""
         if self._refs[block] == 0:
+            if block not in self._cached:
+                raise RuntimeError(f"block {block} is free and no cache entry: take() it instead")
             del self._cached[block]
         self._refs[block] += 1
-        table.append(block)
 
     def key_of(self, block: int) -> bytes:
         return self._key_of[block]

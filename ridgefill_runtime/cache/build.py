@@ -28,7 +28,7 @@ class CacheBudget:
     max_positions: int = 4096  # a model with no attention still needs blocks to count positions
     history_rows: int = 0  # most rows one speculative verification runs (recurrent snapshots)
     # Sliding-window layers give their old pages back (kv_layout.py); a model without such
-    # layers ignores it. Off for the prefix cache, which needs every layer of a cached block.
+    # layers ignores it (cache.window_bounded; the prefix cache caches the pages let go).
     window_bounded: bool = False
     fill_split: int = 0  # RidgeFill's split when the fill may run: window groups are cut there
     kv_dtype: torch.dtype | None = None  # what the K/V slabs hold; None: the spec's (the model's) dtype

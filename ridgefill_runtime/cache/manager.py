@@ -9,12 +9,12 @@ scheduler lets it go: a preempted sequence's stash does not wait with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Callable
 
 from ..stages import Stage
 from .block_manager import BlockManager
-from .prefix_cache import NO_HIT, PrefixCache, PrefixHit
+from .prefix_cache import EXACT, NO_HIT, PrefixCache, PrefixHit
 from .window_pages import WindowPages
 
 SlotHook = Callable[[int], None]
@@ -76,11 +76,6 @@ class CacheManager:
         # NOTE: a stack, like the blocks: the most recently freed slot is reused first.
         self._free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))
         self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
-        if prefix_caching and window_pages is not None:
-            raise ValueError(
-                "prefix caching needs every layer's K/V of a cached block; window-bounded K/V lets "
-                "sliding-window layers' old pages go"
-            )
         self.prefix = PrefixCache(blocks) if prefix_caching else None
         self.pages = window_pages
 
@@ -96,16 +91,32 @@ class CacheManager:
         new = self.blocks.blocks_needed(seq.block_table, num_tokens)
         return new if self.pages is None else new * self.pages.per_block
 
-    def match(self, seq) -> PrefixHit:
-        """The cached blocks seq's prompt may start from (none without prefix caching)."""
-        return self.prefix.match(seq) if self.prefix is not None else NO_HIT
+    def match(self, seq, usable: Callable[[object, PrefixHit], PrefixHit] | None = None) -> PrefixHit:
+        """The cached blocks seq's prompt may start from (none without prefix caching), as much
+        of them as `usable(seq, hit)` leaves; with window pages, only as many as have the pages
+        their next row reads still cached (with those pages)."""
+        if self.prefix is None:
+            return NO_HIT
+        hit = self.prefix.match(seq)
+        if usable is not None:
+            hit = usable(seq, hit)
+        if self.pages is None or not hit.blocks:
+            return hit
+        if seq.prefix.reselect and seq.prefix.identity != EXACT:
+            # NOTE: reselect remakes late rows anywhere in the cached prefix; the window pages
+            # around them are mostly let go, so it runs a fresh fill (what reselect equals)
+            return replace(NO_HIT, waits=hit.waits)
+        k, picks = self.pages.readable(hit.blocks)
+        return replace(hit.cut(k * self.blocks.block_size), pages=picks, waits=hit.waits)
 
     def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0, hit: PrefixHit = NO_HIT) -> bool:
         """Whether seq could start holding `num_tokens` positions, its first ones from `hit`,
         with `reserved_blocks` kept back. A cache entry nobody holds counts as free, so taking
         it costs a free block like a new one."""
         slot_ok = seq.state_slot is not None or bool(self._free_slots)
-        need = self.blocks_needed(seq, num_tokens) - len(hit.blocks) + sum(map(self.blocks.is_free, hit.blocks))
+        shared = len(hit.blocks) * (1 if self.pages is None else self.pages.per_block)
+        cached = sum(map(self.blocks.is_free, hit.blocks)) + sum(self.blocks.is_free(p) for *_, p in hit.pages)
+        need = self.blocks_needed(seq, num_tokens) - shared + cached
         return slot_ok and need <= self.blocks.num_free - reserved_blocks
 
     def can_run(self, item) -> bool:
@@ -138,6 +149,8 @@ class CacheManager:
             raise RuntimeError(f"sequence {seq.seq_id} is admitted while it holds blocks")
         for block in hit.blocks:
             self.blocks.share(seq.block_table, block)
+        if self.pages is not None:
+            self.pages.adopt(seq.block_table, hit.pages, self.pages.reads(len(hit.blocks)))
         seq.prefix.block_keys = list(hit.keys)
         if self.prefix is not None:
             self.prefix.count(seq, hit)
@@ -179,7 +192,7 @@ class CacheManager:
         go back to their snapshot after row `verified_row` of the verification (the pool's)."""
         keep = -(-max(num_valid, num_kept) // self.blocks.block_size)
         if self.pages is not None:
-            self.pages.release(seq.block_table[keep:])
+            self.pages.release(seq.block_table, keep)
         self.blocks.shrink(seq.block_table, max(num_valid, num_kept))
         if verified_row is not None and seq.state_slot is not None:
             self._on_rollback(seq.state_slot, verified_row)
@@ -197,6 +210,8 @@ class CacheManager:
     def make_private(self, seq, indices: list[int]) -> list[tuple[int, int]]:
         """Before seq rewrites rows of blocks it may share (reuse_filled = "reselect"): those
         blocks become its own; returns the (source, copy) pairs the runner copies."""
+        if self.pages is not None:
+            raise RuntimeError("window pages are not copied: a reselecting filled request takes no hit there")
         need = self.copies_needed(seq, indices)
         if need > self.blocks.num_free:
             raise RuntimeError(f"KV cache out of blocks: need {need} copies, {self.blocks.num_free} free")
@@ -206,7 +221,9 @@ class CacheManager:
     def publish(self, seq) -> None:
         """After a step: seq's newly final full blocks become prefix-cache entries."""
         if self.prefix is not None:
-            self.prefix.publish(seq)
+            published = self.prefix.publish(seq)
+            if self.pages is not None:
+                self.pages.publish(seq.block_table, published)
 
     def free(self, seq) -> None:
         """Give back everything seq holds: its blocks (what it computed stays cached until the

@@ -39,6 +39,9 @@ class PrefixHit:
     exact_rows: tuple[int, ...] = ()
     num_tokens: int = 0
     waits: bool = False  # the next block is being computed by a running sequence: wait for it
+    # window layouts: (group, index in blocks, page) of the window pages the next row reads,
+    # found by WindowPages.readable(); cut() drops them (a shorter hit reads other pages)
+    pages: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def filled_rows(self) -> int:
@@ -152,12 +155,14 @@ class PrefixCache:
         self.queried_tokens += len(seq.prompt_ids)
         self.hit_tokens += hit.num_tokens
 
-    def publish(self, seq) -> None:
+    def publish(self, seq) -> list[tuple[int, bytes]]:
         """Publish seq's full blocks whose K/V are final: below the last token (whose K/V the
-        next step computes) and below what was computed, once the two-sweep prefill is over."""
+        next step computes) and below what was computed, once the two-sweep prefill is over.
+        Returns (index in seq's table, key) of the blocks that became entries (a window
+        layout publishes their pages under the same keys, window_pages.py)."""
         if seq.prefix.identity is None or not seq.fill.stage.done:
-            return
-        bs = self.block_size
+            return []
+        bs, published = self.block_size, []
         valid = min(seq.num_computed, seq.num_tokens - 1)
         keys = seq.prefix.block_keys
         parent = keys[-1] if keys else ROOT
@@ -166,10 +171,12 @@ class PrefixCache:
             offsets = self._exact_offsets(seq, i)
             # NOTE: when another block already is this key's entry, ours stays private, and its
             # history (exact rows included) goes on in the keys of the blocks after it
-            self.blocks.publish(seq.block_table[i], key, offsets)
+            if self.blocks.publish(seq.block_table[i], key, offsets):
+                published.append((i, key))
             self._computing.pop(key, None)
             parent = history_key(key, offsets)
             keys.append(parent)
+        return published
 
     def _exact_offsets(self, seq, i: int) -> tuple[int, ...]:
         """Offsets in block i of rows whose late K/V ran exactly."""

@@ -13,7 +13,9 @@ import random
 import pytest
 
 from ridgefill_runtime.cache.block_manager import BlockManager
+from ridgefill_runtime.cache.kv_layout import KVLayout
 from ridgefill_runtime.cache.manager import CacheManager
+from ridgefill_runtime.cache.window_pages import WindowPages
 from ridgefill_runtime.config import REUSE_POLICIES, FillConfig, RowsConfig, SchedulerConfig
 from ridgefill_runtime.engine import apply_fill, cache_identity
 from ridgefill_runtime.scheduler import Scheduler, StepResult
@@ -89,7 +91,10 @@ def check_step(sched: Scheduler, items: list, had_work: bool) -> None:
             assert it.positions == sorted(it.positions) and len(it.positions) == it.num_tokens
     held = [b for s in sched.running for b in s.block_table]
     assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
-    assert len(set(held)) + blocks.num_free == blocks.num_blocks
+    # NOTE: with window pages a held page is mapped from exactly one held block
+    pages = sched.caches.pages
+    mapped = 0 if pages is None else sum(p >= 0 for b in set(held) for p in pages._pages.get(b, ()))
+    assert len(set(held)) + mapped + blocks.num_free == blocks.num_blocks
     shared = {b for b in held if held.count(b) > 1}
     assert all(b in blocks._key_of for b in shared), "a block in two tables that is no cache entry"
 
@@ -134,13 +139,25 @@ def random_case(seed: int) -> dict:
     )
 
 
-def run_case(case: dict, prefix_caching: bool = False) -> None:
+def window_pages(case: dict, blocks: BlockManager) -> WindowPages:
+    """A Gemma-3-like layout over layers 0-3, cut at a split of 2: global 0 and 2, windows on 1
+    and 3 of a few blocks."""
+    rng, bs = case["rng"], case["block_size"]
+    w_low, w_late = rng.randint(1, 6 * bs), rng.randint(1, 6 * bs)
+    layout = KVLayout(bs, ((0, (0,)), (0, (2,)), (w_low, (1,)), (w_late, (3,))), split=2)
+    return WindowPages(layout, blocks, lambda g, bs, ps: None)
+
+
+def run_case(case: dict, prefix_caching: bool = False, windows: bool = False) -> None:
+    """windows: the pool holds a window layout's pages, 4 per block (window_pages())."""
     rng = case["rng"]
     config = SchedulerConfig(
         max_num_batched_tokens=case["budget"], max_num_seqs=case["max_seqs"], chunk_size=case["chunk"]
     )
-    blocks = BlockManager(case["num_blocks"], case["block_size"])
-    sched = Scheduler(config, CacheManager(blocks, config.max_num_seqs, prefix_caching=prefix_caching), exact_rows)
+    blocks = BlockManager(case["num_blocks"] * (4 if windows else 1), case["block_size"])
+    pages = window_pages(case, blocks) if windows else None
+    manager = CacheManager(blocks, config.max_num_seqs, prefix_caching=prefix_caching, window_pages=pages)
+    sched = Scheduler(config, manager, exact_rows)
     for r in case["requests"]:
         r["policy"] = rng.choice(REUSE_POLICIES) if prefix_caching else None
     pending = sorted(case["requests"], key=lambda r: r["arrives"])
@@ -178,6 +195,13 @@ def test_random_workloads_sharing_every_prefix_always_finish_and_return_every_bl
     blocks, waits for blocks in flight, reselected rows copied before they are remade, eviction."""
     for seed in range(NUM_CASES):
         run_case(random_case(seed), prefix_caching=True)
+
+
+def test_random_workloads_sharing_every_prefix_over_window_pages():
+    """The same again on a sliding-window layout: a hit takes the window pages its next row
+    reads, pages let go stay cache entries, and every page held is one a held block maps to."""
+    for seed in range(NUM_CASES):
+        run_case(random_case(seed), prefix_caching=True, windows=True)
 
 
 def run_to_end(sched: Scheduler, seqs: list[Sequence], limit: int) -> int:

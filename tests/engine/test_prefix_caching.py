@@ -293,8 +293,8 @@ def test_prefix_caching_is_for_kv_only_models(caplog):
     windowed = CacheSpec(layers=(AttentionCache(2, 8, window=16), AttentionCache(2, 8)), dtype=torch.float32)
     caplog.clear()
     with caplog.at_level("WARNING", logger="ridgefill.engine"):
-        assert not prefix_caching_on("auto", windowed) and prefix_caching_on("on", windowed)
-    assert len(caplog.records) == 1 and "sliding-window" in caplog.records[0].getMessage()
+        assert prefix_caching_on("auto", windowed) and prefix_caching_on("on", windowed)
+    assert not caplog.records  # NOTE: window pages are cached as they are let go (issue 32)
     with pytest.raises(ValueError, match="recurrent state"):
         prefix_caching_on("on", hybrid)
     with pytest.raises(ValueError, match="prefix_caching"):

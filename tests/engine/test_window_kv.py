@@ -3,7 +3,7 @@ the pages no later row can read, and nothing the model computes changes.
 
 References: transformers' greedy tokens (full forward per step) on the same tiny Gemma 3 checkpoint
 (window 16); the
-same engine keeping every page (cache.prefix_caching = "on", which needs them); and, for the
+same engine keeping every page (cache.window_bounded = false); and, for the
 pages held, the definition itself: a window group keeps a block while one of its positions is at
 or after (lowest position a later row may have) - window + 1.
 """
@@ -100,10 +100,13 @@ def _engine(
     fill: FillConfig | None = None,
     speculative: SpeculativeConfig | None = None,
     chunk: int = 8,
+    window_bounded: bool = True,
 ):
     config = EngineConfig(
         model=str(folder),
-        cache=CacheConfig(block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix_caching),
+        cache=CacheConfig(
+            block_size=BLOCK, num_blocks=num_blocks, prefix_caching=prefix_caching, window_bounded=window_bounded
+        ),
         scheduler=SchedulerConfig(chunk_size=chunk, max_num_batched_tokens=64, max_num_seqs=8),
         fill=fill or FillConfig(),
         speculative=speculative or SpeculativeConfig(),
@@ -163,9 +166,9 @@ def test_bounded_engine_matches_transformers_and_the_unbounded_engine(gemma):
     folder, ref = gemma
     prompts = _prompts((40, 75, 130))
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
-    bounded = _engine(folder, "auto")
+    bounded = _engine(folder, "off")
     assert bounded.caches.layout is not None and not bounded.prefix_caching
-    full = _engine(folder, "on")
+    full = _engine(folder, "off", window_bounded=False)
     assert full.caches.layout is None
     got, peak_bounded = _run(bounded, prompts, params, check_pages=True)
     want, _ = _run(full, prompts, params)
@@ -195,7 +198,7 @@ def test_window_pages_let_more_sequences_run_without_preemption(gemma):
     prompts = _prompts((120, 121, 122, 123), seed=5)  # + 40 tokens: 40-41 blocks each, 162 for all
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     bounded = _engine(folder, "off", num_blocks=100)
-    full = _engine(folder, "on", num_blocks=100)
+    full = _engine(folder, "off", window_bounded=False, num_blocks=100)
     got, _ = _run(bounded, prompts, params, check_pages=True)
     want, _ = _run(full, prompts, params)
     assert bounded.scheduler.num_preemptions == 0
@@ -229,7 +232,7 @@ def test_filled_prefill_pages_and_outputs(gemma):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
     bounded = _engine(folder, "off", fill=fill)
     assert bounded.caches.layout.split == split and bounded.runner.planner.defer_windows
-    full = _engine(folder, "on", fill=fill)
+    full = _engine(folder, "off", window_bounded=False, fill=fill)
     bounded.scheduler.select = full.scheduler.select = SELECT
     got, peak = _run(bounded, prompts, params, check_pages=True)
     want, _ = _run(full, prompts, params)
@@ -302,6 +305,6 @@ def test_speculative_rollback_gives_back_the_rejected_blocks_pages(gemma):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     bounded = _engine(folder, "off", speculative=spec)
     got, _ = _run(bounded, prompts, params, check_pages=True)
-    want, _ = _run(_engine(folder, "on", speculative=spec), prompts, params)
+    want, _ = _run(_engine(folder, "off", window_bounded=False, speculative=spec), prompts, params)
     assert bounded.scheduler.spec.steps > 0
     assert got[0].output_ids == want[0].output_ids
