@@ -5,10 +5,12 @@ allocation for the same context beside it (its log, swa_full off and on).
     python benchmarks/window_kv_memory.py --threads 2 --lengths 4096 8192
 
 Per context length and arm (exact; RidgeFill at split 9, tail 1024, the shipped maps), one
-request of that many prompt tokens plus --new greedy tokens runs alone in an engine whose pool
-frees sliding-window pages and whose fill writes a filled row's sliding-window late K/V only when
-a late row reaches it ("bounded", cache.prefix_caching = "off"), and in one that keeps every page
-and writes every filled row ("every page", "on", as the prefix cache needs). "peak" is the most
+request of that many prompt tokens plus --new greedy tokens runs alone in three engines: one whose
+pool frees sliding-window pages and whose fill writes a filled row's sliding-window late K/V only
+when a late row reaches it ("bounded", cache.prefix_caching = "off"); the same pool with the prefix
+cache on ("bounded + prefix cache": pages let go stay cache entries, which count as free, and the
+fill writes every filled row, as a cached block needs); and one that keeps every page and writes
+every filled row ("every page", cache.window_bounded = false). "peak" is the most
 the pool held after any step, prefill included. "rows" counts K/V rows held, one per layer and position (a block of 16
 positions in 18 layers is 288 rows), so the figure does not depend on the dtype; MiB are at our
 float32 (2,048 B a row: one KV head of 256, K and V). llama.cpp allocates its cache up front for
@@ -27,6 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# mode -> (cache.prefix_caching, cache.window_bounded)
+MODES = {"every page": ("off", False), "bounded": ("off", True), "bounded + prefix cache": ("on", True)}
 
 
 def main() -> None:
@@ -74,8 +79,9 @@ def main() -> None:
         ids = ids_all[:n]
         for arm, fill in fills.items():
             runs = {}
-            for mode, setting in (("every page", "on"), ("bounded", "off")):
-                cfg = EngineConfig(cache=CacheConfig(kv_cache_gib=4.0, prefix_caching=setting), fill=fill)
+            for mode, (prefix, bounded) in MODES.items():
+                cache = CacheConfig(kv_cache_gib=4.0, prefix_caching=prefix, window_bounded=bounded)
+                cfg = EngineConfig(cache=cache, fill=fill)
                 runs[mode] = _run(
                     Engine(model, llm.tokenizer, cfg, load_fill_maps(cfg, model)), ids, args.new, args.split
                 )

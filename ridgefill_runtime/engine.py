@@ -67,6 +67,7 @@ class EngineStats:
     prefix_cached_blocks: int = 0  # blocks findable in the prefix cache (held or not)
     prefix_queried_tokens_total: int = 0  # prompt tokens admissions looked up in the prefix cache
     prefix_hit_tokens_total: int = 0  # of those, found (their K/V were not computed again)
+    prefix_window_cut_tokens_total: int = 0  # not found: their window pages were evicted
     kv_touched_bytes: int = 0  # K/V pool bytes ever written (the pool is allocated, not touched, at start)
 
     def __post_init__(self) -> None:
@@ -267,6 +268,7 @@ class Engine:
             prefix_cached_blocks=held.prefix_cached_blocks,
             prefix_queried_tokens_total=held.prefix_queried_tokens,
             prefix_hit_tokens_total=held.prefix_hit_tokens,
+            prefix_window_cut_tokens_total=held.prefix_window_cut_tokens,
             kv_touched_bytes=held.kv_touched_bytes,
         )
 

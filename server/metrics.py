@@ -170,6 +170,11 @@ def _families(s: ServingStats | None) -> Iterator:
         "Prompt tokens found in the prefix cache (not computed)",
         value=e.prefix_hit_tokens_total,
     )
+    yield CounterMetricFamily(
+        "ridgefill_prefix_cache_window_cut",
+        "Prompt tokens whose blocks were cached but not the sliding-window pages they read (evicted): computed",
+        value=e.prefix_window_cut_tokens_total,
+    )
     yield GaugeMetricFamily(
         "ridgefill_prefix_cache_blocks",
         "KV blocks findable in the prefix cache (held or not)",

@@ -37,6 +37,7 @@ class CacheStats:
     prefix_cached_blocks: int = 0  # blocks published in the prefix cache (held or not)
     prefix_queried_tokens: int = 0  # prompt tokens admissions looked up
     prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    prefix_window_cut_tokens: int = 0  # not found: cached blocks whose window pages were evicted
     prefix_evictions: int = 0  # cache entries dropped to make room
     kv_touched_bytes: int = 0  # K/V pool bytes of the blocks ever handed out (resident since)
 
@@ -107,7 +108,8 @@ class CacheManager:
             # around them are mostly let go, so it runs a fresh fill (what reselect equals)
             return replace(NO_HIT, waits=hit.waits)
         k, picks = self.pages.readable(hit.blocks)
-        return replace(hit.cut(k * self.blocks.block_size), pages=picks, waits=hit.waits)
+        kept = hit.cut(k * self.blocks.block_size)
+        return replace(kept, pages=picks, waits=hit.waits, window_cut=hit.num_tokens - kept.num_tokens)
 
     def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0, hit: PrefixHit = NO_HIT) -> bool:
         """Whether seq could start holding `num_tokens` positions, its first ones from `hit`,
@@ -262,6 +264,7 @@ class CacheManager:
             prefix_cached_blocks=self.blocks.num_cached,
             prefix_queried_tokens=self.prefix.queried_tokens if self.prefix else 0,
             prefix_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
+            prefix_window_cut_tokens=self.prefix.window_cut_tokens if self.prefix else 0,
             prefix_evictions=self.blocks.evictions,
             kv_touched_bytes=self.blocks.num_touched * self.kv_bytes_per_block,
         )

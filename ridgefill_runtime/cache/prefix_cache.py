@@ -42,6 +42,7 @@ class PrefixHit:
     # window layouts: (group, index in blocks, page) of the window pages the next row reads,
     # found by WindowPages.readable(); cut() drops them (a shorter hit reads other pages)
     pages: tuple[tuple[int, int, int], ...] = ()
+    window_cut: int = 0  # tokens whose blocks were cached but not the window pages they read
 
     @property
     def filled_rows(self) -> int:
@@ -98,6 +99,7 @@ class PrefixCache:
         self.block_size = blocks.block_size
         self.queried_tokens = 0  # prompt tokens looked up (the last one is never a hit)
         self.hit_tokens = 0  # of those, found
+        self.window_cut_tokens = 0  # of those not found, the ones a window layer's evicted pages cost
         # exact blocks running sequences are computing: key -> the sequence's id, and its keys
         self._computing: dict[bytes, int] = {}
         self._claims: dict[int, list[bytes]] = {}
@@ -154,6 +156,7 @@ class PrefixCache:
         """An admission that used `hit`: count it for the metrics."""
         self.queried_tokens += len(seq.prompt_ids)
         self.hit_tokens += hit.num_tokens
+        self.window_cut_tokens += hit.window_cut
 
     def publish(self, seq) -> list[tuple[int, bytes]]:
         """Publish seq's full blocks whose K/V are final: below the last token (whose K/V the

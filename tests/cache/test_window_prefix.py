@@ -89,9 +89,12 @@ def test_pages_let_go_early_are_found_until_evicted_and_the_hit_shrinks_to_what_
     for k in range(12, 0, -1):
         if 9 not in _reads(k)[3]:
             break
-    hit = mgr.match(_seq(doc + [6]))
+    again = _seq(doc + [6])
+    hit = mgr.match(again)
     assert hit.num_tokens == k * BS and all(not (g == 3 and i == 9) for g, i, _ in hit.pages)
     assert {(g, i) for g, i, _ in hit.pages} == {(g, i) for g, r in _reads(k).items() for i in r}
+    mgr.allocate(again, again.num_tokens, hit)
+    assert mgr.stats().prefix_window_cut_tokens == (12 - k) * BS  # counted for /metrics
 
 
 def test_a_shared_page_stays_mapped_while_any_table_holds_it():
