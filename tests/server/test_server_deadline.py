@@ -48,6 +48,20 @@ def test_a_request_past_its_timeout_ends_with_finish_reason_timeout(served):
     assert _wait_free(served.engine)
 
 
+def test_a_scoring_request_stops_computing_its_prompt_at_its_deadline(served):
+    """echo + logprobs on a long prompt: the deadline is checked between prefill chunks (512 rows),
+    so the request ends with the rows computed by then scored, not after its whole prompt."""
+    prompt = " ".join(f"w{i % 500}" for i in range(1500))  # ~5,600 tokens: 11 chunks
+    body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 5, "timeout": 0.5}
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["finish_reason"] == "timeout"
+    scored = sum(lp is not None for lp in choice["logprobs"]["token_logprobs"])
+    assert usage["prompt_tokens"] > 5000 and 0 < scored < usage["prompt_tokens"] // 2
+    assert _wait_free(served.engine)
+
+
 def test_the_server_cap_bounds_a_request_without_timeout_and_a_stream(served):
     finish = None
     with httpx.stream("POST", served.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
