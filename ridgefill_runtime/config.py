@@ -125,6 +125,22 @@ class CacheConfig:
         flag="--prefix-caching",
         choices=PREFIX_CACHING,
     )
+    state_snapshots: int | None = setting(
+        None,
+        help="hybrid models: snapshots of every recurrent layer's state the prefix cache keeps, one per cached "
+        "boundary (cache/snapshots.py; taken from the K/V budget); default: as many as fit in a tenth of "
+        "kv_cache_gib, at most 1024",
+        flag="--state-snapshots",
+        check="positive",
+        example="64",
+    )
+    snapshot_every: int = setting(
+        32,
+        help="hybrid models with the prefix cache: snapshot the recurrent states after every this many blocks "
+        "(and after each prompt's last full block); 0: only the latter",
+        flag="--snapshot-every",
+        check=">= 0",
+    )
     window_bounded: bool = setting(
         True,
         help="sliding-window layers let go of the pages no later row reads (cache/window_pages.py; with the "

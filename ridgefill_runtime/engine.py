@@ -68,6 +68,8 @@ class EngineStats:
     prefix_queried_tokens_total: int = 0  # prompt tokens admissions looked up in the prefix cache
     prefix_hit_tokens_total: int = 0  # of those, found (their K/V were not computed again)
     prefix_window_cut_tokens_total: int = 0  # not found: their window pages were evicted
+    prefix_state_snapshots: int = 0  # recurrent-state snapshots findable (hybrid models)
+    prefix_state_restores_total: int = 0  # admissions that resumed from one
     kv_touched_bytes: int = 0  # K/V pool bytes ever written (the pool is allocated, not touched, at start)
 
     def __post_init__(self) -> None:
@@ -110,9 +112,12 @@ class Engine:
                 f'past rejected draft tokens; use speculative.method = "off"'
             )
         self.prefix_caching = prefix_caching_on(config.cache.prefix_caching, cache_spec)
-        # NOTE: without the prefix cache, sliding-window layers give back the pages they can no longer read
         budget = engine_budget(
-            config, cfg.max_position_embeddings, self.loop_store is not None, window_bounded=config.cache.window_bounded
+            config,
+            cfg.max_position_embeddings,
+            self.loop_store is not None,
+            window_bounded=config.cache.window_bounded,
+            snapshots=snapshot_count(config.cache, cache_spec) if self.prefix_caching else 0,
         )
         self.caches = build_caches(cache_spec, budget, model.device)
         self.kv = self.caches.kv
@@ -120,7 +125,9 @@ class Engine:
         # others), and the rescale rewrites them all at once: otherwise the fill writes a filled row's
         # sliding-window late K/V only when a late row reaches it, and those pages come with the late sweep
         defer = not self.prefix_caching and not rewrites_filled_rows(config.fill)
-        manager = self.caches.manager(self.prefix_caching, lazy_late_pages=defer)  # the scheduler owns it
+        manager = self.caches.manager(  # the scheduler owns it
+            self.prefix_caching, lazy_late_pages=defer, snapshot_every=config.cache.snapshot_every
+        )
         self.blocks = manager.blocks
         self.fill = config.fill
         propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
@@ -269,6 +276,8 @@ class Engine:
             prefix_queried_tokens_total=held.prefix_queried_tokens,
             prefix_hit_tokens_total=held.prefix_hit_tokens,
             prefix_window_cut_tokens_total=held.prefix_window_cut_tokens,
+            prefix_state_snapshots=held.state_snapshots,
+            prefix_state_restores_total=held.state_restores,
             kv_touched_bytes=held.kv_touched_bytes,
         )
 
@@ -369,8 +378,19 @@ def _loop_store(spec, config: EngineConfig):
     return store
 
 
+def snapshot_count(cache, spec) -> int:
+    """Recurrent-state snapshots for the prefix cache: cache.state_snapshots, else as many as fit
+    in a tenth of the K/V budget (at most 1024); 0 for a model without recurrent layers."""
+    size = spec.snapshot_bytes()
+    if not size:
+        return 0
+    if cache.state_snapshots is not None:
+        return cache.state_snapshots
+    return max(1, min(1024, int(cache.kv_cache_gib * 2**30 / 10) // size))
+
+
 def engine_budget(
-    config: EngineConfig, max_positions: int, looped: bool = False, window_bounded: bool = False
+    config: EngineConfig, max_positions: int, looped: bool = False, window_bounded: bool = False, snapshots: int = 0
 ) -> CacheBudget:
     """The engine's caches: the configured KV pool, one state slot per sequence that may run
     (admission never waits on a slot, so liveness rests on the blocks alone)."""
@@ -390,6 +410,7 @@ def engine_budget(
         window_bounded=window_bounded,
         fill_split=config.fill.split if config.fill.enabled else 0,
         scratch_slot=wants_decode_graphs(config),
+        state_snapshots=snapshots,
     )
 
 

@@ -92,6 +92,9 @@ class Runner:
         copies = [pair for it in items for pair in it.copies]
         if copies:  # NOTE: before anything this step writes: the copies are of shared blocks
             self.kv.copy_blocks(copies, self.block_size)
+        for it in items:  # NOTE: before any snapshot this step writes, which may reuse the slot read here
+            if it.restore is not None:
+                self.states.load_snapshot(it.restore, it.seq.state_slot)
         if self._graphed(items):
             ids, positions, batch = self.prepare(items)
             return StepLogits(
@@ -130,6 +133,9 @@ class Runner:
 
     def run(self, items: list[ScheduledSeq]) -> StepResult:
         step = self.forward(items)
+        for it in items:  # the recurrent states after the step's last row, for the prefix cache
+            if it.snapshot is not None:
+                self.states.save_snapshot(it.seq.state_slot, it.snapshot)
         logits, owners = step.logits, step.owners
         next_tokens: list[list[int] | None] = []
         scores: list[tuple[int, list[float], list[int]] | None] = []

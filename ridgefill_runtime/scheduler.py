@@ -122,11 +122,13 @@ class Scheduler:
             step.budget = min(step.budget, cap)
         for seq in [s for s in self.running if not _decoding(s)]:
             if self._may_run(step, seq):
-                self._run(step, next_item(seq, step.budget, self.config.chunk_size))
+                self._run(step, next_item(seq, step.budget, self.config.chunk_size, self.caches.snapshot_stop(seq)))
         # NOTE: a step that had to preempt is short of blocks: admitting now would only take
         # blocks an older sequence asks back next step (wasted prefill).
         if not step.preempted:
             self._admit(step)
+        for item in step.items:  # NOTE: once no item can be dropped any more
+            self.caches.plan_state(item)
         return step.items
 
     @staticmethod
@@ -198,7 +200,7 @@ class Scheduler:
             if hit.waits or not self.caches.can_allocate(seq, seq.num_tokens, self._blocks_owed(), hit):
                 break
             resume_from_cache(seq, hit)
-            item = next_item(seq, step.budget, self.config.chunk_size)
+            item = next_item(seq, step.budget, self.config.chunk_size, self.caches.snapshot_stop(seq))
             self.waiting.popleft()
             self.caches.allocate(seq, item.end, hit)
             seq.status = SeqStatus.RUNNING
@@ -250,6 +252,7 @@ class Scheduler:
                 self.caches.publish(seq)
         for item in items:  # NOTE: after any rollback: a rejected draft row is run again
             self.caches.trim(item.seq)
+            self.caches.publish_state(item)
         return touched
 
     def _append_run(self, seq: Sequence, tokens: list[int], eos_ids: tuple[int, ...]) -> int:

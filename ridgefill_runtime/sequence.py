@@ -135,6 +135,7 @@ class PrefixState:
     cached_filled_rows: int = 0
     reselect: bool = False  # reuse_filled = "reselect": cached rows are remade to its own selection of exact rows
     remade_rows: list[int] = field(default_factory=list)  # the cached rows it remakes exact (stages.py, recover)
+    restore: int | None = None  # a recurrent model's hit: the snapshot slot its first step loads (cache/snapshots.py)
 
     def restart(self) -> None:
         """Forget the last admission's cache hit (the identity and published keys stay)."""

@@ -75,6 +75,11 @@ class ScheduledSeq:
     draft: list[int] = field(default_factory=list)
     # copy-on-write: (source, copy) block pairs whose K/V the runner copies before the step runs
     copies: list[tuple[int, int]] = field(default_factory=list)
+    # a recurrent model's prefix cache (cache/snapshots.py): the snapshot slot whose states the
+    # runner loads into the sequence's state slot before the step (a hit), and the one it copies
+    # them into after the step (the step ends on a snapshot boundary)
+    restore: int | None = None
+    snapshot: int | None = None
 
     @property
     def end(self) -> int:
@@ -101,9 +106,12 @@ class ScheduledSeq:
         return known + self.draft if self.draft else known
 
 
-def next_item(seq: Sequence, budget: int, chunk: int) -> ScheduledSeq:
-    """The sequence's next piece of work, at most min(chunk, budget) rows."""
+def next_item(seq: Sequence, budget: int, chunk: int, stop: int | None = None) -> ScheduledSeq:
+    """The sequence's next piece of work, at most min(chunk, budget) rows; a prefill chunk of an
+    exact sequence ends at `stop` if it would pass it (a recurrent state snapshot is due there)."""
     n = min(chunk, budget)
+    if stop is not None and not seq.fill.stage.queued and seq.num_computed < stop:
+        n = min(n, stop - seq.num_computed)
     if seq.loop is not None and seq.loop.window:
         # NOTE: a looped model's RIPE(W) prefill in chunks of at most W + 1 rows reads every
         # position by Eq. (9) (within a chunk t - j <= W: plane r, which the pass computes), so it

@@ -176,6 +176,16 @@ def _families(s: ServingStats | None) -> Iterator:
         value=e.prefix_window_cut_tokens_total,
     )
     yield GaugeMetricFamily(
+        "ridgefill_prefix_cache_state_snapshots",
+        "Recurrent-state snapshots findable in the prefix cache (hybrid models)",
+        value=e.prefix_state_snapshots,
+    )
+    yield CounterMetricFamily(
+        "ridgefill_prefix_cache_state_restores",
+        "Requests that resumed a hybrid model's recurrent states from a prefix-cache snapshot",
+        value=e.prefix_state_restores_total,
+    )
+    yield GaugeMetricFamily(
         "ridgefill_prefix_cache_blocks",
         "KV blocks findable in the prefix cache (held or not)",
         value=e.prefix_cached_blocks,

@@ -11,6 +11,7 @@ from .block_manager import BlockManager
 from .kv_layout import KVLayout, window_layout
 from .kv_pool import KVPool
 from .manager import CacheManager
+from .snapshots import SnapshotTable
 from .spec import CacheSpec
 from .state_pool import StatePool
 from .window_pages import WindowPages
@@ -33,6 +34,7 @@ class CacheBudget:
     fill_split: int = 0  # RidgeFill's split when the fill may run: window groups are cut there
     kv_dtype: torch.dtype | None = None  # what the K/V slabs hold; None: the spec's (the model's) dtype
     scratch_slot: bool = False  # one K/V slot past the blocks for decode graphs' padding rows (KVPool)
+    state_snapshots: int = 0  # recurrent-state snapshots for the prefix cache (cache/snapshots.py)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -45,6 +47,8 @@ class CacheBudget:
             raise ValueError(f"state_slots must be positive, got {self.state_slots}")
         if self.max_positions <= 0:
             raise ValueError(f"max_positions must be positive, got {self.max_positions}")
+        if self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0, got {self.state_snapshots}")
 
     @classmethod
     def for_tokens(cls, num_tokens: int, block_size: int = 16) -> CacheBudget:
@@ -75,12 +79,23 @@ class ModelCaches:
         per_block = 1 if self.layout is None else self.layout.num_groups
         return self.num_blocks // per_block * self.block_size
 
-    def manager(self, prefix_caching: bool = False, lazy_late_pages: bool = False) -> CacheManager:
+    def manager(
+        self, prefix_caching: bool = False, lazy_late_pages: bool = False, snapshot_every: int = 0
+    ) -> CacheManager:
         """A manager of these pools' ids; freeing a slot clears what the pools keep in it.
         lazy_late_pages: the runner defers the fill's sliding-window late writes (Runner's
-        defer_windows), so those pages are taken when the late sweep comes near them."""
+        defer_windows), so those pages are taken when the late sweep comes near them.
+        snapshot_every: a recurrent model's prefix cache snapshots its states every this many
+        blocks (and at each prompt's last full block)."""
         if prefix_caching and not self.spec.prefix_cacheable:
             raise ValueError("cache.prefix_caching: " + self.spec.why_not_prefix_cacheable())
+        snapshots = None
+        if prefix_caching and self.spec.recurrent_layers:
+            if not self.states.num_snapshots:
+                raise ValueError(
+                    "cache.prefix_caching on a recurrent model needs state snapshots (state_snapshots > 0)"
+                )
+            snapshots = SnapshotTable(self.states.num_snapshots)
         blocks = BlockManager(self.num_blocks, self.block_size)
         pages = None if self.layout is None else WindowPages(self.layout, blocks, self.kv.map_pages, lazy_late_pages)
         return CacheManager(
@@ -93,6 +108,8 @@ class ModelCaches:
             prefix_caching=prefix_caching,
             window_pages=pages,
             kv_bytes_per_block=self.kv.bytes_per_token() * self.block_size,
+            snapshots=snapshots,
+            snapshot_every=snapshot_every,
         )
 
 
@@ -119,7 +136,7 @@ def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | st
         read_dtype=spec.dtype,
         scratch_slot=budget.scratch_slot,
     )
-    states = StatePool(spec, budget.state_slots, device, budget.history_rows)
+    states = StatePool(spec, budget.state_slots, device, budget.history_rows, budget.state_snapshots)
     return ModelCaches(spec, kv, states, budget.block_size, num_blocks, layout)
 
 
@@ -134,4 +151,5 @@ def _num_blocks(spec: CacheSpec, budget: CacheBudget, layout: KVLayout | None = 
     if per_block == 0:  # NOTE: no attention: blocks only count positions, room for every slot at full length
         return budget.state_slots * -(-budget.max_positions // budget.block_size)
     room = int(budget.kv_cache_gib * 2**30) - spec.state_bytes_per_sequence() * budget.state_slots
+    room -= spec.snapshot_bytes() * budget.state_snapshots
     return max(1, room // per_block) * per_model_block

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from ..stages import Stage
 from .block_manager import BlockManager
 from .prefix_cache import EXACT, NO_HIT, PrefixCache, PrefixHit
+from .snapshots import SnapshotTable
 from .window_pages import WindowPages
 
 SlotHook = Callable[[int], None]
@@ -40,6 +41,8 @@ class CacheStats:
     prefix_window_cut_tokens: int = 0  # not found: cached blocks whose window pages were evicted
     prefix_evictions: int = 0  # cache entries dropped to make room
     kv_touched_bytes: int = 0  # K/V pool bytes of the blocks ever handed out (resident since)
+    state_snapshots: int = 0  # recurrent-state snapshots findable in the prefix cache
+    state_restores: int = 0  # admissions that resumed from one
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_blocks_used <= self.kv_blocks_total:
@@ -62,11 +65,15 @@ class CacheManager:
         prefix_caching: bool = False,
         window_pages: WindowPages | None = None,
         kv_bytes_per_block: int = 0,
+        snapshots: SnapshotTable | None = None,
+        snapshot_every: int = 0,
     ):
         """window_pages: a sliding-window model's per-group pages (the blocks then count pages:
         each block of a table takes one per group, and window groups give theirs back as rows
         pass); None: one block holds every layer's K/V. kv_bytes_per_block: what one block (or
-        page) holds in the K/V pool, for stats' kv_touched_bytes."""
+        page) holds in the K/V pool, for stats' kv_touched_bytes. snapshots: a recurrent model's
+        prefix cache keeps its states after some cached blocks (every `snapshot_every` blocks and
+        each prompt's last full block); a hit must end at one."""
         if num_state_slots <= 0:
             raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
         self.blocks = blocks
@@ -79,6 +86,8 @@ class CacheManager:
         self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
         self.prefix = PrefixCache(blocks) if prefix_caching else None
         self.pages = window_pages
+        self.snapshots = snapshots
+        self.snapshot_every = snapshot_every
 
     # -- asking ---------------------------------------------------------------------------
 
@@ -101,6 +110,8 @@ class CacheManager:
         hit = self.prefix.match(seq)
         if usable is not None:
             hit = usable(seq, hit)
+        if self.snapshots is not None and hit.blocks:
+            return self._with_snapshot(seq, hit)
         if self.pages is None or not hit.blocks:
             return hit
         if seq.prefix.reselect and seq.prefix.identity != EXACT:
@@ -110,6 +121,63 @@ class CacheManager:
         k, picks = self.pages.readable(hit.blocks)
         kept = hit.cut(k * self.blocks.block_size)
         return replace(kept, pages=picks, waits=hit.waits, window_cut=hit.num_tokens - kept.num_tokens)
+
+    def _with_snapshot(self, seq, hit: PrefixHit) -> PrefixHit:
+        """A recurrent model resumes only where its states were kept: the hit ends at the last of
+        its blocks with a snapshot after it."""
+        if seq.prefix.identity != EXACT:
+            # NOTE: a filled prefix's late recurrent states are approximate, and no snapshot says
+            # which fill made them: a filled request on a hybrid computes its prompt
+            return replace(NO_HIT, waits=hit.waits)
+        k = next((k for k in range(len(hit.blocks), 0, -1) if self.snapshots.lookup(hit.keys[k - 1]) is not None), 0)
+        kept = hit.cut(k * self.blocks.block_size)
+        return replace(kept, state=hit.keys[k - 1] if k else None, waits=hit.waits)
+
+    def snapshot_stop(self, seq) -> int | None:
+        """Where seq's next prefill chunk must end for a snapshot to be taken there (None: no
+        snapshot is due before its prompt ends)."""
+        if self.snapshots is None or seq.prefix.identity != EXACT:
+            return None
+        later = [s for s in self._snapshot_points(seq) if s > seq.num_computed]
+        return min(later) if later else None
+
+    def _snapshot_points(self, seq) -> list[int]:
+        """The next boundaries at which seq's states are snapshotted: its prompt's last full block
+        end, and the next multiple of snapshot_every blocks."""
+        bs = self.blocks.block_size
+        points = [(len(seq.prompt_ids) - 1) // bs * bs]
+        if self.snapshot_every:
+            span = self.snapshot_every * bs
+            points.append((seq.num_computed // span + 1) * span)
+        return points
+
+    def plan_state(self, item) -> None:
+        """Before a step runs: the snapshot a newly admitted item loads, and the slot its states
+        are copied into after the step when it ends on a snapshot boundary. NOTE: a verification
+        (a draft) rolls states back after the step, so it snapshots nothing."""
+        seq = item.seq
+        if seq.prefix.restore is not None:
+            item.restore, seq.prefix.restore = seq.prefix.restore, None
+        if self.snapshots is None or seq.prefix.identity != EXACT or item.draft or item.positions is not None:
+            return
+        bs = self.blocks.block_size
+        end = item.end
+        due = end == (len(seq.prompt_ids) - 1) // bs * bs or (
+            self.snapshot_every and end % (self.snapshot_every * bs) == 0
+        )
+        if end > 0 and end % bs == 0 and due:
+            item.snapshot = self.snapshots.take()
+
+    def publish_state(self, item) -> None:
+        """After a step: a snapshot taken at the end of block i becomes findable under that
+        block's key once the block is published (it always is, unless the sequence was let go)."""
+        if item.snapshot is None:
+            return
+        i, keys = item.end // self.blocks.block_size - 1, item.seq.prefix.block_keys
+        if i < len(keys):
+            self.snapshots.publish(item.snapshot, keys[i])
+        else:
+            self.snapshots.give_back(item.snapshot)
 
     def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0, hit: PrefixHit = NO_HIT) -> bool:
         """Whether seq could start holding `num_tokens` positions, its first ones from `hit`,
@@ -153,6 +221,8 @@ class CacheManager:
             self.blocks.share(seq.block_table, block)
         if self.pages is not None:
             self.pages.adopt(seq.block_table, hit.pages, self.pages.reads(len(hit.blocks)))
+        if hit.state is not None:
+            seq.prefix.restore = self.snapshots.restore(hit.state)
         seq.prefix.block_keys = list(hit.keys)
         if self.prefix is not None:
             self.prefix.count(seq, hit)
@@ -238,6 +308,7 @@ class CacheManager:
             self.pages.forget(seq.block_table)
         self.blocks.free(seq.block_table)
         seq.prefix.block_keys = []
+        seq.prefix.restore = None
         slot = seq.state_slot
         if slot is None:
             return
@@ -267,6 +338,8 @@ class CacheManager:
             prefix_window_cut_tokens=self.prefix.window_cut_tokens if self.prefix else 0,
             prefix_evictions=self.blocks.evictions,
             kv_touched_bytes=self.blocks.num_touched * self.kv_bytes_per_block,
+            state_snapshots=self.snapshots.num_published if self.snapshots else 0,
+            state_restores=self.snapshots.restores if self.snapshots else 0,
         )
 
 

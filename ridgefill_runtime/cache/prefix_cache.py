@@ -43,6 +43,7 @@ class PrefixHit:
     # found by WindowPages.readable(); cut() drops them (a shorter hit reads other pages)
     pages: tuple[tuple[int, int, int], ...] = ()
     window_cut: int = 0  # tokens whose blocks were cached but not the window pages they read
+    state: bytes | None = None  # recurrent models: the key of the state snapshot after the last block
 
     @property
     def filled_rows(self) -> int:

@@ -198,17 +198,17 @@ class CacheSpec:
 
     @property
     def prefix_cacheable(self) -> bool:
-        """Every layer keeps paged K/V only, so a block's K/V are all a prefix leaves behind."""
-        return all(isinstance(c, AttentionCache) for c in self.layers)
+        """A cached prefix can be resumed: its blocks' K/V, and for recurrent layers a snapshot of
+        their states after the last of those blocks (cache/snapshots.py). Not a looped model."""
+        return not self.loop_layers
+
+    def snapshot_bytes(self) -> int:
+        """What one snapshot of every recurrent layer's state takes (0: no recurrent layer)."""
+        return sum(c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, RecurrentCache))
 
     def why_not_prefix_cacheable(self) -> str:
-        # NOTE: a recurrent state (or a looped model's ring) sums up the whole prefix in one
-        # per-sequence tensor; reusing a prefix would need a snapshot per block boundary.
-        if self.recurrent_layers:
-            return (
-                f"layers {list(self.recurrent_layers)} keep a recurrent state, which summarizes the "
-                'prefix without per-block snapshots to resume from; use cache.prefix_caching = "off"'
-            )
+        # NOTE: a looped model's planes depend on each request's loops, and its RIPE ring sums
+        # up a window no block holds
         return (
             f"layers {list(self.loop_layers)} are looped (their K/V planes depend on each request's "
             'loops); use cache.prefix_caching = "off"'

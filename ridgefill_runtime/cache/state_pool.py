@@ -14,9 +14,13 @@ from .spec import CacheSpec, LoopPlanesCache, RecurrentCache
 
 
 class StatePool:
-    def __init__(self, spec: CacheSpec, num_slots: int, device: torch.device | str, history_rows: int = 0):
-        """history_rows: the most rows a speculative verification runs (0: none does)."""
+    def __init__(
+        self, spec: CacheSpec, num_slots: int, device: torch.device | str, history_rows: int = 0, snapshots: int = 0
+    ):
+        """history_rows: the most rows a speculative verification runs (0: none does); snapshots:
+        copies of every recurrent layer's state the prefix cache keeps (cache/snapshots.py)."""
         self.num_slots = num_slots
+        self.num_snapshots = snapshots if spec.recurrent_layers else 0
         self.dtype, self.device = spec.dtype, torch.device(device)
         self.stash_width = spec.stash_width
         # NOTE: zeros, not empty: small (one state per running sequence), and a model may read
@@ -65,6 +69,21 @@ class StatePool:
             if isinstance(c, RecurrentCache) and history_rows > 0
         }
 
+        # layer -> part -> [snapshots, *shape]: every recurrent part, as after a cached block.
+        # NOTE: empty, not zeros: a snapshot is read only after it was written, and untouched
+        # pages cost no resident memory
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = (
+            {
+                i: {
+                    name: torch.empty((snapshots, *t.shape[1:]), dtype=t.dtype, device=device)
+                    for name, t in parts.items()
+                }
+                for i, parts in self.states.items()
+            }
+            if snapshots > 0
+            else {}
+        )
+
     # -- recurrent states --------------------------------------------------------------------
 
     def state(self, layer: int) -> dict[str, torch.Tensor]:
@@ -91,6 +110,18 @@ class StatePool:
             at = (rows + start) % width
             for part in ("k", "v"):
                 self.rings[layer][part][slot, at] = pending[part][slot, rows]
+
+    def save_snapshot(self, slot: int, snapshot: int) -> None:
+        """Copy the slot's recurrent states (as after its sequence's last computed row) into a snapshot."""
+        for layer, parts in self.snapshots.items():
+            for name, snap in parts.items():
+                snap[snapshot] = self.states[layer][name][slot]
+
+    def load_snapshot(self, snapshot: int, slot: int) -> None:
+        """A sequence resumes from a snapshot: its slot's states become the snapshot's."""
+        for layer, parts in self.snapshots.items():
+            for name, snap in parts.items():
+                self.states[layer][name][slot] = snap[snapshot]
 
     def free_slot(self, slot: int) -> None:
         """The slot's sequence is gone (finished or preempted): zero its states, drop its stash."""

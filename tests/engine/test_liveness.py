@@ -15,6 +15,7 @@ import pytest
 from ridgefill_runtime.cache.block_manager import BlockManager
 from ridgefill_runtime.cache.kv_layout import KVLayout
 from ridgefill_runtime.cache.manager import CacheManager
+from ridgefill_runtime.cache.snapshots import SnapshotTable
 from ridgefill_runtime.cache.window_pages import WindowPages
 from ridgefill_runtime.config import REUSE_POLICIES, FillConfig, RowsConfig, SchedulerConfig
 from ridgefill_runtime.engine import apply_fill, cache_identity
@@ -148,15 +149,25 @@ def window_pages(case: dict, blocks: BlockManager) -> WindowPages:
     return WindowPages(layout, blocks, lambda g, bs, ps: None)
 
 
-def run_case(case: dict, prefix_caching: bool = False, windows: bool = False) -> None:
-    """windows: the pool holds a window layout's pages, 4 per block (window_pages())."""
+def run_case(case: dict, prefix_caching: bool = False, windows: bool = False, snapshots: bool = False) -> None:
+    """windows: the pool holds a window layout's pages, 4 per block (window_pages()); snapshots:
+    a recurrent model's prefix cache, whose hits end where a state snapshot was kept."""
     rng = case["rng"]
     config = SchedulerConfig(
         max_num_batched_tokens=case["budget"], max_num_seqs=case["max_seqs"], chunk_size=case["chunk"]
     )
     blocks = BlockManager(case["num_blocks"] * (4 if windows else 1), case["block_size"])
     pages = window_pages(case, blocks) if windows else None
-    manager = CacheManager(blocks, config.max_num_seqs, prefix_caching=prefix_caching, window_pages=pages)
+    table = SnapshotTable(rng.randint(1, 6)) if snapshots else None
+    every = rng.choice([0, 1, 3]) if snapshots else 0
+    manager = CacheManager(
+        blocks,
+        config.max_num_seqs,
+        prefix_caching=prefix_caching,
+        window_pages=pages,
+        snapshots=table,
+        snapshot_every=every,
+    )
     sched = Scheduler(config, manager, exact_rows)
     for r in case["requests"]:
         r["policy"] = rng.choice(REUSE_POLICIES) if prefix_caching else None
@@ -178,6 +189,7 @@ def run_case(case: dict, prefix_caching: bool = False, windows: bool = False) ->
         pytest.fail(f"not done after {limit} steps: {len(sched.running)} running, {len(sched.waiting)} waiting")
     assert all(s.finished for s in seqs)
     assert sched.blocks.num_free == sched.blocks.num_blocks
+    assert table is None or table.num_taken == 0, "a snapshot slot taken and never published or given back"
     for s in seqs:
         if s.finish_reason == "length":
             assert len(s.output_ids) == s.params.max_tokens
@@ -195,6 +207,13 @@ def test_random_workloads_sharing_every_prefix_always_finish_and_return_every_bl
     blocks, waits for blocks in flight, reselected rows copied before they are remade, eviction."""
     for seed in range(NUM_CASES):
         run_case(random_case(seed), prefix_caching=True)
+
+
+def test_random_workloads_sharing_every_prefix_with_state_snapshots():
+    """The same again for a recurrent model: prefill chunks end where snapshots are due, slots
+    are taken, published, evicted and given back, and hits end at a snapshot."""
+    for seed in range(NUM_CASES):
+        run_case(random_case(seed), prefix_caching=True, snapshots=True)
 
 
 def test_random_workloads_sharing_every_prefix_over_window_pages():

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec, RecurrentCache
+from ridgefill_runtime.cache.spec import AttentionCache, CacheSpec, LoopPlanesCache, RecurrentCache
 from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, RowsConfig, SchedulerConfig
 from ridgefill_runtime.engine import Engine, prefix_caching_on
 from ridgefill_runtime.loader.hf import load_hf_folder
@@ -281,22 +281,23 @@ def check_same_cache(eng: Engine, seq, fresh: Engine, fresh_seq, n: int) -> None
             assert rel_err(a, b) < 1e-5, (layer, part)
 
 
-def test_prefix_caching_is_for_kv_only_models(caplog):
+def test_prefix_caching_is_for_every_model_but_looped_ones(caplog):
     kv = CacheSpec(layers=(AttentionCache(2, 8),) * 3, dtype=torch.float32)
     hybrid = CacheSpec(layers=(AttentionCache(2, 8), RecurrentCache((("state", (2, 4, 4)),))), dtype=torch.float32)
+    windowed = CacheSpec(layers=(AttentionCache(2, 8, window=16), AttentionCache(2, 8)), dtype=torch.float32)
+    looped = CacheSpec(
+        layers=(AttentionCache(2, 8), LoopPlanesCache(2, 8, loops=4, kind="deepest")), dtype=torch.float32
+    )
     with caplog.at_level("WARNING", logger="ridgefill.engine"):
         assert prefix_caching_on("auto", kv) and not prefix_caching_on("off", kv)
+        # NOTE: recurrent states resume from snapshots, window pages are cached as they are let go (issue 32)
+        assert prefix_caching_on("auto", hybrid) and prefix_caching_on("auto", windowed)
         assert not caplog.records  # on, or off as asked: nothing to say
-        assert not prefix_caching_on("auto", hybrid)
+        assert not prefix_caching_on("auto", looped)
     # NOTE: "auto" turning the cache off says so, with the reason, rather than a cache that never hits
-    assert len(caplog.records) == 1 and "recurrent state" in caplog.records[0].getMessage()
-    windowed = CacheSpec(layers=(AttentionCache(2, 8, window=16), AttentionCache(2, 8)), dtype=torch.float32)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="ridgefill.engine"):
-        assert prefix_caching_on("auto", windowed) and prefix_caching_on("on", windowed)
-    assert not caplog.records  # NOTE: window pages are cached as they are let go (issue 32)
-    with pytest.raises(ValueError, match="recurrent state"):
-        prefix_caching_on("on", hybrid)
+    assert len(caplog.records) == 1 and "looped" in caplog.records[0].getMessage()
+    with pytest.raises(ValueError, match="looped"):
+        prefix_caching_on("on", looped)
     with pytest.raises(ValueError, match="prefix_caching"):
         CacheConfig(prefix_caching="yes")
     with pytest.raises(ValueError, match="reuse_filled"):
