@@ -5,7 +5,7 @@ inter-token gap must stay within 2 x its p50 ITL + one chunk's compute.
     python benchmarks/hybrid_loadtest.py --threads 2 --out benchmarks/hybrid_loadtest
 
 The model: random weights, Qwen3.5 layout (d = 512, 16 layers, 12 GDN + 4 gated attention),
-SmolLM2's vocabulary and tokenizer (tokenizer.json written from the embedded GGUF), so the
+SmolLM2's vocabulary, tokenizer and chat template (written from the embedded GGUF), so the
 load-test client's text prompts tokenize. Speed does not depend on the weights' values.
 "One chunk's compute" is measured in the same run: the costliest engine step of an exact
 `chunk`-row chunked prefill of a prompt as long as the new one (its last chunk), on the same
@@ -31,6 +31,7 @@ from serving import ROOT, start_server
 def build_model(folder: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ridgefill_runtime.loader.export_tokenizer import write_hf_tokenizer
     from ridgefill_runtime.loader.gguf import default_model_path, load_gguf
 
     tokenizer = load_gguf(default_model_path()).tokenizer
@@ -54,7 +55,8 @@ def build_model(folder: Path) -> None:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder, safe_serialization=True)
-    (folder / "tokenizer.json").write_text(tokenizer._backend.to_str())
+    # NOTE: tokenizer.json and its config, chat template included (the chat load test needs it)
+    write_hf_tokenizer(tokenizer, folder, cfg.max_position_embeddings)
 
 
 def chunk_seconds(folder: Path, chunk: int, prompt: int, threads: int, reps: int = 3) -> float:

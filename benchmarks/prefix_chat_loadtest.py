@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -75,9 +76,20 @@ def main() -> None:
     ap.add_argument("--user-tokens", type=int, default=48)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--model", default=None, help="a packaged model name or path (default: the embedded one)")
+    ap.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="serve hybrid_loadtest.py's random Qwen3.5-layout hybrid (12 GDN + 4 attention layers, SmolLM2's tokenizer)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/prefix_chat_loadtest[/MODEL]")
     args = ap.parse_args()
-    args.out = args.out or ROOT / "benchmarks" / "prefix_chat_loadtest" / (args.model or "")
+    if args.hybrid:
+        from hybrid_loadtest import build_model
+
+        args.model = str(Path(tempfile.mkdtemp()) / "hybrid")
+        build_model(Path(args.model))
+    name = "hybrid" if args.hybrid else args.model or ""
+    args.out = args.out or ROOT / "benchmarks" / "prefix_chat_loadtest" / name
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     model = ["--model", args.model] if args.model else []
@@ -91,7 +103,7 @@ def main() -> None:
             proc.wait(timeout=60)
     (args.out / "summary.json").write_text(json.dumps(results, indent=1))
     print(
-        f"threads={args.threads}; model {args.model or 'embedded'}; {args.requests} chat requests at {args.rate}/s, a shared system prompt of "
+        f"threads={args.threads}; model {name or 'embedded'}; {args.requests} chat requests at {args.rate}/s, a shared system prompt of "
         f"~{args.system_tokens} tokens + ~{args.user_tokens} user tokens each, {args.output_tokens} output tokens"
     )
     print(

@@ -123,8 +123,10 @@ class Engine:
         self.kv = self.caches.kv
         # NOTE: a cached filled block must hold every filled row's K/V (another request's rows reach
         # others), and the rescale rewrites them all at once: otherwise the fill writes a filled row's
-        # sliding-window late K/V only when a late row reaches it, and those pages come with the late sweep
-        defer = not self.prefix_caching and not rewrites_filled_rows(config.fill)
+        # sliding-window late K/V only when a late row reaches it, and those pages come with the late
+        # sweep. On a window layout filled requests stay out of the prefix cache (filled_uncached)
+        self.filled_uncached = self.caches.layout is not None
+        defer = (not self.prefix_caching or self.filled_uncached) and not rewrites_filled_rows(config.fill)
         manager = self.caches.manager(  # the scheduler owns it
             self.prefix_caching, lazy_late_pages=defer, snapshot_every=config.cache.snapshot_every
         )
@@ -195,6 +197,11 @@ class Engine:
             seq.fill.terminal_state = seq.fill.carry_all_rows and terminal_state
         policy = reuse_filled or self.fill.reuse_filled
         seq.prefix.identity = cache_identity(seq, self.fill, self.maps_digest, policy)
+        if seq.fill.boundary and self.filled_uncached:
+            # NOTE: a window layout keeps a filled prefill's late pages lazy (the memory of
+            # benchmarks/window_kv_memory.md), so its blocks hold not every filled row; and a
+            # reselecting hit would remake rows whose window pages are gone
+            seq.prefix.identity = None
         seq.prefix.reselect = policy == "reselect"
         seq.spec.max_draft = spec_tokens(self.speculative, params)
         seq.loop = self.plan_loops(params)

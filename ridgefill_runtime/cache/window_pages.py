@@ -35,8 +35,9 @@ class WindowPages:
     def __init__(self, layout: KVLayout, blocks: BlockManager, on_map: MapHook, lazy_late: bool = False):
         """lazy_late: the fill writes a filled row's sliding-window late K/V only when a late row
         reaches it (fill/plan.py), so during a two-sweep prefill those groups take a block's page
-        only when the late sweep comes near it (ensure()). Never with the prefix cache (a lazy
-        page is one no table holds yet, which sharing would make ambiguous)."""
+        only when the late sweep comes near it (ensure()). Only filled sequences have lazy pages,
+        and they take no part in the prefix cache on a window layout (Engine.filled_uncached), so
+        a shared block never lacks a page."""
         self.layout = layout
         self.blocks = blocks
         self._on_map = on_map

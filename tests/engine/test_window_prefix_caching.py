@@ -138,11 +138,14 @@ def test_concurrent_requests_with_preemption_and_aborts_on_a_small_pool(folder):
     _all_pages_back(engine)
 
 
-def test_a_reselecting_filled_request_runs_a_fresh_fill_and_exact_ones_still_hit(folder):
-    """reuse_filled = "reselect" remakes late rows anywhere in a cached prefix, whose window pages
-    are mostly let go: on a window layout it takes no hit, so it answers as a fresh fill does."""
-    fill = FillConfig(arm="identity", split=1, tail=8, rows=RowsConfig(selectors=("special",)))
+@pytest.mark.parametrize("policy", ["reselect", "as-is"])
+def test_filled_requests_stay_out_of_the_cache_and_exact_ones_still_hit(folder, policy):
+    """On a window layout a filled prefill keeps its late pages lazy (window_kv_memory.md), so its
+    blocks are not published and it takes no hit: it answers as a fresh fill does, and its pages
+    follow the late sweep as with the cache off."""
+    fill = FillConfig(arm="identity", split=1, tail=8, rows=RowsConfig(selectors=("special",)), reuse_filled=policy)
     engine = _engine(folder, "on", fill=fill)
+    assert engine.runner.planner.defer_windows
     fresh = _engine(folder, "off", fill=fill)
     doc = _tokens(60, 3)
     got = []
