@@ -150,17 +150,28 @@ def test_concurrent_requests_with_preemption_and_aborts_on_a_small_pool(folder):
     _all_back(engine)
 
 
-def test_a_filled_request_takes_no_hit(folder):
+@pytest.mark.parametrize("policy", ["reselect", "as-is"])
+def test_a_filled_request_takes_no_hit_and_answers_as_a_fresh_fill(folder, policy):
     """A filled prefix's late recurrent states are approximate: a filled request computes its
-    prompt, and an exact one after it still resumes from the exact snapshots."""
-    fill = FillConfig(arm="identity", split=2, tail=8, rows=RowsConfig(selectors=("special",)))
+    prompt under either reuse policy, so it answers as a fresh fill (cache off) does, and an exact
+    request after it still resumes from the exact snapshots."""
+    fill = FillConfig(arm="identity", split=2, tail=8, rows=RowsConfig(selectors=("special",)), reuse_filled=policy)
     engine = _engine(folder, every=1, fill=fill)
+    fresh = _engine(folder, "off", fill=fill)
     doc = _tokens(48, 5)
     engine.add_request(doc + [1], _greedy(4), fill=False)
     _drain(engine)
-    filled = engine.add_request(doc + [2], _greedy(4))
-    _drain(engine)
-    assert filled.fill.boundary > 0 and filled.prefix.num_cached == 0
+    got = []
+    for tail in ([2, 9, 9], [3, 8]):
+        got.append(engine.add_request(doc + tail, _greedy(6)))
+        _drain(engine)
+        want = fresh.add_request(doc + tail, _greedy(6))
+        _drain(fresh)
+        assert got[-1].fill.boundary > 0 and got[-1].prefix.num_cached == 0
+        assert got[-1].output_ids == want.output_ids
+        lp = torch.tensor([t.logprob for t in got[-1].logprobs.output])
+        lp_want = torch.tensor([t.logprob for t in want.logprobs.output])
+        assert ((lp - lp_want).abs() / lp_want.abs().clamp_min(1.0)).max() < 1e-5
     again = engine.add_request(doc + [3], _greedy(4), fill=False)
     _drain(engine)
     assert again.prefix.num_cached == 48
