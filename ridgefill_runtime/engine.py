@@ -11,7 +11,7 @@ import torch
 
 from .cache.build import CacheBudget, build_caches
 from .decode_graphs import engine_decode_graphs, wants_decode_graphs
-from .cache.prefix_cache import EXACT, fill_identity
+from .cache.prefix_cache import EXACT, fill_identity, loop_identity
 from .cache.spec import spec_of
 from .config import REUSE_POLICIES, EngineConfig, RowsConfig, SpeculativeConfig
 from .detokenize import TextTracker
@@ -207,6 +207,7 @@ class Engine:
         seq.loop = self.plan_loops(params)
         if seq.loop is not None:
             seq.spec.max_draft = seq.loop.block
+            seq.prefix.identity = loop_identity(seq.loop.loops, seq.loop.window, params.seed or 0)
         self.scheduler.add(seq)
         return seq
 

@@ -90,7 +90,7 @@ class ModelCaches:
         if prefix_caching and not self.spec.prefix_cacheable:
             raise ValueError("cache.prefix_caching: " + self.spec.why_not_prefix_cacheable())
         snapshots = None
-        if prefix_caching and self.spec.recurrent_layers:
+        if prefix_caching and self.spec.snapshot_bytes():
             if not self.states.num_snapshots:
                 raise ValueError(
                     "cache.prefix_caching on a recurrent model needs state snapshots (state_snapshots > 0)"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ..stages import Stage
 from .block_manager import BlockManager
-from .prefix_cache import EXACT, NO_HIT, PrefixCache, PrefixHit
+from .prefix_cache import NO_HIT, PrefixCache, PrefixHit
 from .snapshots import SnapshotTable
 from .window_pages import WindowPages
 
@@ -114,7 +114,7 @@ class CacheManager:
             return self._with_snapshot(seq, hit)
         if self.pages is None or not hit.blocks:
             return hit
-        if seq.prefix.reselect and seq.prefix.identity != EXACT:
+        if seq.prefix.reselect and seq.fill.boundary:
             # NOTE: reselect remakes late rows anywhere in the cached prefix; the window pages
             # around them are mostly let go, so it runs a fresh fill (what reselect equals)
             return replace(NO_HIT, waits=hit.waits)
@@ -125,7 +125,7 @@ class CacheManager:
     def _with_snapshot(self, seq, hit: PrefixHit) -> PrefixHit:
         """A recurrent model resumes only where its states were kept: the hit ends at the last of
         its blocks with a snapshot after it."""
-        if seq.prefix.identity != EXACT:
+        if seq.fill.boundary:
             # NOTE: a filled prefix's late recurrent states are approximate, and no snapshot says
             # which fill made them: a filled request on a hybrid computes its prompt
             return replace(NO_HIT, waits=hit.waits)
@@ -136,7 +136,7 @@ class CacheManager:
     def snapshot_stop(self, seq) -> int | None:
         """Where seq's next prefill chunk must end for a snapshot to be taken there (None: no
         snapshot is due before its prompt ends)."""
-        if self.snapshots is None or seq.prefix.identity != EXACT:
+        if self.snapshots is None or seq.fill.boundary:
             return None
         later = [s for s in self._snapshot_points(seq) if s > seq.num_computed]
         return min(later) if later else None
@@ -158,7 +158,7 @@ class CacheManager:
         seq = item.seq
         if seq.prefix.restore is not None:
             item.restore, seq.prefix.restore = seq.prefix.restore, None
-        if self.snapshots is None or seq.prefix.identity != EXACT or item.draft or item.positions is not None:
+        if self.snapshots is None or seq.fill.boundary or item.draft or item.positions is not None:
             return
         bs = self.blocks.block_size
         end = item.end

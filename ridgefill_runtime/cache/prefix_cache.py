@@ -3,7 +3,7 @@ publishes. Ids and hashes only; the blocks and their reference counts are block_
 
 A full block's key is a chained hash: the previous block's history (its key and which of its
 rows ran exactly), the block's token ids and the block's *identity*, which says how its K/V
-were made. Every exact block has the identity EXACT,
+were made. Every exact block has the identity EXACT (a looped model's: loop_identity),
 so any two prompts with a common exact prefix share it. A filled sequence's own blocks carry
 its fill identity (`fill_identity`): arm, split, map file, and, under reuse_filled = "never",
 the whole prompt and its exact-row settings, so they serve only that prompt again. A filled
@@ -92,6 +92,18 @@ def fill_identity(
     return h.digest()
 
 
+def loop_identity(loops: int, window: int | None, seed: int) -> bytes | None:
+    """A looped request's block identity: its planes depend on its loop count and the seed of its
+    rows' initial states. Only the full policy (window None: plane r of every position) is cached:
+    under RIPE(W) or the deepest plane a prompt row reads older rows at the deepest plane, so the
+    planes depend on where prefill chunks start, and a hit starts one where a fresh prefill did
+    not (on the tiny test model, RIPE(6) prefills in chunks of 4 and 7 differ by up to 0.08 in
+    log-probability, greedy tokens included; the full store's by 2e-4: float32 rounding)."""
+    if window is not None:
+        return None
+    return hashlib.blake2b(f"loop|{loops}|{window}|{seed}".encode(), digest_size=16).digest()
+
+
 class PrefixCache:
     """Looks prompts up among the published blocks and publishes what sequences computed."""
 
@@ -137,11 +149,11 @@ class PrefixCache:
         """seq was admitted from `hit`: the exact prompt blocks it will compute are in flight
         until it publishes them (or lets them go), so an equal prompt waits instead of
         computing them too."""
-        if seq.prefix.identity != EXACT:
+        if seq.fill.boundary or seq.prefix.identity is None:  # NOTE: exact blocks (a looped request's too)
             return
         bs, parent, claimed = self.block_size, hit.keys[-1] if hit.keys else ROOT, []
         for i in range(len(hit.blocks), (len(seq.prompt_ids) - 1) // bs):
-            key = block_key(parent, seq.prompt_ids[i * bs : (i + 1) * bs], EXACT)
+            key = block_key(parent, seq.prompt_ids[i * bs : (i + 1) * bs], seq.prefix.identity)
             if self.blocks.lookup(key) is None and self._computing.setdefault(key, seq.seq_id) == seq.seq_id:
                 claimed.append(key)
             parent = history_key(key, tuple(range(bs)))
@@ -185,7 +197,7 @@ class PrefixCache:
     def _exact_offsets(self, seq, i: int) -> tuple[int, ...]:
         """Offsets in block i of rows whose late K/V ran exactly."""
         lo, hi = i * self.block_size, (i + 1) * self.block_size
-        if seq.prefix.identity == EXACT or lo >= seq.fill.boundary:
+        if lo >= seq.fill.boundary:
             return tuple(range(self.block_size))
         exact = {r for r in seq.fill.exact_rows if lo <= r < hi} | set(range(max(lo, seq.fill.boundary), hi))
         return tuple(sorted(r - lo for r in exact))

@@ -198,20 +198,22 @@ class CacheSpec:
 
     @property
     def prefix_cacheable(self) -> bool:
-        """A cached prefix can be resumed: its blocks' K/V, and for recurrent layers a snapshot of
-        their states after the last of those blocks (cache/snapshots.py). Not a looped model."""
-        return not self.loop_layers
+        """A cached prefix can be resumed: its blocks' K/V, and for recurrent layers a snapshot
+        of their states after the last of those blocks (snapshots.py). A looped model only with
+        the full store (loop_identity says why)."""
+        return all(c.kind == "full" for c in self.layers if isinstance(c, LoopPlanesCache))
 
     def snapshot_bytes(self) -> int:
         """What one snapshot of every recurrent layer's state takes (0: no recurrent layer)."""
         return sum(c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, RecurrentCache))
 
     def why_not_prefix_cacheable(self) -> str:
-        # NOTE: a looped model's planes depend on each request's loops, and its RIPE ring sums
-        # up a window no block holds
+        # NOTE: under RIPE or the deepest plane a prompt row reads its own chunk's rows at loop r
+        # and older rows at the deepest plane, so the K/V depend on where chunks start
         return (
-            f"layers {list(self.loop_layers)} are looped (their K/V planes depend on each request's "
-            'loops); use cache.prefix_caching = "off"'
+            f"layers {list(self.loop_layers)} are looped with a {self.layers[self.loop_layers[0]].kind!r} store, "
+            "whose planes depend on where prefill chunks start, so a cached prefix would change the output; "
+            'use cache.prefix_caching = "off" (or looped.cache = "full")'
         )
 
     def state_bytes_per_sequence(self) -> int:

@@ -20,7 +20,7 @@ class StatePool:
         """history_rows: the most rows a speculative verification runs (0: none does); snapshots:
         copies of every recurrent layer's state the prefix cache keeps (cache/snapshots.py)."""
         self.num_slots = num_slots
-        self.num_snapshots = snapshots if spec.recurrent_layers else 0
+        self.num_snapshots = snapshots if spec.snapshot_bytes() else 0
         self.dtype, self.device = spec.dtype, torch.device(device)
         self.stash_width = spec.stash_width
         # NOTE: zeros, not empty: small (one state per running sequence), and a model may read
@@ -69,20 +69,15 @@ class StatePool:
             if isinstance(c, RecurrentCache) and history_rows > 0
         }
 
-        # layer -> part -> [snapshots, *shape]: every recurrent part, as after a cached block.
-        # NOTE: empty, not zeros: a snapshot is read only after it was written, and untouched
-        # pages cost no resident memory
-        self.snapshots: dict[int, dict[str, torch.Tensor]] = (
-            {
-                i: {
-                    name: torch.empty((snapshots, *t.shape[1:]), dtype=t.dtype, device=device)
-                    for name, t in parts.items()
-                }
-                for i, parts in self.states.items()
+        # layer -> part -> [snapshots, *shape]: every recurrent part, as after a cached block. NOTE: empty, not zeros: a snapshot is read only after it was written, and
+        # untouched pages cost no resident memory
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {
+            i: {
+                name: torch.empty((self.num_snapshots, *t.shape[1:]), dtype=t.dtype, device=device)
+                for name, t in parts.items()
             }
-            if snapshots > 0
-            else {}
-        )
+            for i, parts in self.states.items()
+        }
 
     # -- recurrent states --------------------------------------------------------------------
 
