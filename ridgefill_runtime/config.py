@@ -339,7 +339,7 @@ class SpeculativeConfig:
         return self.method != "off"
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 WEIGHT_MODES = ("auto", "packed", "dequantized")
 
 
@@ -356,7 +356,12 @@ class EngineConfig:
         key="path",
         example='"/models/my-llama"',
     )
-    dtype: str = setting("float32", help="float32 | bfloat16 | float16", flag="--dtype", choices=DTYPES)
+    dtype: str = setting(
+        "float32",
+        help="float32 | bfloat16 | float16 | float64 (reference runs: the compiled kernels fall back to torch)",
+        flag="--dtype",
+        choices=DTYPES,
+    )
     device: str = setting("cpu", help="cpu | cuda | cuda:1 ...", flag="--device")
     weights: str = setting(
         "auto",

@@ -28,7 +28,7 @@ from .config import LoopPlan
 from .loop_plan import resolve_loops
 from .speculative import NgramProposer, no_drafts, self_draft_slots
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # A step that finds nothing to run while work exists is a scheduler bug; sleeping this long
 # keeps the loop from burning a core until the work ends (abort, timeout) or the bug is fixed.
 IDLE_BACKOFF_S = 0.01

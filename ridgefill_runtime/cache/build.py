@@ -93,7 +93,8 @@ class ModelCaches:
         if prefix_caching and self.spec.snapshot_bytes():
             if not self.states.num_snapshots:
                 raise ValueError(
-                    "cache.prefix_caching on a recurrent model needs state snapshots (state_snapshots > 0)"
+                    "cache.prefix_caching on a model with per-sequence states (recurrent, RIPE ring) needs "
+                    "state snapshots (state_snapshots > 0)"
                 )
             snapshots = SnapshotTable(self.states.num_snapshots)
         blocks = BlockManager(self.num_blocks, self.block_size)

@@ -93,13 +93,14 @@ def fill_identity(
 
 
 def loop_identity(loops: int, window: int | None, seed: int) -> bytes | None:
-    """A looped request's block identity: its planes depend on its loop count and the seed of its
-    rows' initial states. Only the full policy (window None: plane r of every position) is cached:
-    under RIPE(W) or the deepest plane a prompt row reads older rows at the deepest plane, so the
-    planes depend on where prefill chunks start, and a hit starts one where a fresh prefill did
-    not (on the tiny test model, RIPE(6) prefills in chunks of 4 and 7 differ by up to 0.08 in
-    log-probability, greedy tokens included; the full store's by 2e-4: float32 rounding)."""
-    if window is not None:
+    """A looped request's block identity: its planes depend on its loop count, its read policy
+    (window None: full, W: RIPE(W)) and the seed of its rows' initial states. None for the
+    deepest-plane read (W = 0): its prefill chunks are not bounded, and a prompt row reads its own
+    chunk's rows at loop r but older rows at the deepest plane, so its planes depend on where
+    chunks start. RIPE(W) prefills in chunks of at most W + 1 rows, where both agree (seed 001
+    Proposition 1; tests/models/test_looped_prefix_caching.py checks it in float64); the full
+    policy reads plane r everywhere."""
+    if window == 0:
         return None
     return hashlib.blake2b(f"loop|{loops}|{window}|{seed}".encode(), digest_size=16).digest()
 

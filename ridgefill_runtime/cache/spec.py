@@ -198,22 +198,25 @@ class CacheSpec:
 
     @property
     def prefix_cacheable(self) -> bool:
-        """A cached prefix can be resumed: its blocks' K/V, and for recurrent layers a snapshot
-        of their states after the last of those blocks (snapshots.py). A looped model only with
-        the full store (loop_identity says why)."""
-        return all(c.kind == "full" for c in self.layers if isinstance(c, LoopPlanesCache))
+        """A cached prefix can be resumed: its blocks' K/V, and for recurrent layers (and a RIPE
+        store's ring) a snapshot of their states after the last of those blocks (snapshots.py).
+        Not a deepest-plane looped store (prefix_cache.loop_identity says why)."""
+        return not any(isinstance(c, LoopPlanesCache) and c.kind == "deepest" for c in self.layers)
 
     def snapshot_bytes(self) -> int:
-        """What one snapshot of every recurrent layer's state takes (0: no recurrent layer)."""
-        return sum(c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, RecurrentCache))
+        """What one snapshot of every per-sequence state a prefix hit resumes takes: recurrent
+        states and RIPE rings (0: none)."""
+        return sum(
+            c.bytes_per_sequence(self.dtype) for c in self.layers if isinstance(c, (RecurrentCache, LoopPlanesCache))
+        )
 
     def why_not_prefix_cacheable(self) -> str:
-        # NOTE: under RIPE or the deepest plane a prompt row reads its own chunk's rows at loop r
-        # and older rows at the deepest plane, so the K/V depend on where chunks start
+        # NOTE: a deepest-plane prefill reads its own chunk's rows at loop r and older rows at
+        # the deepest plane, so its planes depend on where chunks start
         return (
-            f"layers {list(self.loop_layers)} are looped with a {self.layers[self.loop_layers[0]].kind!r} store, "
-            "whose planes depend on where prefill chunks start, so a cached prefix would change the output; "
-            'use cache.prefix_caching = "off" (or looped.cache = "full")'
+            f"layers {list(self.loop_layers)} keep only the deepest loop plane, whose prefill depends on where "
+            'chunks start, so a cached prefix would change the output; use cache.prefix_caching = "off" '
+            '(or looped.cache = "full" or "ripe")'
         )
 
     def state_bytes_per_sequence(self) -> int:

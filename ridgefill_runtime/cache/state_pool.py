@@ -69,14 +69,15 @@ class StatePool:
             if isinstance(c, RecurrentCache) and history_rows > 0
         }
 
-        # layer -> part -> [snapshots, *shape]: every recurrent part, as after a cached block. NOTE: empty, not zeros: a snapshot is read only after it was written, and
+        # layer -> part -> [snapshots, *shape]: every recurrent part and RIPE ring, as after a
+        # cached block. NOTE: empty, not zeros: a snapshot is read only after it was written, and
         # untouched pages cost no resident memory
         self.snapshots: dict[int, dict[str, torch.Tensor]] = {
             i: {
                 name: torch.empty((self.num_snapshots, *t.shape[1:]), dtype=t.dtype, device=device)
                 for name, t in parts.items()
             }
-            for i, parts in self.states.items()
+            for i, parts in self._per_sequence().items()
         }
 
     # -- recurrent states --------------------------------------------------------------------
@@ -106,17 +107,23 @@ class StatePool:
             for part in ("k", "v"):
                 self.rings[layer][part][slot, at] = pending[part][slot, rows]
 
+    def _per_sequence(self) -> dict[int, dict[str, torch.Tensor]]:
+        """What a slot holds that sums up its sequence's prefix: recurrent states, RIPE rings."""
+        return {**self.states, **self.rings}
+
     def save_snapshot(self, slot: int, snapshot: int) -> None:
-        """Copy the slot's recurrent states (as after its sequence's last computed row) into a snapshot."""
+        """Copy the slot's states and rings (as after its sequence's last computed row) into a snapshot."""
+        held = self._per_sequence()
         for layer, parts in self.snapshots.items():
             for name, snap in parts.items():
-                snap[snapshot] = self.states[layer][name][slot]
+                snap[snapshot] = held[layer][name][slot]
 
     def load_snapshot(self, snapshot: int, slot: int) -> None:
-        """A sequence resumes from a snapshot: its slot's states become the snapshot's."""
+        """A sequence resumes from a snapshot: its slot's states and rings become the snapshot's."""
+        held = self._per_sequence()
         for layer, parts in self.snapshots.items():
             for name, snap in parts.items():
-                self.states[layer][name][slot] = snap[snapshot]
+                held[layer][name][slot] = snap[snapshot]
 
     def free_slot(self, slot: int) -> None:
         """The slot's sequence is gone (finished or preempted): zero its states, drop its stash."""
