@@ -68,6 +68,7 @@ class EngineStats:
     prefix_queried_tokens_total: int = 0  # prompt tokens admissions looked up in the prefix cache
     prefix_hit_tokens_total: int = 0  # of those, found (their K/V were not computed again)
     prefix_window_cut_tokens_total: int = 0  # not found: their window pages were evicted
+    prefix_state_cut_tokens_total: int = 0  # not found: no state snapshot after their blocks
     prefix_state_snapshots: int = 0  # recurrent-state snapshots findable (hybrid models)
     prefix_state_restores_total: int = 0  # admissions that resumed from one
     kv_touched_bytes: int = 0  # K/V pool bytes ever written (the pool is allocated, not touched, at start)
@@ -284,6 +285,7 @@ class Engine:
             prefix_queried_tokens_total=held.prefix_queried_tokens,
             prefix_hit_tokens_total=held.prefix_hit_tokens,
             prefix_window_cut_tokens_total=held.prefix_window_cut_tokens,
+            prefix_state_cut_tokens_total=held.prefix_state_cut_tokens,
             prefix_state_snapshots=held.state_snapshots,
             prefix_state_restores_total=held.state_restores,
             kv_touched_bytes=held.kv_touched_bytes,

@@ -175,6 +175,11 @@ def _families(s: ServingStats | None) -> Iterator:
         "Prompt tokens whose blocks were cached but not the sliding-window pages they read (evicted): computed",
         value=e.prefix_window_cut_tokens_total,
     )
+    yield CounterMetricFamily(
+        "ridgefill_prefix_cache_state_cut",
+        "Prompt tokens whose blocks were cached but with no recurrent-state snapshot after them: computed",
+        value=e.prefix_state_cut_tokens_total,
+    )
     yield GaugeMetricFamily(
         "ridgefill_prefix_cache_state_snapshots",
         "Recurrent-state snapshots findable in the prefix cache (hybrid models)",

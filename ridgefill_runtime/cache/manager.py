@@ -39,6 +39,7 @@ class CacheStats:
     prefix_queried_tokens: int = 0  # prompt tokens admissions looked up
     prefix_hit_tokens: int = 0  # of those, found in the prefix cache
     prefix_window_cut_tokens: int = 0  # not found: cached blocks whose window pages were evicted
+    prefix_state_cut_tokens: int = 0  # not found: cached blocks with no state snapshot after them
     prefix_evictions: int = 0  # cache entries dropped to make room
     kv_touched_bytes: int = 0  # K/V pool bytes of the blocks ever handed out (resident since)
     state_snapshots: int = 0  # recurrent-state snapshots findable in the prefix cache
@@ -131,7 +132,8 @@ class CacheManager:
             return replace(NO_HIT, waits=hit.waits)
         k = next((k for k in range(len(hit.blocks), 0, -1) if self.snapshots.lookup(hit.keys[k - 1]) is not None), 0)
         kept = hit.cut(k * self.blocks.block_size)
-        return replace(kept, state=hit.keys[k - 1] if k else None, waits=hit.waits)
+        cut = hit.num_tokens - kept.num_tokens
+        return replace(kept, state=hit.keys[k - 1] if k else None, waits=hit.waits, state_cut=cut)
 
     def snapshot_stop(self, seq) -> int | None:
         """Where seq's next prefill chunk must end for a snapshot to be taken there (None: no
@@ -336,6 +338,7 @@ class CacheManager:
             prefix_queried_tokens=self.prefix.queried_tokens if self.prefix else 0,
             prefix_hit_tokens=self.prefix.hit_tokens if self.prefix else 0,
             prefix_window_cut_tokens=self.prefix.window_cut_tokens if self.prefix else 0,
+            prefix_state_cut_tokens=self.prefix.state_cut_tokens if self.prefix else 0,
             prefix_evictions=self.blocks.evictions,
             kv_touched_bytes=self.blocks.num_touched * self.kv_bytes_per_block,
             state_snapshots=self.snapshots.num_published if self.snapshots else 0,

@@ -43,6 +43,7 @@ class PrefixHit:
     # found by WindowPages.readable(); cut() drops them (a shorter hit reads other pages)
     pages: tuple[tuple[int, int, int], ...] = ()
     window_cut: int = 0  # tokens whose blocks were cached but not the window pages they read
+    state_cut: int = 0  # tokens whose blocks were cached but no state snapshot after them
     state: bytes | None = None  # recurrent models: the key of the state snapshot after the last block
 
     @property
@@ -114,6 +115,7 @@ class PrefixCache:
         self.queried_tokens = 0  # prompt tokens looked up (the last one is never a hit)
         self.hit_tokens = 0  # of those, found
         self.window_cut_tokens = 0  # of those not found, the ones a window layer's evicted pages cost
+        self.state_cut_tokens = 0  # and the ones no state snapshot was kept for
         # exact blocks running sequences are computing: key -> the sequence's id, and its keys
         self._computing: dict[bytes, int] = {}
         self._claims: dict[int, list[bytes]] = {}
@@ -171,6 +173,7 @@ class PrefixCache:
         self.queried_tokens += len(seq.prompt_ids)
         self.hit_tokens += hit.num_tokens
         self.window_cut_tokens += hit.window_cut
+        self.state_cut_tokens += hit.state_cut
 
     def publish(self, seq) -> list[tuple[int, bytes]]:
         """Publish seq's full blocks whose K/V are final: below the last token (whose K/V the

@@ -87,6 +87,8 @@ def test_shared_system_prompt_resumes_at_the_last_snapshot(folder, every):
     _drain(engine)
     second = engine.add_request(system + _tokens(9, 11), _greedy(10))
     _drain(engine)
+    cut = engine.stats().prefix_state_cut_tokens_total  # for /metrics: cached, but no snapshot there
+    assert cut == 68 - {1: 68, 2: 64, 0: 0}[every]
     third = engine.add_request(first.prompt_ids + first.output_ids[:3] + [7], _greedy(10))
     _drain(engine)
     want = {1: 68, 2: 64, 0: 0}[every]
