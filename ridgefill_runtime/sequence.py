@@ -136,6 +136,8 @@ class PrefixState:
     reselect: bool = False  # reuse_filled = "reselect": cached rows are remade to its own selection of exact rows
     remade_rows: list[int] = field(default_factory=list)  # the cached rows it remakes exact (stages.py, recover)
     restore: int | None = None  # a recurrent model's hit: the snapshot slot its first step loads (cache/snapshots.py)
+    turn_snapshot: int | None = None  # its own snapshot slot, rewritten at each block end its decode reaches
+    turn_block: int = 0  # the block that snapshot follows
 
     def restart(self) -> None:
         """Forget the last admission's cache hit (the identity and published keys stay)."""

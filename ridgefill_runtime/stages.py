@@ -80,6 +80,7 @@ class ScheduledSeq:
     # them into after the step (the step ends on a snapshot boundary)
     restore: int | None = None
     snapshot: int | None = None
+    turn_snapshot: bool = False  # `snapshot` is the sequence's own, published when it is let go
 
     @property
     def end(self) -> int:

@@ -155,8 +155,10 @@ class CacheManager:
 
     def plan_state(self, item) -> None:
         """Before a step runs: the snapshot a newly admitted item loads, and the slot its states
-        are copied into after the step when it ends on a snapshot boundary. NOTE: a verification
-        (a draft) rolls states back after the step, so it snapshots nothing."""
+        are copied into after the step when it ends on a block end: a snapshot boundary (a new
+        entry), or else, decoding, the sequence's own turn snapshot, published when it is let go
+        so that its next turn resumes from its answer's last block. NOTE: a verification (a
+        draft) rolls states back after the step, so it snapshots nothing."""
         seq = item.seq
         if seq.prefix.restore is not None:
             item.restore, seq.prefix.restore = seq.prefix.restore, None
@@ -164,22 +166,41 @@ class CacheManager:
             return
         bs = self.blocks.block_size
         end = item.end
+        if end == 0 or end % bs:
+            return
         due = end == (len(seq.prompt_ids) - 1) // bs * bs or (
             self.snapshot_every and end % (self.snapshot_every * bs) == 0
         )
-        if end > 0 and end % bs == 0 and due:
+        if due:
             item.snapshot = self.snapshots.take()
+        elif item.samples:
+            if seq.prefix.turn_snapshot is None:
+                seq.prefix.turn_snapshot = self.snapshots.take()
+            item.snapshot, item.turn_snapshot = seq.prefix.turn_snapshot, True
+            seq.prefix.turn_block = end // bs - 1  # NOTE: now: the step runs before anything can let seq go
 
     def publish_state(self, item) -> None:
         """After a step: a snapshot taken at the end of block i becomes findable under that
         block's key once the block is published (it always is, unless the sequence was let go)."""
-        if item.snapshot is None:
+        if item.snapshot is None or item.turn_snapshot:
             return
         i, keys = item.end // self.blocks.block_size - 1, item.seq.prefix.block_keys
         if i < len(keys):
             self.snapshots.publish(item.snapshot, keys[i])
         else:
             self.snapshots.give_back(item.snapshot)
+
+    def _publish_turn_snapshot(self, seq) -> None:
+        """seq is let go: the snapshot after the last block end its decode reached becomes an
+        entry under that block's key (given back if the block was not published)."""
+        slot, i = seq.prefix.turn_snapshot, seq.prefix.turn_block
+        if slot is None:
+            return
+        seq.prefix.turn_snapshot = None
+        if i < len(seq.prefix.block_keys):
+            self.snapshots.publish(slot, seq.prefix.block_keys[i])
+        else:
+            self.snapshots.give_back(slot)
 
     def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0, hit: PrefixHit = NO_HIT) -> bool:
         """Whether seq could start holding `num_tokens` positions, its first ones from `hit`,
@@ -303,6 +324,7 @@ class CacheManager:
         """Give back everything seq holds: its blocks (what it computed stays cached until the
         room is needed), its state slot and its stash."""
         self.publish(seq)
+        self._publish_turn_snapshot(seq)
         if self.prefix is not None:
             self.prefix.unclaim(seq)
         if self.pages is not None:

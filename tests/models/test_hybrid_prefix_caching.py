@@ -100,8 +100,11 @@ def test_shared_system_prompt_resumes_at_the_last_snapshot(folder, every):
     _all_back(engine)
 
 
-def test_three_turn_chat(folder):
-    engine = _engine(folder, every=1)
+@pytest.mark.parametrize("every", [1, 32])
+def test_three_turn_chat(folder, every):
+    """With a snapshot every block, or only at prompt ends and (the default spacing of 32 blocks
+    being past these prompts) the turn snapshot each sequence publishes when it ends."""
+    engine = _engine(folder, every=every)
     prompt, turns = _tokens(30, 2), []
     for t in range(3):
         seq = engine.add_request(prompt, _greedy(20))
@@ -109,7 +112,7 @@ def test_three_turn_chat(folder):
         turns.append(seq)
         prompt = prompt + seq.output_ids + _tokens(7, 20 + t)
     for before, seq in zip(turns, turns[1:]):
-        # every decode step that ended on a block end left a snapshot: the hit runs into the answer
+        # the last block end the answer's decode reached left a snapshot: the hit runs into the answer
         assert seq.prefix.num_cached >= len(before.prompt_ids) + 20 - 2 * BLOCK
     for seq in turns:
         _same_as_alone(folder, seq)
