@@ -125,9 +125,11 @@ class Engine:
         # NOTE: a cached filled block must hold every filled row's K/V (another request's rows reach
         # others), and the rescale rewrites them all at once: otherwise the fill writes a filled row's
         # sliding-window late K/V only when a late row reaches it, and those pages come with the late
-        # sweep. On a window layout filled requests stay out of the prefix cache (filled_uncached)
-        self.filled_uncached = self.caches.layout is not None
-        defer = (not self.prefix_caching or self.filled_uncached) and not rewrites_filled_rows(config.fill)
+        # sweep. Filled requests stay out of the prefix cache where it could not reuse their blocks
+        self.filled_uncached = filled_uncached_why(self.caches)
+        if self.prefix_caching and config.fill.enabled and self.filled_uncached:
+            log.warning("prefix cache: filled requests take no cached blocks on this model: %s", self.filled_uncached)
+        defer = (not self.prefix_caching or bool(self.filled_uncached)) and not rewrites_filled_rows(config.fill)
         manager = self.caches.manager(  # the scheduler owns it
             self.prefix_caching, lazy_late_pages=defer, snapshot_every=config.cache.snapshot_every
         )
@@ -199,9 +201,6 @@ class Engine:
         policy = reuse_filled or self.fill.reuse_filled
         seq.prefix.identity = cache_identity(seq, self.fill, self.maps_digest, policy)
         if seq.fill.boundary and self.filled_uncached:
-            # NOTE: a window layout keeps a filled prefill's late pages lazy (the memory of
-            # benchmarks/window_kv_memory.md), so its blocks hold not every filled row; and a
-            # reselecting hit would remake rows whose window pages are gone
             seq.prefix.identity = None
         seq.prefix.reselect = policy == "reselect"
         seq.spec.max_draft = spec_tokens(self.speculative, params)
@@ -386,6 +385,22 @@ def _loop_store(spec, config: EngineConfig):
     except InputError as e:
         raise ValueError(str(e).replace("ridgefill.", "looped.")) from None
     return store
+
+
+def filled_uncached_why(caches) -> str:
+    """Why filled requests stay out of the prefix cache on this model ("" where they take part)."""
+    if caches.layout is not None:
+        # NOTE: so a filled prefill keeps its late window pages lazy (benchmarks/window_kv_memory.md)
+        return (
+            "sliding-window pages: a cached filled block would need every filled row written at once, and a "
+            "reselecting hit would remake rows whose window pages are gone"
+        )
+    if caches.spec.snapshot_bytes():
+        return (
+            "recurrent states: a filled prefix's late states are approximate, and no snapshot names the fill "
+            "that made them"
+        )
+    return ""
 
 
 def snapshot_count(cache, spec) -> int:

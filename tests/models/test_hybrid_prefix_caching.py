@@ -156,12 +156,14 @@ def test_concurrent_requests_with_preemption_and_aborts_on_a_small_pool(folder):
 
 
 @pytest.mark.parametrize("policy", ["reselect", "as-is"])
-def test_a_filled_request_takes_no_hit_and_answers_as_a_fresh_fill(folder, policy):
+def test_a_filled_request_takes_no_hit_and_answers_as_a_fresh_fill(folder, policy, caplog):
     """A filled prefix's late recurrent states are approximate: a filled request computes its
     prompt under either reuse policy, so it answers as a fresh fill (cache off) does, and an exact
     request after it still resumes from the exact snapshots."""
     fill = FillConfig(arm="identity", split=2, tail=8, rows=RowsConfig(selectors=("special",)), reuse_filled=policy)
-    engine = _engine(folder, every=1, fill=fill)
+    with caplog.at_level("WARNING", logger="ridgefill.engine"):
+        engine = _engine(folder, every=1, fill=fill)
+    assert "filled requests take no cached blocks" in caplog.text  # said once, with the reason
     fresh = _engine(folder, "off", fill=fill)
     doc = _tokens(48, 5)
     engine.add_request(doc + [1], _greedy(4), fill=False)
