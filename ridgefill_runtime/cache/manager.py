@@ -15,6 +15,7 @@ from collections.abc import Callable
 from ..stages import Stage
 from .block_manager import BlockManager
 from .prefix_cache import NO_HIT, PrefixCache, PrefixHit
+from .snapshot_plan import SnapshotPlan
 from .snapshots import SnapshotTable
 from .window_pages import WindowPages
 
@@ -87,8 +88,7 @@ class CacheManager:
         self._stash_rows: dict[int, int] = {}  # slot -> rows of its stash, while its prefill runs
         self.prefix = PrefixCache(blocks) if prefix_caching else None
         self.pages = window_pages
-        self.snapshots = snapshots
-        self.snapshot_every = snapshot_every
+        self.snapshots = None if snapshots is None else SnapshotPlan(snapshots, blocks.block_size, snapshot_every)
 
     # -- asking ---------------------------------------------------------------------------
 
@@ -112,7 +112,7 @@ class CacheManager:
         if usable is not None:
             hit = usable(seq, hit)
         if self.snapshots is not None and hit.blocks:
-            return self._with_snapshot(seq, hit)
+            return self.snapshots.resume_point(seq, hit)
         if self.pages is None or not hit.blocks:
             return hit
         if seq.prefix.reselect and seq.fill.boundary:
@@ -123,84 +123,23 @@ class CacheManager:
         kept = hit.cut(k * self.blocks.block_size)
         return replace(kept, pages=picks, waits=hit.waits, window_cut=hit.num_tokens - kept.num_tokens)
 
-    def _with_snapshot(self, seq, hit: PrefixHit) -> PrefixHit:
-        """A recurrent model resumes only where its states were kept: the hit ends at the last of
-        its blocks with a snapshot after it."""
-        if seq.fill.boundary:
-            # NOTE: a filled prefix's late recurrent states are approximate, and no snapshot says
-            # which fill made them: a filled request on a hybrid computes its prompt
-            return replace(NO_HIT, waits=hit.waits)
-        k = next((k for k in range(len(hit.blocks), 0, -1) if self.snapshots.lookup(hit.keys[k - 1]) is not None), 0)
-        kept = hit.cut(k * self.blocks.block_size)
-        cut = hit.num_tokens - kept.num_tokens
-        return replace(kept, state=hit.keys[k - 1] if k else None, waits=hit.waits, state_cut=cut)
-
     def snapshot_stop(self, seq) -> int | None:
-        """Where seq's next prefill chunk must end for a snapshot to be taken there (None: no
-        snapshot is due before its prompt ends)."""
-        if self.snapshots is None or seq.fill.boundary:
-            return None
-        later = [s for s in self._snapshot_points(seq) if s > seq.num_computed]
-        return min(later) if later else None
-
-    def _snapshot_points(self, seq) -> list[int]:
-        """The next boundaries at which seq's states are snapshotted: its prompt's last full block
-        end, and the next multiple of snapshot_every blocks."""
-        bs = self.blocks.block_size
-        points = [(len(seq.prompt_ids) - 1) // bs * bs]
-        if self.snapshot_every:
-            span = self.snapshot_every * bs
-            points.append((seq.num_computed // span + 1) * span)
-        return points
+        """Where seq's next prefill chunk must end for a state snapshot (snapshot_plan.py)."""
+        return None if self.snapshots is None else self.snapshots.stop(seq)
 
     def plan_state(self, item) -> None:
-        """Before a step runs: the snapshot a newly admitted item loads, and the slot its states
-        are copied into after the step when it ends on a block end: a snapshot boundary (a new
-        entry), or else, decoding, the sequence's own turn snapshot, published when it is let go
-        so that its next turn resumes from its answer's last block. NOTE: a verification (a
-        draft) rolls states back after the step, so it snapshots nothing."""
+        """Before a step runs: the snapshot a newly admitted item loads, and the one its states
+        are copied into after the step (snapshot_plan.py)."""
         seq = item.seq
         if seq.prefix.restore is not None:
             item.restore, seq.prefix.restore = seq.prefix.restore, None
-        if self.snapshots is None or seq.fill.boundary or item.draft or item.positions is not None:
-            return
-        bs = self.blocks.block_size
-        end = item.end
-        if end == 0 or end % bs:
-            return
-        due = end == (len(seq.prompt_ids) - 1) // bs * bs or (
-            self.snapshot_every and end % (self.snapshot_every * bs) == 0
-        )
-        if due:
-            item.snapshot = self.snapshots.take()
-        elif item.samples:
-            if seq.prefix.turn_snapshot is None:
-                seq.prefix.turn_snapshot = self.snapshots.take()
-            item.snapshot, item.turn_snapshot = seq.prefix.turn_snapshot, True
-            seq.prefix.turn_block = end // bs - 1  # NOTE: now: the step runs before anything can let seq go
+        if self.snapshots is not None:
+            self.snapshots.plan(item)
 
     def publish_state(self, item) -> None:
-        """After a step: a snapshot taken at the end of block i becomes findable under that
-        block's key once the block is published (it always is, unless the sequence was let go)."""
-        if item.snapshot is None or item.turn_snapshot:
-            return
-        i, keys = item.end // self.blocks.block_size - 1, item.seq.prefix.block_keys
-        if i < len(keys):
-            self.snapshots.publish(item.snapshot, keys[i])
-        else:
-            self.snapshots.give_back(item.snapshot)
-
-    def _publish_turn_snapshot(self, seq) -> None:
-        """seq is let go: the snapshot after the last block end its decode reached becomes an
-        entry under that block's key (given back if the block was not published)."""
-        slot, i = seq.prefix.turn_snapshot, seq.prefix.turn_block
-        if slot is None:
-            return
-        seq.prefix.turn_snapshot = None
-        if i < len(seq.prefix.block_keys):
-            self.snapshots.publish(slot, seq.prefix.block_keys[i])
-        else:
-            self.snapshots.give_back(slot)
+        """After a step: a state snapshot it took becomes a cache entry."""
+        if self.snapshots is not None:
+            self.snapshots.publish(item)
 
     def can_allocate(self, seq, num_tokens: int, reserved_blocks: int = 0, hit: PrefixHit = NO_HIT) -> bool:
         """Whether seq could start holding `num_tokens` positions, its first ones from `hit`,
@@ -244,8 +183,8 @@ class CacheManager:
             self.blocks.share(seq.block_table, block)
         if self.pages is not None:
             self.pages.adopt(seq.block_table, hit.pages, self.pages.reads(len(hit.blocks)))
-        if hit.state is not None:
-            seq.prefix.restore = self.snapshots.restore(hit.state)
+        if self.snapshots is not None:
+            seq.prefix.restore = self.snapshots.restore(hit)
         seq.prefix.block_keys = list(hit.keys)
         if self.prefix is not None:
             self.prefix.count(seq, hit)
@@ -324,7 +263,8 @@ class CacheManager:
         """Give back everything seq holds: its blocks (what it computed stays cached until the
         room is needed), its state slot and its stash."""
         self.publish(seq)
-        self._publish_turn_snapshot(seq)
+        if self.snapshots is not None:
+            self.snapshots.let_go(seq)
         if self.prefix is not None:
             self.prefix.unclaim(seq)
         if self.pages is not None:
@@ -363,8 +303,8 @@ class CacheManager:
             prefix_state_cut_tokens=self.prefix.state_cut_tokens if self.prefix else 0,
             prefix_evictions=self.blocks.evictions,
             kv_touched_bytes=self.blocks.num_touched * self.kv_bytes_per_block,
-            state_snapshots=self.snapshots.num_published if self.snapshots else 0,
-            state_restores=self.snapshots.restores if self.snapshots else 0,
+            state_snapshots=self.snapshots.table.num_published if self.snapshots else 0,
+            state_restores=self.snapshots.table.restores if self.snapshots else 0,
         )
 
 

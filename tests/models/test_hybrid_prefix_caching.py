@@ -68,12 +68,12 @@ def _same_as_alone(folder, seq) -> None:
 def _all_back(engine) -> None:
     stats = engine.stats()
     assert stats.kv_blocks_used == 0 and stats.state_slots_used == 0
-    assert engine.scheduler.caches.snapshots.num_taken == 0
+    assert engine.scheduler.caches.snapshots.table.num_taken == 0
 
 
 def test_auto_turns_the_cache_on_with_snapshots(folder):
     engine = _engine(folder, "auto", snapshots=None)
-    assert engine.prefix_caching and engine.scheduler.caches.snapshots.num_slots > 0
+    assert engine.prefix_caching and engine.scheduler.caches.snapshots.table.num_slots > 0
 
 
 @pytest.mark.parametrize("every", [1, 2, 0])
@@ -126,7 +126,7 @@ def test_few_snapshot_slots_evict_and_hits_stay_correct(folder):
     for i in range(6):
         seqs.append(engine.add_request(bases[i % 3] + _tokens(5, 50 + i), _greedy(6)))
         _drain(engine)
-    assert engine.scheduler.caches.snapshots.evictions > 0
+    assert engine.scheduler.caches.snapshots.table.evictions > 0
     for seq in seqs:
         _same_as_alone(folder, seq)
     _all_back(engine)
