@@ -81,6 +81,7 @@ def main() -> None:
         action="store_true",
         help="serve hybrid_loadtest.py's random Qwen3.5-layout hybrid (12 GDN + 4 attention layers, SmolLM2's tokenizer)",
     )
+    ap.add_argument("--snapshot-every", type=int, default=None, help="the server's cache.snapshot_every (hybrids)")
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/prefix_chat_loadtest[/MODEL]")
     args = ap.parse_args()
     if args.hybrid:
@@ -89,10 +90,14 @@ def main() -> None:
         args.model = str(Path(tempfile.mkdtemp()) / "hybrid")
         build_model(Path(args.model))
     name = "hybrid" if args.hybrid else args.model or ""
+    if args.snapshot_every is not None:
+        name += f"-snapshot-every-{args.snapshot_every}"
     args.out = args.out or ROOT / "benchmarks" / "prefix_chat_loadtest" / name
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     model = ["--model", args.model] if args.model else []
+    if args.snapshot_every is not None:
+        model += ["--snapshot-every", str(args.snapshot_every)]
     for label, setting, port in (("prefix cache on", "on", 8761), ("prefix cache off", "off", 8762)):
         proc = start_server(["--threads", str(args.threads), "--prefix-caching", setting, *model], port)
         try:
