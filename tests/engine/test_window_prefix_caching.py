@@ -9,8 +9,6 @@ hit past the window reads pages that its own sequence let go of while it ran.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -18,6 +16,8 @@ from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, Rows
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import build_tiny
+from prefix_workloads import concurrent_with_aborts
+from prefix_workloads import drain as _drain
 
 BLOCK = 4
 
@@ -45,11 +45,6 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def _drain(engine) -> None:
-    while engine.has_unfinished():
-        engine.step()
 
 
 def _alone(folder, prompt: list[int], n: int):
@@ -116,25 +111,12 @@ def test_three_turn_chat_hits_through_each_answer(folder):
 def test_concurrent_requests_with_preemption_and_aborts_on_a_small_pool(folder):
     """Requests on three shared prefixes arrive while others run, on a pool too small for all of
     them at once; some are aborted mid-run. Every finished one answers as it does alone."""
-    rng = random.Random(0)
-    bases = [_tokens(40, 30 + i) for i in range(3)]
     engine = _engine(folder, "on", num_blocks=22, max_num_seqs=4)  # 88 positions in every group
-    seqs, aborted = [], []
-    for i in range(10):
-        ids = rng.choice(bases)[: rng.randint(17, 40)] + _tokens(rng.randint(1, 12), 40 + i)
-        seqs.append(engine.add_request(ids, _greedy(rng.randint(16, 30))))
-        for _ in range(rng.randint(0, 3)):
-            engine.step()
-        if i in (3, 7):
-            live = [s for s in seqs if not s.finished]
-            aborted.append(live[-1])
-            engine.abort(live[-1])
-    _drain(engine)
+    done = concurrent_with_aborts(engine, _tokens, 40, 17, 12, (16, 30), 40)
     stats = engine.stats()
     assert stats.preemptions_total > 0 and stats.prefix_hit_tokens_total > 0
-    for seq in seqs:
-        if seq not in aborted:
-            _same_as_alone(folder, seq)
+    for seq in done:
+        _same_as_alone(folder, seq)
     _all_pages_back(engine)
 
 

@@ -9,8 +9,6 @@ Memory: snapshot bytes against the formula, taken from the K/V budget.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -20,6 +18,8 @@ from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, Rows
 from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
 from tiny_models import HYBRID_CONFIGS, build_tiny_hybrid
+from prefix_workloads import concurrent_with_aborts
+from prefix_workloads import drain as _drain
 
 BLOCK = 4
 
@@ -48,11 +48,6 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def _drain(engine) -> None:
-    while engine.has_unfinished():
-        engine.step()
 
 
 def _same_as_alone(folder, seq) -> None:
@@ -133,25 +128,12 @@ def test_few_snapshot_slots_evict_and_hits_stay_correct(folder):
 
 
 def test_concurrent_requests_with_preemption_and_aborts_on_a_small_pool(folder):
-    rng = random.Random(0)
-    bases = [_tokens(40, 30 + i) for i in range(3)]
     engine = _engine(folder, every=2, num_blocks=40, seqs=4)
-    seqs, aborted = [], []
-    for i in range(10):
-        ids = rng.choice(bases)[: rng.randint(17, 40)] + _tokens(rng.randint(1, 12), 60 + i)
-        seqs.append(engine.add_request(ids, _greedy(rng.randint(16, 30))))
-        for _ in range(rng.randint(0, 3)):
-            engine.step()
-        if i in (3, 7):
-            live = [s for s in seqs if not s.finished]
-            aborted.append(live[-1])
-            engine.abort(live[-1])
-    _drain(engine)
+    done = concurrent_with_aborts(engine, _tokens, 40, 17, 12, (16, 30), 60)
     stats = engine.stats()
     assert stats.preemptions_total > 0 and stats.prefix_state_restores_total > 0
-    for seq in seqs:
-        if seq not in aborted:
-            _same_as_alone(folder, seq)
+    for seq in done:
+        _same_as_alone(folder, seq)
     _all_back(engine)
 
 

@@ -15,8 +15,6 @@ no hit, and a deepest-plane store leaves the cache off under "auto".
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -25,6 +23,8 @@ from ridgefill_runtime.llm import build_engine
 from ridgefill_runtime.sequence import SamplingParams
 
 from looped_reference import write_tiny_huginn
+from prefix_workloads import concurrent_with_aborts
+from prefix_workloads import drain as _drain
 
 BLOCK = 4
 TOL = 3e-7  # NOTE: the engine reports log-probabilities as float32: two float32 steps
@@ -55,11 +55,6 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0, **kw)
-
-
-def _drain(engine) -> None:
-    while engine.has_unfinished():
-        engine.step()
 
 
 def _same_as_alone(folder, looped, seq) -> None:
@@ -137,23 +132,10 @@ def test_a_deepest_plane_store_leaves_the_cache_off(folder, caplog):
 @pytest.mark.parametrize("store", ["full", "ripe, speculating"])
 def test_concurrency_with_preemption_and_aborts(folder, store):
     looped = STORES[store]
-    rng = random.Random(0)
-    bases = [_tokens(30, 30 + i) for i in range(3)]
     engine = _engine(folder, looped, num_blocks=30, seqs=4)
-    seqs, aborted = [], []
-    for i in range(10):
-        ids = rng.choice(bases)[: rng.randint(13, 30)] + _tokens(rng.randint(1, 9), 60 + i)
-        seqs.append(engine.add_request(ids, _greedy(rng.randint(12, 24))))
-        for _ in range(rng.randint(0, 3)):
-            engine.step()
-        if i in (3, 7):
-            live = [s for s in seqs if not s.finished]
-            aborted.append(live[-1])
-            engine.abort(live[-1])
-    _drain(engine)
+    done = concurrent_with_aborts(engine, _tokens, 30, 13, 9, (12, 24), 60)
     stats = engine.stats()
     assert stats.preemptions_total > 0 and stats.prefix_hit_tokens_total > 0
-    for seq in seqs:
-        if seq not in aborted:
-            _same_as_alone(folder, looped, seq)
+    for seq in done:
+        _same_as_alone(folder, looped, seq)
     _all_back(engine)
