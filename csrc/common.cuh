@@ -8,16 +8,28 @@
 
 namespace ridgefill {
 
-// Threads per warp/wavefront. NVIDIA is always 32. On AMD, CDNA (gfx9xx) runs
-// wave64 while RDNA (gfx10xx-gfx12xx, e.g. gfx1201) compiles to wave32 by
-// default. __GFX9__ is only defined in the device pass, so host code must not
-// size anything by this constant; launch configs use multiples of 64 threads,
-// which are whole warps on every target.
-#if defined(USE_ROCM) && defined(__GFX9__)
+// Threads per warp/wavefront. NVIDIA is always 32. On AMD, CDNA (gfx90a, gfx942) runs wave64,
+// while RDNA (gfx10xx-gfx12xx, e.g. gfx1201) compiles to wave32 by default and to wave64 with
+// -mwavefrontsize64: the compiler's own macro says which. It is only defined in the device pass,
+// so host code must not size anything by this constant; launch configs use multiples of 64
+// threads, which are whole warps on every target.
+#if defined(USE_ROCM) && defined(__AMDGCN_WAVEFRONT_SIZE__)
+constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE__;
+#elif defined(USE_ROCM) && defined(__AMDGCN_WAVEFRONT_SIZE)
+constexpr int kWarpSize = __AMDGCN_WAVEFRONT_SIZE;
+#elif defined(USE_ROCM) && defined(__GFX9__)
 constexpr int kWarpSize = 64;
 #else
 constexpr int kWarpSize = 32;
 #endif
+#if defined(__AMDGCN_WAVEFRONT_SIZE__)
+static_assert(kWarpSize == __AMDGCN_WAVEFRONT_SIZE__, "kWarpSize must be the target's wavefront size");
+#endif
+
+// Lanes per team: a 32-lane group, the whole warp on wave32 and half a wavefront on wave64. Kernels
+// that give each task to one team (reduce_sum_32 below) let the host size grids without knowing
+// the warp size.
+constexpr int kTeamSize = 32;
 
 // Largest block we launch; a multiple of 64 so it is whole warps everywhere.
 constexpr int kMaxBlockThreads = 1024;
@@ -27,7 +39,7 @@ __device__ __forceinline__ T shfl_xor(T value, int lane_mask) {
 #if defined(USE_ROCM)
   return __shfl_xor(value, lane_mask);
 #else
-  return __shfl_xor_sync(0xffffffffu, value, lane_mask);
+  return __shfl_xor_sync(0xffffffffu, value, lane_mask);  // wave-size: NVIDIA only, 32 lanes
 #endif
 }
 
@@ -53,7 +65,7 @@ __device__ __forceinline__ float block_reduce_sum(float value, float* scratch) {
   }
   __syncthreads();
   // num_warps <= 1024 / 32 = 32 <= kWarpSize, so one warp can finish the sum.
-  value = (threadIdx.x < num_warps) ? scratch[threadIdx.x] : 0.0f;
+  value = (static_cast<int>(threadIdx.x) < num_warps) ? scratch[threadIdx.x] : 0.0f;
   if (warp == 0) {
     value = warp_reduce_sum(value);
     if (lane == 0) {
@@ -80,7 +92,7 @@ __device__ __forceinline__ float warp_reduce_max(float value) {
 // task so that the host can size grids without knowing the warp size.
 __device__ __forceinline__ float reduce_sum_32(float value) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
+  for (int offset = kTeamSize / 2; offset > 0; offset /= 2) {
     value += shfl_xor(value, offset);
   }
   return value;

@@ -23,7 +23,7 @@
 namespace ridgefill {
 
 constexpr int kAttnThreads = 256;  // 8 warps on wave32, 4 on wave64
-constexpr int kAttnMaxWarps = kAttnThreads / 32;
+constexpr int kAttnMaxWarps = kAttnThreads / kTeamSize;  // warps are 32 or 64 lanes
 constexpr int kAttnMaxHeadDim = 256;
 
 // Shared memory of attend_rows: per-warp partial outputs of one head, the
