@@ -116,9 +116,16 @@ struct LinearArgs {
 
 // grid (M tiles, panel blocks); 128 threads = 4 teams; a block owns 4 / S panels. At least 3-4
 // blocks per SM: left alone, ptxas gave the 4-row tile 255 registers (2 blocks, 8 warps per SM:
-// too few loads in flight to stream the weights).
+// too few loads in flight to stream the weights). HIP reads launch bounds' second argument as a
+// wave occupancy floor: on gfx942 it capped the kernels at 168 VGPRs with 476 spills, and at 208
+// without it none (scripts/hip_check.sh), so ROCm builds give the block size alone.
+#if defined(USE_ROCM)
+#define RIDGEFILL_PACKED_LINEAR_BOUNDS(MT) __launch_bounds__(kThreads)
+#else
+#define RIDGEFILL_PACKED_LINEAR_BOUNDS(MT) __launch_bounds__(kThreads, (MT) >= 4 ? 3 : 4)
+#endif
 template <int BITS, typename ST, bool MIN, int MT, int R>
-__global__ void __launch_bounds__(kThreads, MT >= 4 ? 3 : 4) packed_linear_kernel(const LinearArgs a) {
+__global__ void RIDGEFILL_PACKED_LINEAR_BOUNDS(MT) packed_linear_kernel(const LinearArgs a) {
   constexpr int V = kPanel * MT;                  // partial sums per lane
   constexpr int KEPT = V >= kTeam ? V / kTeam : 1;  // values a lane holds after the reduce-scatter
   __shared__ float red[kTeams][V];

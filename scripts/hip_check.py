@@ -129,7 +129,9 @@ def cuda_instances(extension: Path) -> list[Instance]:
 def kernels_declared(header: Path) -> set[str]:
     """Names of the __global__ functions a header defines."""
     text = header.read_text()
-    return set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(", text))
+    # __global__ void [__launch_bounds__(...) or a macro(...)] name(
+    bounds = r"(?:\w+\s*\((?:[^()]|\([^()]*\))*\)\s*)?"
+    return set(re.findall(r"__global__\s+void\s+" + bounds + r"(\w+)\s*\(", text))
 
 
 def device_headers(src: Path) -> list[Path]:
