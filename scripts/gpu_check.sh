@@ -27,25 +27,5 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 timeout 240 bash scripts/install.sh
 echo "gpu_check: install done at $((SECONDS - start))s"
 
-export RIDGEFILL_REQUIRE_EXTENSION=1
-out="${OUT:-/tmp/gpu_check}"
-mkdir -p "$out"
-# The kernels (attention with split-KV, packed weights, GDN, RIPE, maps) against their references,
-# then the engine's decode graphs against eager CUDA.
-timeout 240 .venv/bin/python -m pytest -m gpu -q -p no:cacheprovider tests/ops tests/models/test_looped_gpu.py \
-    tests/engine/test_decode_graphs.py 2>&1 | tee "$out/gpu_tests.txt" || tests_rc=$?
-echo "gpu_check: gpu tests done at $((SECONDS - start))s (rc ${tests_rc:-0}); the benchmarks run either way"
-
-# Also the CPU suite once with the extension loaded (schema/fake checks).
-timeout 120 .venv/bin/python -m pytest -q -p no:cacheprovider tests/ops/test_extension_build.py
-
-# Benchmarks, each printing its own table: kernels, the packed weight sweep, split-KV attention,
-# decode with and without CUDA graphs against transformers.
-timeout 120 .venv/bin/python benchmarks/cuda_kernels.py 2>&1 | tee "$out/kernels.txt"
-timeout 90 .venv/bin/python benchmarks/packed_sweep.py --device cuda 2>&1 | tee "$out/packed_sweep_cuda.txt" || true
-timeout 120 .venv/bin/python benchmarks/paged_attention_cuda.py --out "$out/paged_attention_cuda.json" 2>&1 \
-    | tee "$out/paged_attention_cuda.txt" || true
-timeout 180 .venv/bin/python benchmarks/decode_cuda.py --context 1024 --new 64 --batches 1 4 16 64 \
-    --out "$out/decode_cuda.json" 2>&1 | tee "$out/decode_cuda.txt" || true
-echo "gpu_check: finished in $((SECONDS - start))s"
-exit "${tests_rc:-0}"
+name=gpu_check
+source scripts/gpu_check_stages.sh

@@ -35,21 +35,5 @@ export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 timeout 300 bash scripts/install.sh
 echo "gpu_check_rocm: install done at $((SECONDS - start))s"
 
-export RIDGEFILL_REQUIRE_EXTENSION=1
-out="${OUT:-/tmp/gpu_check_rocm}"
-mkdir -p "$out"
-.venv/bin/python -c 'import torch; p = torch.cuda.get_device_properties(0); print(p.name, p.gcnArchName, "warp size", p.warpSize)' \
-    | tee "$out/device.txt"
-timeout 240 .venv/bin/python -m pytest -m gpu -q -p no:cacheprovider tests/ops tests/models/test_looped_gpu.py \
-    tests/engine/test_decode_graphs.py 2>&1 | tee "$out/gpu_tests.txt" || tests_rc=$?
-echo "gpu_check_rocm: gpu tests done at $((SECONDS - start))s (rc ${tests_rc:-0}); the benchmarks run either way"
-timeout 120 .venv/bin/python -m pytest -q -p no:cacheprovider tests/ops/test_extension_build.py
-
-timeout 120 .venv/bin/python benchmarks/cuda_kernels.py 2>&1 | tee "$out/kernels.txt"
-timeout 90 .venv/bin/python benchmarks/packed_sweep.py --device cuda 2>&1 | tee "$out/packed_sweep_cuda.txt" || true
-timeout 120 .venv/bin/python benchmarks/paged_attention_cuda.py --out "$out/paged_attention_cuda.json" 2>&1 \
-    | tee "$out/paged_attention_cuda.txt" || true
-timeout 180 .venv/bin/python benchmarks/decode_cuda.py --context 1024 --new 64 --batches 1 4 16 64 \
-    --out "$out/decode_cuda.json" 2>&1 | tee "$out/decode_cuda.txt" || true
-echo "gpu_check_rocm: finished in $((SECONDS - start))s"
-exit "${tests_rc:-0}"
+name=gpu_check_rocm
+source scripts/gpu_check_stages.sh
