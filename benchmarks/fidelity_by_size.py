@@ -7,7 +7,8 @@ Each model at half depth (equal skipped-compute share: the same fraction of laye
 1,024, shipped maps: `ridgefill eval` over 4 Python-docs documents of ≤ 4,500 tokens (ΔNLL over
 the last 1,024 rows, paired bootstrap 95% intervals), needles in the filled region, the code
 workload's first-line exact match against exact prefill (benchmarks/code_completion.py), and
-benchmarks/fill_speed.py's time to first token at 4K against its ceiling. A cell is "—" where
+benchmarks/fill_speed.py's time to first token at each length it ran (4K and up) against its
+ceiling. A cell is "—" where
 that run does not exist (said in the notes under the table).
 """
 
@@ -61,14 +62,16 @@ def retrieval(summary: dict) -> str:
     return f"{r['diff_vs_exact']:+.0f} pts (n={r['n']})"
 
 
-def speed_at(path: Path, tokens: int) -> str:
+def speeds(path: Path) -> str:
+    """Every prompt length of a fill_speed output: speedup of its ceiling, at 4K/8K/..."""
     if not path.exists():
         return "—"
+    cells = []
     for line in path.read_text().splitlines():
-        cells = [c.strip() for c in line.split("|")]
-        if cells and cells[0] == str(tokens):
-            return f"{cells[3]}× of {cells[4]}×"
-    return "—"
+        row = [c.strip() for c in line.split("|")]
+        if len(row) >= 5 and row[0].isdigit() and int(row[0]) >= 4096:
+            cells.append(f"{row[3]}× of {row[4]}× @{round(int(row[0]) / 1024)}K")
+    return "; ".join(cells) or "—"
 
 
 def code_match(folder: str | None) -> str:
@@ -86,7 +89,7 @@ def code_match(folder: str | None) -> str:
 def main() -> None:
     print(
         "| model | params | split | ΔNLL novel | ΔNLL key | KL(exact‖fill) | top-1 agreement | needles vs exact "
-        "| code first line = exact's | fill speedup at 4K (of ceiling) |"
+        "| code first line = exact's | fill speedup (of its ceiling) at 4K–8K |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, params, (split, layers), eval_json, speed, code in MODELS:
@@ -99,7 +102,7 @@ def main() -> None:
         print(
             f"| {label} | {params} | {split}/{layers} | {interval(s['dnll_novel'])} | {interval(s['dnll_key'])} | "
             f"{interval(s['kl'])} | {interval(s['agree'], '')} | {retrieval(summary)} | {code_match(code)} | "
-            f"{speed_at(B / speed, 4096)} |"
+            f"{speeds(B / speed)} |"
         )
     threads = {re.search(r"threads=(\d+)", (B / m[4]).read_text()).group(1) for m in MODELS if (B / m[4]).exists()}
     print(f"\nthreads: {', '.join(sorted(threads)) or '—'} (every run)")
