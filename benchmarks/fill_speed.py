@@ -6,7 +6,9 @@ exact vs filled, one run, same threads.
 
 Each figure is time to first token through the whole engine (one request, idle engine,
 prompt in one chunk). Ceiling (seed 000, §2.5): 1/r with r = S/L + (1 - S/L)·T/N, which
-ignores the maps' own cost and the K/V projections that filled rows still run.
+ignores the maps' own cost and the K/V projections that filled rows still run. The last two
+columns count those and attention too (fill/ceiling.py): exact MACs over the fill's, and the
+measured speedup as a fraction of that.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main() -> None:
 
     from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
     from ridgefill_runtime.engine import Engine
+    from ridgefill_runtime.fill.ceiling import ceiling, layer_shapes
     from ridgefill_runtime.fill.settings import shipped_maps
     from ridgefill_runtime.llm import LLM, load_fill_maps
     from ridgefill_runtime.sequence import SamplingParams
@@ -64,6 +67,7 @@ def main() -> None:
         return time.perf_counter() - t
 
     L, S, T = model.config.num_layers, args.split, args.tail
+    shapes = layer_shapes(model.config, model.cache_spec().layers)
     ids_all = real_text_ids(llm.tokenizer, max(args.lengths))
     print(
         f"threads={torch.get_num_threads()} model={args.model or 'SmolLM2-135M-Instruct'} float32 CPU, arm={args.arm}, "
@@ -71,8 +75,9 @@ def main() -> None:
     )
     print(
         f"{'tokens':>6} | {'exact s':>7} | {'fill s':>7} | {'speedup':>7} | {'ceiling 1/r':>11} | {'measured/ceiling':>16}"
+        f" | {'MAC ceiling':>11} | {'measured/MAC':>12}"
     )
-    print("-" * 72)
+    print("-" * 103)
     warm = ids_all[: T + 256]
     ttft(engine(len(warm), FillConfig()), warm), ttft(engine(len(warm), fill), warm)
     for n in args.lengths:
@@ -84,7 +89,11 @@ def main() -> None:
             fi.append(ttft(fill_e, ids))
         e, f = statistics.median(ex), statistics.median(fi)
         r = S / L + (1 - S / L) * T / n
-        print(f"{n:>6} | {e:>7.2f} | {f:>7.2f} | {e / f:>7.2f} | {1 / r:>11.2f} | {(e / f) * r:>16.2f}")
+        mac = ceiling(shapes, n, S, T)
+        print(
+            f"{n:>6} | {e:>7.2f} | {f:>7.2f} | {e / f:>7.2f} | {1 / r:>11.2f} | {(e / f) * r:>16.2f}"
+            f" | {mac:>11.2f} | {(e / f) / mac:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

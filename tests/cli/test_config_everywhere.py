@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from looped_reference import TINY_HUGINN, LoopedReference, full_policy, ripe_policy, write_tiny_huginn  # noqa: E402
 
 # The engine runs float32, the reference float64. With every plane cached the log-probs agree to
-# ~5e-4; reading only the deepest plane the float32 error grows along the sequence (1e-4 at
-# position 7, 3.5e-2 at position 14, measured), still ~100x below what the policy itself changes
-# (up to 4.8 nats against the full cache).
+# ~5e-4. Reading only the deepest plane, the float32 error grows along the sequence by a factor
+# that depends on the CPU's rounding: 3.5e-2 at position 14 on an AVX2 EPYC, 0.15 on an AVX-512
+# Xeon (measured). So that check runs the engine in float64, where it equals the reference to
+# rounding, far below what the policy itself changes (up to 4.8 nats against the full cache).
 TOL = 2e-3
-DEEP_TOL = 0.05
+F64_TOL = 1e-9
 WORDS = [5, 7, 9, 11, 3, 40, 22, 17, 8, 30, 2, 19, 44, 6, 25, 13]  # the tiny tokenizer's "w{i}"
 
 
@@ -171,6 +172,8 @@ def test_score_reads_the_looped_table_and_flags(huginn, capsys, tmp_path):
     assert _gap(two["target_logprobs"], two_ref) < TOL and _gap(two_ref, full_ref) > 20 * TOL
 
     # the deepest plane only (π_RIPE with W = 0), one prompt row per step so each row reads the store
-    deep = _score(capsys, text, "--config", str(cfg), "--loop-cache", "deepest", "--chunk-size", "1")
+    deep = _score(
+        capsys, text, "--config", str(cfg), "--loop-cache", "deepest", "--chunk-size", "1", "--dtype", "float64"
+    )
     deep_ref = reference_logprobs(tensors, ids, loops=4, policy=ripe_policy(0))
-    assert _gap(deep["target_logprobs"], deep_ref) < DEEP_TOL and _gap(deep_ref, full_ref) > 20 * DEEP_TOL
+    assert _gap(deep["target_logprobs"], deep_ref) < F64_TOL and _gap(deep_ref, full_ref) > 1.0
