@@ -1,5 +1,6 @@
 """What a narrower K/V cache (cache.kv_dtype) costs in accuracy, on the embedded SmolLM2 (Q4_1 GGUF):
-float16 and bfloat16 slabs against the float32 cache, same packed weights, float32 compute.
+float16, bfloat16 and int8 (per-row scales, cache/int8_kv.py) slabs against the float32 cache, same packed
+weights, float32 compute; and what each does to decode speed.
 
     python benchmarks/kv_dtype_agreement.py --threads 2 --docs 2 --tokens 1024 --chunk 128 --new 256
 
@@ -9,7 +10,9 @@ float16 and bfloat16 slabs against the float32 cache, same packed weights, float
     not show it). Reported: max and mean |Δ log p| against the float32 cache, argmax agreement.
 (b) free-running greedy: `--new` tokens from the first 256 tokens of each document; the first
     position where the tokens differ from the float32 cache's.
-K/V bytes per token come from the pool itself.
+(c) decode speed: ms per decode step at batch 1 after a `--context`-token real-text prompt (the median of
+    `--steps` steps, timed once the prompt's prefill is over), one sequence alone in the engine.
+K/V bytes per token come from the pool itself (int8: its values and its float32 scales).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's real-text helper
 from prefill import real_text_ids  # noqa: E402
 
-KV_DTYPES = ("auto", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float16", "bfloat16", "int8")
 
 
 def build(kv_dtype: str, docs: int, positions: int, chunk: int):
@@ -42,6 +46,22 @@ def build(kv_dtype: str, docs: int, positions: int, chunk: int):
     )
 
 
+def decode_ms(llm, prompt: list[int], steps: int) -> float:
+    """Median ms of one engine step while `prompt`'s lone sequence decodes (its prefill steps not counted)."""
+    from ridgefill_runtime.sequence import SamplingParams
+
+    engine = llm.engine
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
+    while not seq.output_ids:  # the prefill's steps (the last one samples the first token)
+        engine.step()
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -53,25 +73,31 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per scored document")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--new", type=int, default=256, help="greedy tokens per document in (b)")
+    ap.add_argument("--context", type=int, default=1024, help="prompt tokens before the timed decode steps in (c)")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps in (c)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from ridgefill_runtime.sequence import SamplingParams
 
-    llms = {kv: build(kv, args.docs, max(args.tokens, 256 + args.new), args.chunk) for kv in KV_DTYPES}
-    ids = real_text_ids(llms["auto"].tokenizer, args.docs * args.tokens)
+    positions = max(args.tokens, 256 + args.new, args.context + args.steps + 1)
+    llms = {kv: build(kv, args.docs, positions, args.chunk) for kv in KV_DTYPES}
+    # NOTE: the decode prompt is text past the documents, so it takes no prefix-cache hit from them
+    ids = real_text_ids(llms["auto"].tokenizer, args.docs * args.tokens + args.context)
     docs = [ids[i * args.tokens : (i + 1) * args.tokens] for i in range(args.docs)]
     print(
         f"threads={torch.get_num_threads()} SmolLM2-135M Q4_1 packed, float32 compute; {args.docs} documents x "
-        f"{args.tokens} tokens scored in chunks of {args.chunk}; {args.new} greedy tokens each\n"
+        f"{args.tokens} tokens scored in chunks of {args.chunk}; {args.new} greedy tokens each; decode: batch 1, "
+        f"median of {args.steps} steps after {args.context} prompt tokens\n"
     )
     scores = {kv: [llm.score(d) for d in docs] for kv, llm in llms.items()}
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     greedy = {kv: [c.token_ids for c in llm.generate([d[:256] for d in docs], params)] for kv, llm in llms.items()}
+    speed = {kv: decode_ms(llm, ids[args.docs * args.tokens :], args.steps) for kv, llm in llms.items()}
     print(
         "| K/V cache | bytes per token | max abs Δ log p | mean abs Δ log p | argmax agree | "
-        "greedy: first divergence per document |"
+        f"greedy: first divergence per document | decode ms/step (batch 1, {args.context} context) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for kv, llm in llms.items():
         d, agree, total = [], 0, 0
         for mine, ref in zip(scores[kv], scores["auto"]):
@@ -84,7 +110,7 @@ def main() -> None:
         name = "float32 (auto)" if kv == "auto" else kv
         print(
             f"| {name} | {llm.engine.kv.bytes_per_token():,} | {max(d):.3g} | {statistics.fmean(d):.3g} | "
-            f"{agree} / {total} | {div} |"
+            f"{agree} / {total} | {div} | {speed[kv]:.2f} |"
         )
 
 

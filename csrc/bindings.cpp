@@ -49,6 +49,13 @@ TORCH_LIBRARY(ridgefill, m) {
       "scattered_rows_attention(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
       "Tensor block_tables, Tensor context_lens, int block_size, float scale, bool return_key_mass, "
       "int window=0) -> (Tensor, Tensor)");
+  // The same over an int8 K/V cache (cache.kv_dtype = "int8"): q float32, k_slab/v_slab int8 [S, Hkv, D],
+  // k_scale/v_scale float32 [S, Hkv]; key row (slot, h) is float(k_slab[slot, h]) * k_scale[slot, h].
+  // CPU only (cpu/scattered_rows_attention_cpu.cpp); out is float32.
+  m.def(
+      "scattered_rows_attention_int8(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
+      "Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor context_lens, int block_size, float scale, "
+      "bool return_key_mass, int window=0) -> (Tensor, Tensor)");
 
   // Gated DeltaNet, Qwen3-Next convention (see ridgefill_runtime/ops/gdn.py).
   // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; states float32

@@ -100,7 +100,7 @@ class ModelConfig:
 
 
 PREFIX_CACHING = ("auto", "on", "off")
-KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,10 @@ class CacheConfig:
     )
     kv_dtype: str = setting(
         "auto",
-        help="what the K/V cache holds: auto (the model's dtype) | float32 | bfloat16 | float16; a narrower "
-        "one halves the cache (and what a decode step reads of it), each key and value rounded once when written",
+        help="what the K/V cache holds: auto (the model's dtype) | float32 | bfloat16 | float16 | int8; a narrower "
+        "one halves the cache (and what a decode step reads of it), each key and value rounded once when written; "
+        "int8 (CPU only) keeps each key and value row of a KV head as 8-bit integers with one float32 scale "
+        "(max |x| / 127, cache/int8_kv.py): about a quarter of float32",
         flag="--kv-dtype",
         choices=KV_DTYPES,
     )

@@ -423,7 +423,7 @@ def engine_budget(
     history = config.speculative.num_tokens + 1 if config.speculative.enabled else 0  # rows per verification
     if looped and config.looped.block > 0:
         history = config.looped.block + 1
-    kv_dtype = None if c.kv_dtype == "auto" else _DTYPES[c.kv_dtype]
+    kv_dtype = None if c.kv_dtype == "auto" else {**_DTYPES, "int8": torch.int8}[c.kv_dtype]
     return CacheBudget(
         block_size=c.block_size,
         num_blocks=c.num_blocks,

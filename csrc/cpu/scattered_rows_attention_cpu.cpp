@@ -26,7 +26,11 @@
 // log-sum-exp weights, so the buffer stays small. Scores, softmax and sums are
 // fp32; the output is cast to q's dtype. float and bfloat16 rows are read in
 // place (bfloat16 widened 32 at a time by a shift and a mask, see load32);
-// float16 rows go through an fp32 copy.
+// float16 rows go through an fp32 copy. int8 rows (cache.kv_dtype = "int8",
+// ridgefill::scattered_rows_attention_int8) go through the same fp32 copy,
+// each element widened and multiplied by its (slot, KV head)'s float32 scale:
+// float(q) * s, the product every other reader of the cache forms
+// (ridgefill_runtime/cache/int8_kv.py), so the kernel matches the reference.
 //
 // Split-KV (flash-decoding): when few rows carry the work (fewer than
 // kTasksPerThread tasks per thread otherwise), rows are cut into chunks of at
@@ -145,6 +149,13 @@ RIDGEFILL_INLINE vf load16<c10::BFloat16>(const c10::BFloat16* p) {
   return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
 }
 template <>
+RIDGEFILL_INLINE vf load16<int8_t>(const int8_t* p) {
+  typedef int8_t vb __attribute__((vector_size(16)));
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vf);
+}
+template <>
 RIDGEFILL_INLINE vf load16<c10::Half>(const c10::Half* p) {
   // IEEE half -> float without F16C (branch-free; the FP16 library's method, also c10's scalar one).
   vh h;
@@ -236,6 +247,10 @@ template <>
 struct RowType<c10::Half> {
   using type = float;
 };
+template <>
+struct RowType<int8_t> {  // dequantized into the fp32 copy (widen_row)
+  using type = float;
+};
 
 // 32 elements of a row as two vectors, in the kernel's layout for R: the natural order (lo = p[0..16),
 // hi = p[16..32)), except bfloat16, whose 32-element blocks split into even (lo) and odd (hi) elements: a 32-bit
@@ -314,6 +329,10 @@ struct Problem {
   const T* k;  // [S, Hkv, D], unit stride in D
   const T* v;
   int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
+  // int8 slabs only: float32 [S, Hkv] scales; row (slot, h) is float(k[slot, h, :]) * k_scale[slot, h]
+  const float* k_scale;
+  const float* v_scale;
+  int64_t ks_slot_stride, ks_head_stride, vs_slot_stride, vs_head_stride;
   const int32_t* tables;  // [B, max_blocks] contiguous
   int64_t max_blocks, block_size;
   int64_t heads, kv_heads, group, head_dim, dpad;
@@ -325,6 +344,21 @@ struct Problem {
 template <typename T>
 RIDGEFILL_INLINE int64_t first_key(const Problem<T>& P, int64_t row) {
   return P.window > 0 ? std::max<int64_t>(0, P.q_pos[row] - P.window + 1) : 0;
+}
+
+// A K/V row of T as fp32 in dst (T is not read in place: float16, int8). int8 rows are dequantized with their
+// scale, scales[at]: float(x) * s per element, the same product as the reference's.
+template <typename T>
+RIDGEFILL_INLINE void widen_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst,
+                                const float* scales, int64_t at) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    const float s = scales[at];
+    int64_t d = 0;
+    for (; d + kW <= D; d += kW) storef(dst + d, load16(src + d) * splat(s));
+    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+  } else {
+    to_float_row(src, D, dst);
+  }
 }
 
 // Prefetch of one key's K (or V) rows for every KV head: one contiguous run when the heads are adjacent.
@@ -391,11 +425,12 @@ RIDGEFILL_INLINE void score_keys(const Problem<T>& P, const int64_t* __restrict_
       using R = typename RowType<T>::type;
       const R* kr[kKeyGroup];
       for (int64_t b = 0; b < kKeyGroup; ++b) {
-        const T* kp = P.k + slots[std::min(i0 + b, n - 1)] * ks + kvh * khs;  // a short group repeats its last key
+        const int64_t slot = slots[std::min(i0 + b, n - 1)];  // a short group repeats its last key
+        const T* kp = P.k + slot * ks + kvh * khs;
         if constexpr (std::is_same_v<T, R>) {
           kr[b] = kp;
         } else {
-          to_float_row(kp, D, ktile + b * Dp);
+          widen_row(kp, D, ktile + b * Dp, P.k_scale, slot * P.ks_slot_stride + kvh * P.ks_head_stride);
           kr[b] = ktile + b * Dp;
         }
       }
@@ -573,12 +608,13 @@ RIDGEFILL_ATTN_CLONES void attend_chunk(const Problem<T>& P, int64_t row, int64_
     }
     for (int64_t kvh = 0; kvh < P.kv_heads; ++kvh) {
       for (int64_t i = 0; i < nt; ++i) {
-        const T* vp = P.v + slots[t0 + i] * vs + kvh * vhs;
+        const int64_t slot = slots[t0 + i];
+        const T* vp = P.v + slot * vs + kvh * vhs;
         if constexpr (std::is_same_v<T, R>) {
           rows[i] = vp;
         } else {
           float* dst = S.vtile.data() + i * Dp;
-          to_float_row(vp, D, dst);
+          widen_row(vp, D, dst, P.v_scale, slot * P.vs_slot_stride + kvh * P.vs_head_stride);
           rows[i] = dst;
         }
       }
@@ -839,11 +875,12 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
-    const at::Tensor& q, const at::Tensor& q_seq, const at::Tensor& q_pos, const at::Tensor& k_slab,
-    const at::Tensor& v_slab, const at::Tensor& block_tables, const at::Tensor& context_lens,
-    int64_t block_size, double scale, bool return_key_mass, int64_t window) {
-  constexpr const char* kName = "ridgefill::scattered_rows_attention: ";
+// k_scale / v_scale: null for float slabs; the int8 op's float32 [S, Hkv] scales.
+std::tuple<at::Tensor, at::Tensor> attention_cpu(
+    const char* kName, const at::Tensor& q, const at::Tensor& q_seq, const at::Tensor& q_pos,
+    const at::Tensor& k_slab, const at::Tensor& v_slab, const at::Tensor* k_scale, const at::Tensor* v_scale,
+    const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size, double scale,
+    bool return_key_mass, int64_t window) {
   TORCH_CHECK(q.device().is_cpu(), kName, "q must be a CPU tensor, got ", q.device());
   for (const at::Tensor* t : {&q_seq, &q_pos, &k_slab, &v_slab, &block_tables, &context_lens}) {
     TORCH_CHECK(t->device().is_cpu(), kName, "all tensors must be on the CPU, got ", t->device());
@@ -851,11 +888,25 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
   // The slabs' dtype picks the kernel; float32 queries may read a narrower cache (mixed).
   const auto dtype = k_slab.scalar_type();
   const bool mixed = q.scalar_type() == at::kFloat && dtype != at::kFloat;
-  TORCH_CHECK_TYPE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
-                       (q.scalar_type() == dtype || mixed) && v_slab.scalar_type() == dtype,
-                   kName, "q, k_slab, v_slab must share a float dtype (float32, bfloat16 or float16), or q be "
-                   "float32 over bfloat16/float16 slabs; got ", q.scalar_type(), ", ", dtype, ", ",
-                   v_slab.scalar_type());
+  const bool quantized = k_scale != nullptr;
+  if (quantized) {
+    TORCH_CHECK_TYPE(dtype == at::kChar && v_slab.scalar_type() == at::kChar && q.scalar_type() == at::kFloat,
+                     kName, "needs float32 q over int8 k_slab/v_slab; got ", q.scalar_type(), ", ", dtype, ", ",
+                     v_slab.scalar_type());
+    for (const at::Tensor* s : {k_scale, v_scale}) {
+      TORCH_CHECK(s->device().is_cpu(), kName, "all tensors must be on the CPU, got ", s->device());
+      TORCH_CHECK_TYPE(s->scalar_type() == at::kFloat, kName, "k_scale/v_scale must be float32, got ",
+                       s->scalar_type());
+      TORCH_CHECK_VALUE(s->dim() == 2 && s->size(0) == k_slab.size(0) && s->size(1) == k_slab.size(1), kName,
+                        "k_scale/v_scale must be [S, Hkv] like the slabs' first dims; got ", s->sizes());
+    }
+  } else {
+    TORCH_CHECK_TYPE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                         (q.scalar_type() == dtype || mixed) && v_slab.scalar_type() == dtype,
+                     kName, "q, k_slab, v_slab must share a float dtype (float32, bfloat16 or float16), or q be "
+                     "float32 over bfloat16/float16 slabs; got ", q.scalar_type(), ", ", dtype, ", ",
+                     v_slab.scalar_type());
+  }
   TORCH_CHECK_TYPE(q_seq.scalar_type() == at::kInt && q_pos.scalar_type() == at::kLong, kName,
                    "q_seq must be int32 and q_pos int64; got ", q_seq.scalar_type(), " and ", q_pos.scalar_type());
   TORCH_CHECK_TYPE(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt, kName,
@@ -937,6 +988,14 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
     P.k_head_stride = k_slab.stride(1);
     P.v_slot_stride = v_slab.stride(0);
     P.v_head_stride = v_slab.stride(1);
+    if (quantized) {
+      P.k_scale = k_scale->const_data_ptr<float>();
+      P.v_scale = v_scale->const_data_ptr<float>();
+      P.ks_slot_stride = k_scale->stride(0);
+      P.ks_head_stride = k_scale->stride(1);
+      P.vs_slot_stride = v_scale->stride(0);
+      P.vs_head_stride = v_scale->stride(1);
+    }
     P.tables = tables;
     P.max_blocks = max_blocks;
     P.block_size = block_size;
@@ -957,6 +1016,9 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
     case at::kBFloat16:
       run(c10::BFloat16{});
       break;
+    case at::kChar:
+      run(int8_t{});
+      break;
     default:
       run(c10::Half{});
       break;
@@ -964,9 +1026,26 @@ std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
   return {out, key_mass};
 }
 
+std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_cpu(
+    const at::Tensor& q, const at::Tensor& q_seq, const at::Tensor& q_pos, const at::Tensor& k_slab,
+    const at::Tensor& v_slab, const at::Tensor& block_tables, const at::Tensor& context_lens,
+    int64_t block_size, double scale, bool return_key_mass, int64_t window) {
+  return attention_cpu("ridgefill::scattered_rows_attention: ", q, q_seq, q_pos, k_slab, v_slab, nullptr, nullptr,
+                       block_tables, context_lens, block_size, scale, return_key_mass, window);
+}
+
+std::tuple<at::Tensor, at::Tensor> scattered_rows_attention_int8_cpu(
+    const at::Tensor& q, const at::Tensor& q_seq, const at::Tensor& q_pos, const at::Tensor& k_slab,
+    const at::Tensor& v_slab, const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t block_size, double scale, bool return_key_mass, int64_t window) {
+  return attention_cpu("ridgefill::scattered_rows_attention_int8: ", q, q_seq, q_pos, k_slab, v_slab, &k_scale,
+                       &v_scale, block_tables, context_lens, block_size, scale, return_key_mass, window);
+}
+
 }  // namespace
 }  // namespace ridgefill
 
 TORCH_LIBRARY_IMPL(ridgefill, CPU, m) {
   m.impl("scattered_rows_attention", &ridgefill::scattered_rows_attention_cpu);
+  m.impl("scattered_rows_attention_int8", &ridgefill::scattered_rows_attention_int8_cpu);
 }

@@ -121,7 +121,30 @@ def kv_pool_of(caches: ModelCaches | KVPool) -> KVPool:
     return caches.kv if isinstance(caches, ModelCaches) else caches
 
 
+def check_kv_dtype(kv_dtype: torch.dtype | None, device: torch.device | str) -> None:
+    """Refuse an int8 cache where a reader of its slabs cannot dequantize: the CUDA kernels (batched
+    attention, decode graphs) read float slabs, and reading int8 as numbers would be silently wrong."""
+    if kv_dtype == torch.int8 and torch.device(device).type != "cpu":
+        raise ValueError(
+            f'cache.kv_dtype = "int8" runs on the CPU only: the {torch.device(device).type} attention kernels '
+            "read float K/V slabs and cannot dequantize int8 ones; use float16 or bfloat16 there"
+        )
+
+
+def kv_bytes_per_token(spec: CacheSpec, kv_dtype: torch.dtype | None = None) -> int:
+    """K/V bytes per position with slabs of `kv_dtype` (None: the spec's); int8 adds a float32
+    scale per (layer, K or V, KV head), as KVPool.bytes_per_token counts it."""
+    full = spec.kv_bytes_per_token()
+    kv_dtype = kv_dtype or spec.dtype
+    values = full * kv_dtype.itemsize // spec.dtype.itemsize
+    if kv_dtype != torch.int8 or spec.attention is None:
+        return values
+    head_rows = full // (spec.attention.head_dim * spec.dtype.itemsize)  # 2 x layers x Hkv
+    return values + 4 * head_rows
+
+
 def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | str) -> ModelCaches:
+    check_kv_dtype(budget.kv_dtype, device)
     layout = window_layout(spec, budget.block_size, budget.fill_split) if budget.window_bounded else None
     num_blocks = _num_blocks(spec, budget, layout)
     att = spec.attention
@@ -147,8 +170,7 @@ def _num_blocks(spec: CacheSpec, budget: CacheBudget, layout: KVLayout | None = 
     per_model_block = 1 if layout is None else layout.num_groups
     if budget.num_blocks is not None:
         return budget.num_blocks * per_model_block
-    kv_dtype = budget.kv_dtype or spec.dtype
-    per_block = spec.kv_bytes_per_token() * kv_dtype.itemsize // spec.dtype.itemsize * budget.block_size
+    per_block = kv_bytes_per_token(spec, budget.kv_dtype) * budget.block_size
     if per_block == 0:  # NOTE: no attention: blocks only count positions, room for every slot at full length
         return budget.state_slots * -(-budget.max_positions // budget.block_size)
     room = int(budget.kv_cache_gib * 2**30) - spec.state_bytes_per_sequence() * budget.state_slots

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 
+from . import int8_kv
 from .kv_layout import KVLayout
 
 
@@ -31,7 +32,8 @@ class KVPool:
         layer i's slabs; a layer without attention (a recurrent one) has none. With `layout`,
         num_slots counts the pool's pages times block_size, shared by every group. `dtype`: what
         the slabs hold; written K/V are rounded to it, read() hands them back as `read_dtype` (the
-        model's; None: the same). scratch_slot: one slot past the last block, which no block table
+        model's; None: the same). torch.int8: each (slot, KV head) row is stored quantized with a
+        float32 scale in k_scale[i] / v_scale[i] [slots, Hkv] beside the slab (int8_kv.py). scratch_slot: one slot past the last block, which no block table
         names: the padding rows of a replayed decode graph (decode_graphs.py) write and read there
         and nowhere else (not with a layout)."""
         ids = range(layers) if isinstance(layers, int) else tuple(layers)
@@ -42,15 +44,27 @@ class KVPool:
         # NOTE: empty, not zeros: a slot is always written before it is read, and a
         # GiB-sized memset would cost every start-up about a second.
         self.scratch_slot: int | None = num_slots if scratch_slot and layout is None else None
+        self.quantized = dtype == torch.int8
+        # k_scale / v_scale: the int8 slabs' scales, keyed like k / v (empty for a float cache)
+        self.k_scale: dict[int, torch.Tensor] = {}
+        self.v_scale: dict[int, torch.Tensor] = {}
         if layout is None:
             shape = (num_slots + (self.scratch_slot is not None), num_kv_heads, head_dim)
             self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
             self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
+            if self.quantized:
+                self.k_scale = {i: torch.empty(shape[:2], device=device) for i in ids}  # [slots, Hkv] float32
+                self.v_scale = {i: torch.empty(shape[:2], device=device) for i in ids}
             return
         k_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         v_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         self.k = {i: k_slabs[layout.place(i)[1]] for i in ids}
         self.v = {i: v_slabs[layout.place(i)[1]] for i in ids}
+        if self.quantized:  # NOTE: the scales are paged (and shared by a group's layers) as their slabs are
+            k_scales = [torch.empty(shape[:2], device=device) for _ in range(layout.group_size)]
+            v_scales = [torch.empty(shape[:2], device=device) for _ in range(layout.group_size)]
+            self.k_scale = {i: k_scales[layout.place(i)[1]] for i in ids}
+            self.v_scale = {i: v_scales[layout.place(i)[1]] for i in ids}
         self._group = {i: layout.place(i)[0] for i in ids}
         num_pages = num_slots // layout.block_size
         # page_of[g, block]: the page group g keeps block's positions in, -1 while it has none;
@@ -94,6 +108,12 @@ class KVPool:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, Hkv, D] at slots [N]."""
         at = self.physical(layer, slots)
+        if self.quantized:
+            for slab, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                q, s = int8_kv.quantize(x)  # [N, Hkv, D] int8, [N, Hkv]
+                slab[layer].index_copy_(0, at, q)
+                scales[layer].index_copy_(0, at, s)
+            return
         self.k[layer].index_copy_(0, at, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(0, at, v.to(self.v[layer].dtype))
 
@@ -101,7 +121,28 @@ class KVPool:
         """k, v [L, Hkv, D] gathered from slots [L]."""
         at = self.physical(layer, slots)
         k, v = self.k[layer].index_select(0, at), self.v[layer].index_select(0, at)
+        if self.quantized:
+            k_s, v_s = self.k_scale[layer].index_select(0, at), self.v_scale[layer].index_select(0, at)  # [L, Hkv]
+            return int8_kv.dequantize(k, k_s, self.read_dtype), int8_kv.dequantize(v, v_s, self.read_dtype)
         return k.to(self.read_dtype), v.to(self.read_dtype)
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+        """The int8 slabs' scales [slots, Hkv] of `layer` (None, None for a float cache)."""
+        if not self.quantized:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def scale_slots(self, layer: int, slots: torch.Tensor, ratio: torch.Tensor, keys: bool) -> None:
+        """Multiply the values (keys: the keys) of `layer` at slab slots [P] by ratio [Hkv] per
+        KV head (the fill's rescale). An int8 cache scales the rows' scales: the same product,
+        with no second rounding of the stored values."""
+        slab = (self.k if keys else self.v)[layer]
+        if self.quantized:
+            slab = (self.k_scale if keys else self.v_scale)[layer]  # [slots, Hkv]
+            slab.index_copy_(0, slots, slab.index_select(0, slots) * ratio.float()[None, :])
+            return
+        rows = slab.index_select(0, slots)  # [P, Hkv, D]
+        slab.index_copy_(0, slots, rows * ratio.to(slab.dtype)[None, :, None])
 
     def copy_blocks(self, pairs: list[tuple[int, int]], block_size: int) -> None:
         """Copy-on-write: every slab's slots of block `source` into block `copy`, per pair."""
@@ -109,14 +150,15 @@ class KVPool:
             raise RuntimeError("copy-on-write needs the prefix cache, which window-bounded K/V runs without")
         src = torch.cat([torch.arange(a * block_size, (a + 1) * block_size) for a, _ in pairs])
         dst = torch.cat([torch.arange(b * block_size, (b + 1) * block_size) for _, b in pairs])
-        for slabs in (self.k, self.v):
+        for slabs in (self.k, self.v, self.k_scale, self.v_scale):  # (the scales are empty unless int8)
             for t in slabs.values():
                 t.index_copy_(0, dst.to(t.device), t.index_select(0, src.to(t.device)))
 
     def bytes_per_token(self) -> int:
-        """What the slabs take per slot, all layers together."""
+        """What the slabs (and an int8 cache's scales) take per slot, all layers together."""
         slabs = {id(t): t for t in self.k.values()}
         if not slabs:
             return 0
         k = next(iter(slabs.values()))
-        return 2 * len(slabs) * k.shape[1] * k.shape[2] * k.element_size()
+        per_head = k.shape[2] * k.element_size() + (4 if self.quantized else 0)  # D values (+ a float32 scale)
+        return 2 * len(slabs) * k.shape[1] * per_head

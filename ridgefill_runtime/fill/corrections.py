@@ -19,12 +19,7 @@ def rescale_filled(kv, layer: int, r: Rescale, k_exact, v_exact, k_pred, v_pred)
     """Multiply the filled slots' cached values / keys of `layer` by the measured ratios."""
     slots = kv.physical(layer, r.filled_slots)  # [P] the slab's own slots (kv_pool.py)
     if r.values:
-        _scale_slots(kv.v[layer], slots, head_norm_ratio(v_exact, v_pred))
+        kv.scale_slots(layer, slots, head_norm_ratio(v_exact, v_pred), keys=False)
     if r.keys:
         # NOTE: RoPE is a rotation, so the ratio of key norms is the same before and after it.
-        _scale_slots(kv.k[layer], slots, head_norm_ratio(k_exact, k_pred))
-
-
-def _scale_slots(slab: torch.Tensor, slots: torch.Tensor, ratio: torch.Tensor) -> None:
-    rows = slab.index_select(0, slots)  # [P, Hkv, D]
-    slab.index_copy_(0, slots, rows * ratio.to(slab.dtype)[None, :, None])
+        kv.scale_slots(layer, slots, head_norm_ratio(k_exact, k_pred), keys=True)

@@ -208,9 +208,11 @@ def _batched(
     # NOTE: a window-bounded pool pages a sliding-window layer apart (cache/kv_layout.py)
     tables = kv.block_tables(layer, batch.block_tables)  # [B, max_blocks] int32
     # NOTE: a narrower K/V cache (cache.kv_dtype) is read as stored; float32 queries stay float32
+    k_scale, v_scale = kv.scales(layer)  # an int8 cache's [slots, Hkv] scales, else None
     out, _ = scattered_rows_attention(
-        q, owner, pos, kv.k[layer], kv.v[layer], tables, paged.context_lens, batch.block_size, scale, window=window
-    )
+        q, owner, pos, kv.k[layer], kv.v[layer], tables, paged.context_lens, batch.block_size, scale,
+        window=window, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
     return out.reshape(q.shape[0], -1), pick
 
 

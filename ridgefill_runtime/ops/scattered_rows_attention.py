@@ -5,12 +5,15 @@ probe's last rows) from several sequences, each attending causally *by its origi
 sequence's keys in the runtime's cache (ridgefill_runtime/cache/kv_pool.py):
 
   q            [R, H, D]            the rows' queries (any float dtype; k/v share it, or q is float32 over
-                                    bfloat16/float16 slabs: a narrower K/V cache; q and out stay float32)
+                                    bfloat16/float16 slabs: a narrower K/V cache; q and out stay float32;
+                                    or q is float32 over int8 slabs with k_scale/v_scale, below)
   q_seq        int32 [R]            sequence (batch index b) of each row
   q_pos        int64 [R]            position of each row in its sequence; it sees keys 0..q_pos, or with a
                                     sliding window (window > 0) only max(0, q_pos - window + 1)..q_pos
   k_slab/v_slab [S, Hkv, D]         one layer's cache slabs; position p of sequence b lives at slot
                                     block_tables[b, p // block_size] * block_size + p % block_size
+  k_scale/v_scale float32 [S, Hkv]  int8 slabs only (cache.kv_dtype = "int8", cache/int8_kv.py): key/value
+                                    row (slot, h) is float(k_slab[slot, h]) * k_scale[slot, h]
   block_tables int32 [B, max_blocks]
   context_lens int32 [B]            keys written for each sequence; q_pos < context_lens[q_seq]
   window       int                  0: full causal attention; > 0: sliding window (Gemma 3's local layers), a row
@@ -28,7 +31,8 @@ Rows are usually sorted by (seq, pos) but need not be. An empty subset returns e
 Kernels: csrc/scattered_rows_attention.cu (CUDA/HIP) and csrc/cpu/scattered_rows_attention_cpu.cpp (CPU: the
 runtime's batched paged attention, every decode, prefill-chunk and scattered row of all sequences in one call,
 reading K/V in place). Without the compiled extension every device runs scattered_rows_attention_reference, which
-the tests also use as the pure-torch reference.
+the tests also use as the pure-torch reference. int8 slabs: the CPU kernel's ridgefill::scattered_rows_attention_int8
+(dequantized in registers) or the reference; no CUDA kernel reads them (cache/build.py refuses the setting there).
 """
 
 from __future__ import annotations
@@ -42,14 +46,33 @@ _OP_NAME = "ridgefill::scattered_rows_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window) -> None:
+def _check_scales(q, k_slab, k_scale, v_scale) -> None:
+    """int8 slabs come with float32 scales [S, Hkv] (and only they do)."""
+    if k_slab.dtype != torch.int8:
+        if k_scale is not None or v_scale is not None:
+            raise TypeError("scattered_rows_attention: k_scale/v_scale go with int8 slabs only")
+        return
+    if q.dtype != torch.float32 or k_scale is None or v_scale is None:
+        raise TypeError("scattered_rows_attention: int8 slabs need float32 queries and k_scale/v_scale")
+    for s in (k_scale, v_scale):
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(k_slab.shape[:2]):
+            raise ValueError(
+                f"scattered_rows_attention: k_scale/v_scale must be float32 [S, Hkv] = {tuple(k_slab.shape[:2])}; "
+                f"got {s.dtype} {tuple(s.shape)}"
+            )
+
+
+def _check_args(
+    q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window, k_scale=None, v_scale=None
+) -> None:
     """Shape/dtype contract shared by every path (data-dependent checks live in the reference)."""
-    mixed = q.dtype == torch.float32 and k_slab.dtype in _DTYPES
+    mixed = q.dtype == torch.float32 and k_slab.dtype in (*_DTYPES, torch.int8)
     if q.dtype not in _DTYPES or (k_slab.dtype != q.dtype and not mixed) or v_slab.dtype != k_slab.dtype:
         raise TypeError(
             f"scattered_rows_attention: q, k_slab, v_slab must share a float dtype (or q be float32 "
-            f"over bfloat16/float16 slabs); got {q.dtype}, {k_slab.dtype}, {v_slab.dtype}"
+            f"over bfloat16/float16/int8 slabs); got {q.dtype}, {k_slab.dtype}, {v_slab.dtype}"
         )
+    _check_scales(q, k_slab, k_scale, v_scale)
     if q_seq.dtype != torch.int32 or q_pos.dtype != torch.int64:
         raise TypeError("scattered_rows_attention: q_seq must be int32 and q_pos int64")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
@@ -95,12 +118,14 @@ def scattered_rows_attention_reference(
     scale: float,
     return_key_mass: bool = False,
     window: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Pure torch; one sequence at a time, fp32 scores/softmax/weighted sum. Returns (out, key_mass).
 
     Each sequence gathers only the keys some row of it can see (the union of the rows' windows): a key no row
     sees may be NaN, and masking it afterwards would not help (0 * NaN in the weighted sum is NaN)."""
-    _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window)
+    _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window, k_scale, v_scale)
     rows, heads, head_dim = q.shape
     batch, max_blocks = block_tables.shape
     kv_heads = k_slab.shape[1]
@@ -132,8 +157,10 @@ def scattered_rows_attention_reference(
         starts.index_add_(0, last + 1, -torch.ones_like(last))
         pos = (starts[:n_keys].cumsum(0) > 0).nonzero().flatten()  # [L] key positions, ascending
         slots = block_tables[b].long()[pos // block_size] * block_size + pos % block_size  # [L]
-        k = k_slab.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [L, H, D]
-        v = v_slab.index_select(0, slots).float().repeat_interleave(group, dim=1)  # [L, H, D]
+        k, v = k_slab.index_select(0, slots).float(), v_slab.index_select(0, slots).float()  # [L, Hkv, D]
+        if k_scale is not None:  # int8 slabs: float(q) * scale, as every reader dequantizes (cache/int8_kv.py)
+            k, v = k * k_scale.index_select(0, slots)[..., None], v * v_scale.index_select(0, slots)[..., None]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, D]
         qb = q[pick].float()  # [Rb, H, D]
         scores = torch.einsum("rhd,lhd->rhl", qb, k) * scale  # [Rb, H, L]
         visible = (pos[None, :] <= last[:, None]) & (pos[None, :] >= first[:, None])  # [Rb, L]
@@ -166,6 +193,19 @@ else:
     _compiled = scattered_rows_attention_reference
     _CPU_KERNEL = False
 
+# int8 slabs: a CPU-only op of its own (its schema takes the scales; the CUDA kernel's stays as it is).
+_INT8_KERNEL = op_available("scattered_rows_attention_int8")
+if _INT8_KERNEL:
+
+    @torch.library.register_fake(_OP_NAME + "_int8")
+    def _fake_int8(
+        q, q_seq, q_pos, k_slab, v_slab, k_scale, v_scale, block_tables, context_lens, block_size, scale,
+        return_key_mass, window=0,
+    ):  # fmt: skip
+        return _fake(
+            q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window
+        )
+
 
 def compiled_for(device: torch.device) -> bool:
     """A compiled kernel serves this device (else every call runs the per-sequence reference)."""
@@ -184,8 +224,17 @@ def scattered_rows_attention(
     scale: float,
     return_key_mass: bool = False,
     window: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [R, H, D], key_mass [B, max_blocks*block_size] or empty); see the module docstring."""
+    if k_slab.dtype == torch.int8:
+        return _int8(
+            q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window,
+            k_scale, v_scale,
+        )  # fmt: skip
+    if k_scale is not None or v_scale is not None:
+        _check_scales(q, k_slab, k_scale, v_scale)
     if q.is_cuda and q.dtype != k_slab.dtype:
         # NOTE: the CUDA kernel takes one dtype: the queries are rounded to the slabs' (the CPU kernel
         # reads float32 queries over a narrower cache as they are)
@@ -213,3 +262,28 @@ def scattered_rows_attention(
     return scattered_rows_attention_reference(
         q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window
     )
+
+
+def _int8(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window,
+          k_scale, v_scale):  # fmt: skip
+    """int8 slabs: the CPU kernel where it is built, else the reference; never a CUDA kernel."""
+    if q.is_cuda:
+        raise TypeError(
+            "scattered_rows_attention: no CUDA kernel reads int8 K/V slabs (cache.kv_dtype int8 is CPU only)"
+        )
+    if q.dtype in (torch.bfloat16, torch.float16):  # NOTE: a half model: queries widened, output rounded back
+        out, mass = _int8(
+            q.float(), q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass,
+            window, k_scale, v_scale,
+        )  # fmt: skip
+        return out.to(q.dtype), mass
+    if _INT8_KERNEL and q.device.type == "cpu":
+        _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window, k_scale, v_scale)
+        return torch.ops.ridgefill.scattered_rows_attention_int8(
+            q, q_seq, q_pos, k_slab, v_slab, k_scale, v_scale, block_tables, context_lens, block_size, scale,
+            return_key_mass, window,
+        )  # fmt: skip
+    return scattered_rows_attention_reference(
+        q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, scale, return_key_mass, window,
+        k_scale, v_scale,
+    )  # fmt: skip

@@ -1,0 +1,153 @@
+"""The int8 K/V cache (cache.kv_dtype = "int8"): its quantization (ridgefill_runtime/cache/int8_kv.py) against a
+float64 naive one, and scattered_rows_attention over int8 slabs (the CPU kernel's
+ridgefill::scattered_rows_attention_int8, dequantizing in registers) against the pure-torch reference and an
+independent float64 computation on the dequantized K/V.
+
+Tolerances: a stored element is within scale / 2 of the written one (round to nearest), plus float32's rounding
+of x / scale (a few ulps of the quotient, 2^-23 * 127 relative to the scale at most). Attention outputs within the
+float32 bound of test_scattered_rows_attention_cpu.py (1e-5), since the kernel and the reference both attend to
+float(q) * scale, the same float32 numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from test_scattered_rows_attention_cpu import D, SPLIT_ENV, assert_mass_close, assert_out_close, mixed_batch, naive_f64
+
+from ridgefill_runtime import ops
+from ridgefill_runtime.cache import int8_kv
+from ridgefill_runtime.ops import scattered_rows_attention, scattered_rows_attention_reference
+
+
+def int8_compiled() -> bool:
+    return bool(sys.modules["ridgefill_runtime.ops.scattered_rows_attention"]._INT8_KERNEL)
+
+
+def naive_quantize_f64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row in float64: s = max|x| / 127, q = nearest integer to x / s (0 where s = 0)."""
+    x = x.double()
+    s = x.abs().amax(-1)  # [N, Hkv]
+    s = s / 127
+    q = torch.where(s[..., None] > 0, x / s.clamp_min(1e-300)[..., None], 0.0).round()
+    return q, s
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 300.0])
+def test_quantize_is_within_half_a_step_of_float64(magnitude):
+    g = torch.Generator().manual_seed(0)
+    x = magnitude * torch.randn(50, 3, 40, generator=g)
+    x[4, 1] = 0.0  # an all-zero row: scale 0, zeros back (not NaN)
+    x[7, 0, 5] = -magnitude * 20  # one outlier sets its row's scale
+    q, s = int8_kv.quantize(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (50, 3)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    q64, s64 = naive_quantize_f64(x)
+    torch.testing.assert_close(s.double(), s64, rtol=2**-23, atol=0)
+    # A quotient within a few ulps of .5 may round either way; every other element is the float64 integer.
+    assert float((q.double() - q64).abs().max()) <= 1
+    assert int((q.double() != q64).sum()) <= 2
+    back = int8_kv.dequantize(q, s)  # [50, 3, 40] float32
+    err = (back.double() - x.double()).abs()
+    bound = s64[..., None] / 2 * (1 + 1e-5)  # half a step, plus float32's rounding of x / s and q * s
+    assert bool((err <= bound).all()), float((err - bound).max())
+    assert torch.equal(back[4, 1], torch.zeros(40))
+    assert float(err.max()) > 0  # it does round
+
+
+def int8_slabs(k_slab, v_slab):
+    """float32 slabs (NaN in unowned slots) -> int8 slabs and their scales; an unowned slot keeps a NaN scale, so
+    a wrong read still shows."""
+    kq, ks = int8_kv.quantize(k_slab)
+    vq, vs = int8_kv.quantize(v_slab)
+    return kq, vq, ks, vs
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (8, 2)], ids=["g1", "g4"])
+@pytest.mark.parametrize("window", [0, 300])
+def test_int8_slabs_match_the_reference_and_f64(heads, kv_heads, window, monkeypatch):
+    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(heads, kv_heads, 16, torch.float32, seed=3)
+    kq, vq, ks, vs = int8_slabs(k_slab, v_slab)
+    scale = D**-0.5
+    args = (q, q_seq, q_pos, kq, vq, tables, ctx, 16, scale, True, window)
+    out, mass = scattered_rows_attention(*args, k_scale=ks, v_scale=vs)
+    ref_out, ref_mass = scattered_rows_attention_reference(*args, k_scale=ks, v_scale=vs)
+    k_deq, v_deq = int8_kv.dequantize(kq, ks), int8_kv.dequantize(vq, vs)  # NaN where unowned
+    exact_out, exact_mass = naive_f64(q, q_seq, q_pos, k_deq, v_deq, tables, 16, scale, window)
+    assert_out_close(out, exact_out, torch.float32)
+    assert_out_close(ref_out, exact_out, torch.float32)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    if window == 0:  # (naive_f64's mass covers every key of the row; with a window the reference's is the check)
+        assert_mass_close(mass, exact_mass)
+    torch.testing.assert_close(mass, ref_mass, rtol=1e-4, atol=1e-5)
+    # Quantizing changed the answer (the float32 slabs give another one), by far less than the values' size.
+    float_out, _ = scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, scale, window=window)
+    diff = float((out - float_out).abs().max())
+    assert 1e-4 < diff < 0.05, diff
+    monkeypatch.setenv(SPLIT_ENV, "1")
+    out_split, _ = scattered_rows_attention(*args[:9], window=window, k_scale=ks, v_scale=vs)
+    assert_out_close(out_split, exact_out, torch.float32)
+
+
+def test_odd_head_dim_and_half_queries():
+    """A head dim that is not a multiple of the vector width (the scalar tails), and bfloat16 queries: widened
+    to float32 for the int8 path, the output rounded back."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(40, 2, 21, generator=g)
+    v = torch.randn(40, 2, 21, generator=g)
+    kq, vq, ks, vs = int8_slabs(k, v)
+    tables = torch.arange(10, dtype=torch.int32).view(2, 5)
+    ctx = torch.tensor([20, 13], dtype=torch.int32)
+    q = torch.randn(4, 6, 21, generator=g)
+    q_seq = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+    q_pos = torch.tensor([19, 3, 12, 0])
+    args = (q_seq, q_pos, kq, vq, tables, ctx, 4, 0.2)
+    out, _ = scattered_rows_attention(q, *args, k_scale=ks, v_scale=vs)
+    exact, _ = naive_f64(q, q_seq, q_pos, int8_kv.dequantize(kq, ks), int8_kv.dequantize(vq, vs), tables, 4, 0.2)
+    assert_out_close(out, exact, torch.float32)
+    out_bf, _ = scattered_rows_attention(q.bfloat16(), *args, k_scale=ks, v_scale=vs)
+    exact_bf, _ = naive_f64(
+        q.bfloat16().float(), q_seq, q_pos, int8_kv.dequantize(kq, ks), int8_kv.dequantize(vq, vs), tables, 4, 0.2
+    )
+    assert_out_close(out_bf, exact_bf, torch.bfloat16)
+
+
+def test_int8_needs_its_scales_and_float32_queries():
+    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(4, 2, 16, torch.float32)
+    kq, vq, ks, vs = int8_slabs(k_slab, v_slab)
+    with pytest.raises(TypeError, match="k_scale/v_scale"):
+        scattered_rows_attention(q, q_seq, q_pos, kq, vq, tables, ctx, 16, 0.1)
+    with pytest.raises(ValueError, match=r"float32 \[S, Hkv\]"):
+        scattered_rows_attention(q, q_seq, q_pos, kq, vq, tables, ctx, 16, 0.1, k_scale=ks[:-1], v_scale=vs)
+    with pytest.raises(TypeError, match="int8 slabs only"):
+        scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, 0.1, k_scale=ks, v_scale=vs)
+    with pytest.raises(TypeError, match="k_scale/v_scale"):
+        scattered_rows_attention_reference(q, q_seq, q_pos, kq, vq, tables, ctx, 16, 0.1)
+
+
+def test_int8_kernel_is_the_cpu_path():
+    """Every build of the extension has the int8 op's CPU kernel (csrc/bindings.cpp defines it beside the float
+    one), and the wrapper calls it; its own checks name it."""
+    if os.environ.get("RIDGEFILL_REQUIRE_EXTENSION") == "1":
+        assert ops.extension_loaded()
+    assert int8_compiled() == ops.extension_loaded()
+    if not int8_compiled():
+        return
+    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(9, 3, 16, torch.float32, seed=9)
+    kq, vq, ks, vs = int8_slabs(k_slab, v_slab)
+    direct = torch.ops.ridgefill.scattered_rows_attention_int8(
+        q, q_seq, q_pos, kq, vq, ks, vs, tables, ctx, 16, D**-0.5, True
+    )
+    wrapped = scattered_rows_attention(q, q_seq, q_pos, kq, vq, tables, ctx, 16, D**-0.5, True, k_scale=ks, v_scale=vs)
+    assert torch.equal(direct[0], wrapped[0]) and torch.equal(direct[1], wrapped[1])
+    with pytest.raises(TypeError, match="scattered_rows_attention_int8: needs float32 q over int8"):
+        torch.ops.ridgefill.scattered_rows_attention_int8(
+            q, q_seq, q_pos, k_slab, v_slab, ks, vs, tables, ctx, 16, 0.1, False
+        )
+    with pytest.raises(TypeError, match="k_scale/v_scale must be float32"):
+        torch.ops.ridgefill.scattered_rows_attention_int8(
+            q, q_seq, q_pos, kq, vq, ks.double(), vs, tables, ctx, 16, 0.1, False
+        )
