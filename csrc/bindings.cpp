@@ -56,6 +56,11 @@ TORCH_LIBRARY(ridgefill, m) {
       "scattered_rows_attention_int8(Tensor q, Tensor q_seq, Tensor q_pos, Tensor k_slab, Tensor v_slab, "
       "Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor context_lens, int block_size, float scale, "
       "bool return_key_mass, int window=0) -> (Tensor, Tensor)");
+  // The int8 K/V cache's write: k, v float32 [N, Hkv, D] quantized into k_slab/v_slab[slots] with one
+  // float32 scale per row in k_scale/v_scale[slots] (cpu/int8_kv_cpu.cpp; ridgefill_runtime/cache/int8_kv.py).
+  m.def(
+      "int8_kv_write(Tensor(a!) k_slab, Tensor(b!) v_slab, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor slots, "
+      "Tensor k, Tensor v) -> ()");
 
   // Gated DeltaNet, Qwen3-Next convention (see ridgefill_runtime/ops/gdn.py).
   // q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; states float32

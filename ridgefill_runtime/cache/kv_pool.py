@@ -109,10 +109,7 @@ class KVPool:
         """Store k, v [N, Hkv, D] at slots [N]."""
         at = self.physical(layer, slots)
         if self.quantized:
-            for slab, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                q, s = int8_kv.quantize(x)  # [N, Hkv, D] int8, [N, Hkv]
-                slab[layer].index_copy_(0, at, q)
-                scales[layer].index_copy_(0, at, s)
+            int8_kv.write(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], at, k, v)
             return
         self.k[layer].index_copy_(0, at, k.to(self.k[layer].dtype))
         self.v[layer].index_copy_(0, at, v.to(self.v[layer].dtype))

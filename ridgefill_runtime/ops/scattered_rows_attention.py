@@ -278,7 +278,11 @@ def _int8(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_siz
         )  # fmt: skip
         return out.to(q.dtype), mass
     if _INT8_KERNEL and q.device.type == "cpu":
-        _check_args(q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window, k_scale, v_scale)
+        # NOTE: the kernel checks the rest (per layer and step, the Python checks cost more than a short decode)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0 or k_scale is None:
+            _check_args(
+                q, q_seq, q_pos, k_slab, v_slab, block_tables, context_lens, block_size, window, k_scale, v_scale
+            )
         return torch.ops.ridgefill.scattered_rows_attention_int8(
             q, q_seq, q_pos, k_slab, v_slab, k_scale, v_scale, block_tables, context_lens, block_size, scale,
             return_key_mass, window,

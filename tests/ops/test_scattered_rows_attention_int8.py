@@ -120,7 +120,7 @@ def test_int8_needs_its_scales_and_float32_queries():
     kq, vq, ks, vs = int8_slabs(k_slab, v_slab)
     with pytest.raises(TypeError, match="k_scale/v_scale"):
         scattered_rows_attention(q, q_seq, q_pos, kq, vq, tables, ctx, 16, 0.1)
-    with pytest.raises(ValueError, match=r"float32 \[S, Hkv\]"):
+    with pytest.raises(ValueError, match=r"k_scale/v_scale must be .*\[S, Hkv\]"):
         scattered_rows_attention(q, q_seq, q_pos, kq, vq, tables, ctx, 16, 0.1, k_scale=ks[:-1], v_scale=vs)
     with pytest.raises(TypeError, match="int8 slabs only"):
         scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, 0.1, k_scale=ks, v_scale=vs)
@@ -151,3 +151,39 @@ def test_int8_kernel_is_the_cpu_path():
         torch.ops.ridgefill.scattered_rows_attention_int8(
             q, q_seq, q_pos, kq, vq, ks.double(), vs, tables, ctx, 16, 0.1, False
         )
+
+
+def test_compiled_write_stores_the_bytes_quantize_makes(monkeypatch):
+    """ridgefill::int8_kv_write (csrc/cpu/int8_kv_cpu.cpp, the pool's write) against int8_kv.quantize: the same
+    int8 values and scales, bit for bit, at the given slots only (ties at .5 included: both round half to even)."""
+    assert int8_kv._compiled_write() == ops.extension_loaded()
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(7, 3, 40, generator=g) * torch.tensor([1e-3, 1.0, 50.0])[None, :, None]
+    v = torch.randn(7, 3, 40, generator=g)
+    k[2, 1] = 0.0  # scale 0
+    v[3, 0, :2] = torch.tensor([127.0, 0.5])  # scale 1: 0.5 is a tie, to even (0)
+    v[4, 2, :2] = torch.tensor([-127.0, 2.5])  # and 2.5 to 2
+    at = torch.tensor([9, 0, 4, 13, 2, 7, 11])
+
+    def slabs():
+        return (
+            torch.zeros(16, 3, 40, dtype=torch.int8),
+            torch.zeros(16, 3, 40, dtype=torch.int8),
+            torch.zeros(16, 3),
+            torch.zeros(16, 3),
+        )
+
+    got = slabs()
+    int8_kv.write(*got, at, k, v)
+    monkeypatch.setattr(int8_kv, "_WRITE_OP", False)  # the torch fallback
+    want = slabs()
+    int8_kv.write(*want, at, k, v)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert int(got[1][13, 0, 1]) == 0 and int(got[1][2, 2, 1]) == 2
+    assert int((got[0].abs().sum((1, 2)) > 0).sum()) == 7  # only the written slots
+    kq, ks = int8_kv.quantize(k)
+    assert torch.equal(got[0][at], kq) and torch.equal(got[2][at], ks)
+    if ops.extension_loaded():
+        with pytest.raises(IndexError, match="int8_kv_write: slot 16 outside"):
+            torch.ops.ridgefill.int8_kv_write(*got, torch.tensor([16]), k[:1], v[:1])
