@@ -257,3 +257,20 @@ def test_int8_cache_with_prefix_caching_reuses_the_same_keys(tiny):
 def test_int8_is_refused_off_the_cpu():
     with pytest.raises(ValueError, match=r'cache.kv_dtype = "int8" runs on the CPU only'):
         build_caches(int8_caches().spec, CacheBudget(block_size=4, num_blocks=4, kv_dtype=torch.int8), "cuda")
+
+
+def test_int8_is_refused_for_looped_models(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
+    from looped_reference import write_tiny_huginn
+
+    from ridgefill_runtime.config import LoopConfig
+
+    write_tiny_huginn(tmp_path)
+    config = EngineConfig(
+        model=str(tmp_path), looped=LoopConfig(cache="full", block=0), cache=CacheConfig(num_blocks=64, kv_dtype="int8")
+    )
+    with pytest.raises(ValueError, match=r'cache.kv_dtype = "int8" is not supported for looped models'):
+        build_engine(config)
