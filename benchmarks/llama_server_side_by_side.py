@@ -30,6 +30,11 @@ uses CPU beyond an occasional poll (load at start and end is in the output).
       --fill-config benchmarks/tune/gemma3-270m-16k/fill.toml --threads 2 --rounds 3 \
       --out benchmarks/llama_server_side_by_side/gemma3-270m
 
+Gemma 3 (sliding-window layers): llama-server's default SWA cache cannot roll back, so it
+recomputes the whole shared system prompt (cached tokens 0 in the chat table); pass
+`--llama-args "--swa-full"` for its prefix reuse (smoke run: then the slot that held the prefix
+reuses it, a concurrent user on another slot still starts cold).
+
 The llama-server binary: --llama-server PATH, else scripts/build_llama_server.sh's cache
 (~/.cache/ridgefill/llama-server/0.3.36/bin/llama-server), else `llama-server` on PATH.
 """
@@ -216,20 +221,29 @@ def markdown_tables(result: dict) -> str:
     if ttft:
         arms = ttft["arms"]
         lines += ["## C = 1 TTFT (cold prefill; s, median over rounds)", ""]
-        lines += ["| prompt tokens | " + " | ".join(arms) + " | " + " | ".join(f"{LLAMA} / {a}" for a in arms[1:]) + " |"]
+        lines += [
+            "| prompt tokens | " + " | ".join(arms) + " | " + " | ".join(f"{LLAMA} / {a}" for a in arms[1:]) + " |"
+        ]
         lines += ["|---" * (1 + 2 * len(arms) - 1) + "|"]
         for row in ttft["rows"]:
             vals = [row["arms"][a]["ttft_p50_s"] for a in arms]
             ratios = [(vals[0] / v if (v and vals[0]) else None) for v in vals[1:]]
             lines.append(
-                f"| {row['tokens']} | " + " | ".join(_f(v, 3) for v in vals) + " | " + " | ".join(_f(r, 2) + "x" for r in ratios) + " |"
+                f"| {row['tokens']} | "
+                + " | ".join(_f(v, 3) for v in vals)
+                + " | "
+                + " | ".join(_f(r, 2) + "x" for r in ratios)
+                + " |"
             )
         lines.append("")
         lines.append("(ratio > 1: ours is faster.)")
         lines.append("")
     dec = result["phases"].get("decode")
     if dec:
-        lines += [f"## Concurrent decode ({dec['prompt_tokens']}-token prompts, {dec['max_tokens']} tokens out each)", ""]
+        lines += [
+            f"## Concurrent decode ({dec['prompt_tokens']}-token prompts, {dec['max_tokens']} tokens out each)",
+            "",
+        ]
         lines += ["| C | arm | out tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 s |", "|---|---|---|---|---|---|"]
         for row in dec["rows"]:
             for a, s in row["arms"].items():
@@ -297,14 +311,19 @@ def find_llama_server(given: str | None) -> Path:
         if not (p.is_file() and os.access(p, os.X_OK)):
             sys.exit(f"--llama-server {given}: no executable there")
         return p
-    cache = Path(os.environ.get("RIDGEFILL_LLAMA_SERVER_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ridgefill" / "llama-server")
+    cache = Path(
+        os.environ.get("RIDGEFILL_LLAMA_SERVER_CACHE")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ridgefill" / "llama-server"
+    )
     p = cache / LLAMA_CPP_PYTHON_VERSION / "bin" / "llama-server"
     if p.is_file():
         return p
     on_path = shutil.which("llama-server")
     if on_path:
         return Path(on_path)
-    sys.exit(f"no llama-server binary: build it with `bash scripts/build_llama_server.sh` (expected at {p}) or pass --llama-server PATH")
+    sys.exit(
+        f"no llama-server binary: build it with `bash scripts/build_llama_server.sh` (expected at {p}) or pass --llama-server PATH"
+    )
 
 
 def find_model(name: str) -> Path:
@@ -316,7 +335,9 @@ def find_model(name: str) -> Path:
     try:
         from ridgefill_runtime.loader.packaged import PACKAGED, packaged_model_path
     except ImportError as e:
-        sys.exit(f"cannot import ridgefill_runtime to resolve --model {name} ({e}); run with .venv/bin/python or pass a .gguf path")
+        sys.exit(
+            f"cannot import ridgefill_runtime to resolve --model {name} ({e}); run with .venv/bin/python or pass a .gguf path"
+        )
     if name not in PACKAGED:
         sys.exit(f"--model {name}: neither a .gguf file nor a packaged model ({', '.join(PACKAGED)})")
     try:
@@ -341,13 +362,17 @@ class Server:
     def start(self, timeout: float) -> float:
         t0 = time.perf_counter()
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         import httpx
 
         while time.perf_counter() - t0 < timeout:
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text()[-2000:]
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} while starting; log {self.log_path}:\n{tail}")
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode} while starting; log {self.log_path}:\n{tail}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return time.perf_counter() - t0
@@ -424,8 +449,16 @@ def body_for(arm: str, ids: list[int], max_tokens: int, cache_prompt: bool) -> d
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gemma3-270m", help="a .gguf path or a packaged model name (gemma3-270m, qwen2.5-coder-0.5b, ...)")
-    p.add_argument("--fill-config", default=None, help="ridgefill TOML with a [fill] table (mode plain, maps): adds the 'ours fill on' arm")
+    p.add_argument(
+        "--model",
+        default="gemma3-270m",
+        help="a .gguf path or a packaged model name (gemma3-270m, qwen2.5-coder-0.5b, ...)",
+    )
+    p.add_argument(
+        "--fill-config",
+        default=None,
+        help="ridgefill TOML with a [fill] table (mode plain, maps): adds the 'ours fill on' arm",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--phases", default="ttft,decode,chat")
@@ -438,7 +471,12 @@ def parse_args(argv=None):
     p.add_argument("--chat-system", type=int, default=2048)
     p.add_argument("--chat-question", type=int, default=48)
     p.add_argument("--chat-tokens", type=int, default=32)
-    p.add_argument("--text", nargs="+", default=None, help="text files/folders tokenized into the prompts (default: the Python HOWTOs when installed, else this repo's *.md)")
+    p.add_argument(
+        "--text",
+        nargs="+",
+        default=None,
+        help="text files/folders tokenized into the prompts (default: the Python HOWTOs when installed, else this repo's *.md)",
+    )
     p.add_argument("--llama-server", default=None)
     p.add_argument("--llama-args", default="", help="extra llama-server arguments (one string)")
     p.add_argument("--ours-args", default="", help="extra `ridgefill serve` arguments (one string)")
@@ -462,7 +500,15 @@ def corpus_text(paths: list[str] | None) -> str:
     return "\n\n".join(f.read_text(errors="replace") for f in files)
 
 
-async def main_async(args, servers: dict[str, Server], arms_ttft: list[str], corpus: list[int], bos: int | None, max_len: int, result: dict):
+async def main_async(
+    args,
+    servers: dict[str, Server],
+    arms_ttft: list[str],
+    corpus: list[int],
+    bos: int | None,
+    max_len: int,
+    result: dict,
+):
     import httpx
 
     phases = set(args.phases.split(","))
@@ -486,10 +532,21 @@ async def main_async(args, servers: dict[str, Server], arms_ttft: list[str], cor
                 steps = {a: [] for a in arms_ttft}
                 for r in range(args.rounds):
                     for arm in arm_order(arms_ttft, r):
-                        step = await run_step(client, urls[arm], [body_for(arm, fresh(tokens), args.ttft_max_tokens, False)], arm)
+                        step = await run_step(
+                            client, urls[arm], [body_for(arm, fresh(tokens), args.ttft_max_tokens, False)], arm
+                        )
                         steps[arm].append(step)
-                        print(f"ttft {tokens:>6} round {r} {arm:14s} {_f(step['summary']['ttft_p50_s'], 3)} s", flush=True)
-                rows.append({"requested": length, "tokens": tokens, "arms": {a: pooled(s) for a, s in steps.items()}, "steps": steps})
+                        print(
+                            f"ttft {tokens:>6} round {r} {arm:14s} {_f(step['summary']['ttft_p50_s'], 3)} s", flush=True
+                        )
+                rows.append(
+                    {
+                        "requested": length,
+                        "tokens": tokens,
+                        "arms": {a: pooled(s) for a, s in steps.items()},
+                        "steps": steps,
+                    }
+                )
             result["phases"]["ttft"] = {"arms": arms_ttft, "max_tokens": args.ttft_max_tokens, "rows": rows}
         if "decode" in phases:
             rows = []
@@ -501,9 +558,16 @@ async def main_async(args, servers: dict[str, Server], arms_ttft: list[str], cor
                         step = await run_step(client, urls[arm], bodies, arm)
                         steps[arm].append(step)
                         s = step["summary"]
-                        print(f"decode C={c:<3} round {r} {arm:14s} {_f(s['out_tok_s'], 1)} tok/s ITL p50 {_f(s['itl_p50_ms'], 1)} ms", flush=True)
+                        print(
+                            f"decode C={c:<3} round {r} {arm:14s} {_f(s['out_tok_s'], 1)} tok/s ITL p50 {_f(s['itl_p50_ms'], 1)} ms",
+                            flush=True,
+                        )
                 rows.append({"concurrency": c, "arms": {a: pooled(s) for a, s in steps.items()}, "steps": steps})
-            result["phases"]["decode"] = {"prompt_tokens": args.decode_prompt, "max_tokens": args.decode_tokens, "rows": rows}
+            result["phases"]["decode"] = {
+                "prompt_tokens": args.decode_prompt,
+                "max_tokens": args.decode_tokens,
+                "rows": rows,
+            }
         if "chat" in phases:
             system = build_prompt_ids(corpus, args.chat_system, len(corpus) // 3, bos)
             steps = {LLAMA: [], OURS: []}
@@ -520,7 +584,10 @@ async def main_async(args, servers: dict[str, Server], arms_ttft: list[str], cor
                     step = await run_step(client, urls[arm], bodies, arm)
                     steps[arm].append(step)
                     s = step["summary"]
-                    print(f"chat round {r} {arm:14s} TTFT p50 {_f(s['ttft_p50_s'], 3)} s, cached {_f(s['cached_tokens_mean'], 0)}", flush=True)
+                    print(
+                        f"chat round {r} {arm:14s} TTFT p50 {_f(s['ttft_p50_s'], 3)} s, cached {_f(s['cached_tokens_mean'], 0)}",
+                        flush=True,
+                    )
             result["phases"]["chat"] = {
                 "users": args.chat_users,
                 "system_tokens": args.chat_system,
@@ -567,10 +634,41 @@ def main(argv=None) -> int:
         args.chat_users * (args.chat_system + args.chat_question + args.chat_tokens) + args.chat_system,
     )
     ctx = -(-ctx // 256) * 256
-    llama_cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(free_port()), "-t", str(args.threads), "-tb", str(args.threads),
-                 "-c", str(ctx), "-np", str(n_par), "-kvu", "--no-webui"] + args.llama_args.split()
-    ours_cmd = [str(ridgefill_bin), "serve", "--model", str(gguf), "--threads", str(args.threads), "--port", str(free_port()),
-                "--kv-cache-gib", str(args.kv_cache_gib), "--max-num-seqs", str(max(n_par, 16)), "--log-level", "warning"]
+    llama_cmd = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "-t",
+        str(args.threads),
+        "-tb",
+        str(args.threads),
+        "-c",
+        str(ctx),
+        "-np",
+        str(n_par),
+        "-kvu",
+        "--no-webui",
+    ] + args.llama_args.split()
+    ours_cmd = [
+        str(ridgefill_bin),
+        "serve",
+        "--model",
+        str(gguf),
+        "--threads",
+        str(args.threads),
+        "--port",
+        str(free_port()),
+        "--kv-cache-gib",
+        str(args.kv_cache_gib),
+        "--max-num-seqs",
+        str(max(n_par, 16)),
+        "--log-level",
+        "warning",
+    ]
     if args.fill_config:
         ours_cmd[2:2] = ["--config", str(Path(args.fill_config).resolve())]
     ours_cmd += args.ours_args.split()
@@ -579,11 +677,18 @@ def main(argv=None) -> int:
         LLAMA: Server(LLAMA, llama_cmd, int(llama_cmd[llama_cmd.index("--port") + 1]), args.out / "llama-server.log"),
         OURS: Server(OURS, ours_cmd, int(ours_cmd[ours_cmd.index("--port") + 1]), args.out / "ridgefill.log", env),
     }
-    versions = {"llama-server": subprocess.run([str(binary), "--version"], capture_output=True, text=True).stderr.strip().replace("\n", "; ") or "?"}
+    versions = {
+        "llama-server": subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+        .stderr.strip()
+        .replace("\n", "; ")
+        or "?"
+    }
     try:
         from importlib.metadata import version
 
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
         versions["ridgefill"] = f"{version('ridgefill')} (git {rev})"
         versions["torch"] = version("torch")
     except Exception as e:
@@ -606,6 +711,10 @@ def main(argv=None) -> int:
             f"llama-server: -c {ctx} -np {n_par} -kvu (one K/V pool shared by the slots), OpenMP and flash-attn at the build's defaults",
         ],
     }
+    if "--swa-full" not in args.llama_args.split():
+        result["notes"].append(
+            "llama-server without --swa-full: for sliding-window models (Gemma 3) its prefix cache cannot be reused"
+        )
     started = []
     try:
         for key in (LLAMA, OURS):
@@ -616,17 +725,32 @@ def main(argv=None) -> int:
         text = corpus_text(args.text)
         tok = httpx.post(ours_url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=600).json()
         corpus, max_len = tok["tokens"], tok["max_model_len"]
-        with_bos = httpx.post(ours_url + "/tokenize", json={"prompt": "a", "add_special_tokens": True}, timeout=60).json()["tokens"]
-        bare = httpx.post(ours_url + "/tokenize", json={"prompt": "a", "add_special_tokens": False}, timeout=60).json()["tokens"]
+        with_bos = httpx.post(
+            ours_url + "/tokenize", json={"prompt": "a", "add_special_tokens": True}, timeout=60
+        ).json()["tokens"]
+        bare = httpx.post(ours_url + "/tokenize", json={"prompt": "a", "add_special_tokens": False}, timeout=60).json()[
+            "tokens"
+        ]
         bos = with_bos[0] if len(with_bos) > len(bare) else None
         sample = text[:4000]
-        theirs = httpx.post(llama_url + "/tokenize", json={"content": sample, "add_special": False}, timeout=60).json().get("tokens")
-        ours_sample = httpx.post(ours_url + "/tokenize", json={"prompt": sample, "add_special_tokens": False}, timeout=60).json()["tokens"]
+        theirs = (
+            httpx.post(llama_url + "/tokenize", json={"content": sample, "add_special": False}, timeout=60)
+            .json()
+            .get("tokens")
+        )
+        ours_sample = httpx.post(
+            ours_url + "/tokenize", json={"prompt": sample, "add_special_tokens": False}, timeout=60
+        ).json()["tokens"]
         result["tokenizer_agreement_first_4000_chars"] = theirs == ours_sample
         result["corpus_tokens"], result["max_model_len"], result["bos"] = len(corpus), max_len, bos
-        print(f"corpus {len(corpus)} tokens, ours max_model_len {max_len}, BOS {bos}, tokenizers agree on a sample: {theirs == ours_sample}", flush=True)
+        print(
+            f"corpus {len(corpus)} tokens, ours max_model_len {max_len}, BOS {bos}, tokenizers agree on a sample: {theirs == ours_sample}",
+            flush=True,
+        )
         if any(length + args.ttft_max_tokens > max_len for length in args.lengths):
-            result["notes"].append(f"prompt lengths over max_model_len - max_tokens ({max_len} - {args.ttft_max_tokens}) are cut to it (column 'prompt tokens')")
+            result["notes"].append(
+                f"prompt lengths over max_model_len - max_tokens ({max_len} - {args.ttft_max_tokens}) are cut to it (column 'prompt tokens')"
+            )
         asyncio.run(main_async(args, servers, arms_ttft, corpus, bos, max_len, result))
     finally:
         for key in reversed(started):

@@ -132,9 +132,21 @@ def test_markdown_table_states_ratio_and_machine():
         "model": "m",
         "threads": 2,
         "rounds": 2,
-        "machine": {"cpu": "CPU X", "cores": 2, "avx2": True, "avx512f": False, "load_start": [0.1, 0.1, 0.1], "load_end": [0.2, 0.2, 0.2]},
+        "machine": {
+            "cpu": "CPU X",
+            "cores": 2,
+            "avx2": True,
+            "avx512f": False,
+            "load_start": [0.1, 0.1, 0.1],
+            "load_end": [0.2, 0.2, 0.2],
+        },
         "versions": {"llama-server": "version: 1", "ridgefill": "0.1"},
-        "phases": {"ttft": {"arms": [sbs.LLAMA, sbs.OURS_OFF], "rows": [{"tokens": 1024, "arms": {sbs.LLAMA: s_llama, sbs.OURS_OFF: s_ours}}]}},
+        "phases": {
+            "ttft": {
+                "arms": [sbs.LLAMA, sbs.OURS_OFF],
+                "rows": [{"tokens": 1024, "arms": {sbs.LLAMA: s_llama, sbs.OURS_OFF: s_ours}}],
+            }
+        },
     }
     md = sbs.markdown_tables(result)
     assert "CPU X" in md and "threads 2" in md
