@@ -96,6 +96,13 @@ def ridgefill_engine(
     return Engine(llm.engine.model, llm.tokenizer, config)
 
 
+def kv_elem_bytes(kv) -> float:
+    """Bytes the pool stores per cached K or V element (a narrower kv_dtype's scales included)."""
+    slabs = {id(t): t for t in kv.k.values()}
+    k = next(iter(slabs.values()))
+    return kv.bytes_per_token() / (2 * len(slabs) * k.shape[1] * k.shape[2])
+
+
 def time_ridgefill(
     llm, weights: str, dtype: str, prompts: list[list[int]], new: int, chunk: int, kv_dtype: str = "auto"
 ) -> dict:
@@ -129,6 +136,7 @@ def time_ridgefill(
     stats = engine.stats()
     row = summary(steps, batch)
     row.update(
+        kv_elem_bytes=kv_elem_bytes(engine.kv),
         prefill_s=prefill_s,
         prefill_steps=prefill_steps,
         max_lead_tokens=lead,
@@ -221,15 +229,45 @@ def table(rows: list[dict]) -> str:
     llama = next((r for r in rows if r["arm"] == "llama.cpp"), None)
     base = {r["arm"]: r["agg_tok_s"] for r in rows if r["batch"] == 1}
     head = ["arm", "B", "ITL p50 ms", "ITL p90 ms", "agg tok/s", "agg vs B=1", "ITL vs llama.cpp"]
+    roof = any("of_roofline" in r for r in rows)
+    if roof:
+        head += ["GFLOP/s", "of FMA peak", "GB/s", "of copy peak", "of roofline"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         vs_b1 = f"{r['agg_tok_s'] / base[r['arm']]:.2f}x" if r["arm"] in base else "-"
         vs_llama = f"{r['itl_p50_ms'] / llama['itl_p50_ms']:.2f}x" if llama and r["batch"] == 1 else "-"
-        lines.append(
-            f"| {r['arm']} | {r['batch']} | {r['itl_p50_ms']:.2f} | {r['itl_p90_ms']:.2f} | "
-            f"{r['agg_tok_s']:.1f} | {vs_b1} | {vs_llama} |"
-        )
+        cells = [r["arm"], r["batch"], f"{r['itl_p50_ms']:.2f}", f"{r['itl_p90_ms']:.2f}", f"{r['agg_tok_s']:.1f}"]
+        cells += [vs_b1, vs_llama]
+        if roof and "of_roofline" in r:
+            cells += [f"{r['gflops']:.1f}", f"{r['of_fma']:.2f}", f"{r['gbs']:.1f}", f"{r['of_copy']:.2f}"]
+            cells += [f"{r['of_roofline']:.2f}"]
+        elif roof:
+            cells += ["-"] * 5
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def add_roofline(rows: list[dict], model, wbytes: dict[str, int], context: int, peaks) -> None:
+    """Each row's GFLOP/s, GB/s and roofline fraction (ridgefill_runtime/eval/roofline.py), from its
+    median step time. llama.cpp's row is counted with the packed arm's weight bytes (the same GGUF
+    blocks) and its float16 K/V; transformers' with the dequantized arm's and float32 K/V."""
+    from ridgefill_runtime.eval.roofline import decode_work
+    from ridgefill_runtime.fill.ceiling import layer_shapes
+
+    try:
+        shapes = layer_shapes(model.config, model.cache_spec().layers)
+    except ValueError as e:  # a recurrent layer: no attention count
+        print(f"no roofline columns: {e}")
+        return
+    cfg = model.config
+    for r in rows:
+        arm = {"llama.cpp": "ridgefill packed", "transformers": "ridgefill dequantized"}.get(r["arm"], r["arm"])
+        w = wbytes.get(arm.split(",")[0])
+        if w is None:  # that arm's weights were not loaded in this run
+            continue
+        kv = r.get("kv_elem_bytes", 2 if r["arm"] == "llama.cpp" else 4)
+        work = decode_work(shapes, cfg.vocab_size, cfg.hidden_size, w, kv, r["batch"], context)
+        r.update(work.columns(r["itl_p50_ms"] / 1e3, peaks))
 
 
 def main() -> None:
@@ -245,7 +283,7 @@ def main() -> None:
         "--kv-dtypes",
         nargs="+",
         default=["auto"],
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
         help="cache.kv_dtype of the packed arm (one arm each; llama.cpp's cache is float16)",
     )
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
@@ -257,12 +295,19 @@ def main() -> None:
         help="B=1 head to head: rounds alternating ridgefill packed and llama.cpp (this VM's speed "
         "drifts by up to 1.5x between minutes, so one pass each is not a comparison)",
     )
+    ap.add_argument(
+        "--roofline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure this machine's FMA and copy peaks first and add the roofline columns",
+    )
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from ridgefill_runtime.config import CacheConfig, EngineConfig
+    from ridgefill_runtime.eval.roofline import weight_bytes
     from ridgefill_runtime.llm import LLM
     from ridgefill_runtime.loader.gguf import default_model_path
     from ridgefill_runtime.loader.packaged import packaged_model_path
@@ -277,8 +322,15 @@ def main() -> None:
         "cpu": cpu_model(),
         "model": str(path),
     }
+    peaks = None
+    if args.roofline:
+        from ridgefill_runtime.eval.roofline import measure_peaks
+
+        peaks = measure_peaks(args.threads)
+        header["peaks"] = {"fma_gflops": peaks.fma_gflops, "copy_gbs": peaks.copy_gbs, "lanes": peaks.lanes}
     print(" ".join(f"{k}={v}" for k, v in header.items()))
     rows: list[dict] = []
+    wbytes: dict[str, int] = {}
     skipped: dict[str, str] = {}
     prompts = None
 
@@ -299,6 +351,8 @@ def main() -> None:
                     f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)",
                     flush=True,
                 )
+        wbytes[f"ridgefill {weights}"] = weight_bytes(llm.engine.model.weights)
+        model = llm.engine.model
         if weights == "packed":
             packed_llm = llm
         del llm
@@ -335,6 +389,9 @@ def main() -> None:
 
     for arm, why in skipped.items():
         print(f"skipped {arm}: {why}")
+    if peaks:
+        add_roofline(rows, model, wbytes, args.context, peaks)
+        print(peaks.describe())
     print()
     print(table(rows))
     if head_to_head:

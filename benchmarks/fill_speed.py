@@ -34,11 +34,18 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=1024)
     ap.add_argument("--arm", default="ridgefill", choices=["ridgefill", "identity"])
     ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
+    ap.add_argument(
+        "--roofline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure this machine's FMA and copy peaks; add each arm's GFLOP/s as a share of the FMA peak",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from ridgefill_runtime.config import CacheConfig, EngineConfig, FillConfig, SchedulerConfig
     from ridgefill_runtime.engine import Engine
+    from ridgefill_runtime.eval.roofline import fill_work, measure_peaks, prefill_work, weight_bytes
     from ridgefill_runtime.fill.ceiling import ceiling, layer_shapes
     from ridgefill_runtime.fill.settings import shipped_maps
     from ridgefill_runtime.llm import LLM, load_fill_maps
@@ -73,11 +80,22 @@ def main() -> None:
         f"threads={torch.get_num_threads()} model={args.model or 'SmolLM2-135M-Instruct'} float32 CPU, arm={args.arm}, "
         f"split={S}/{L}, tail={T}"
     )
+    peaks = measure_peaks(args.threads) if args.roofline else None
+    if peaks:
+        print(peaks.describe())
+    wbytes, V, d = weight_bytes(model.weights), model.config.vocab_size, model.config.hidden_size
     print(
         f"{'tokens':>6} | {'exact s':>7} | {'fill s':>7} | {'speedup':>7} | {'ceiling 1/r':>11} | {'measured/ceiling':>16}"
         f" | {'MAC ceiling':>11} | {'measured/MAC':>12}"
+        + (f" | {'exact GFLOP/s':>13} | {'of FMA':>6} | {'fill GFLOP/s':>12} | {'of FMA':>6}" if peaks else "")
     )
-    print("-" * 103)
+    print("-" * (103 + (49 if peaks else 0)))
+
+    def roof_cells(n: int, exact_s: float, fill_s: float) -> str:
+        ex = prefill_work(shapes, V, d, wbytes, n).columns(exact_s, peaks)
+        fi = fill_work(shapes, V, d, wbytes, n, S, T).columns(fill_s, peaks)
+        return f" | {ex['gflops']:>13.1f} | {ex['of_fma']:>6.2f} | {fi['gflops']:>12.1f} | {fi['of_fma']:>6.2f}"
+
     warm = ids_all[: T + 256]
     ttft(engine(len(warm), FillConfig()), warm), ttft(engine(len(warm), fill), warm)
     for n in args.lengths:
@@ -92,7 +110,8 @@ def main() -> None:
         mac = ceiling(shapes, n, S, T)
         print(
             f"{n:>6} | {e:>7.2f} | {f:>7.2f} | {e / f:>7.2f} | {1 / r:>11.2f} | {(e / f) * r:>16.2f}"
-            f" | {mac:>11.2f} | {(e / f) / mac:>12.2f}"
+            f" | {mac:>11.2f} | {(e / f) / mac:>12.2f}" + (roof_cells(n, e, f) if peaks else ""),
+            flush=True,
         )
 
 

@@ -80,6 +80,28 @@ def llama_cpp_timer(path, n_ctx: int, threads: int):
     return timed
 
 
+def roofline_counter(model, threads: int):
+    """(model, n, seconds) -> roofline columns of an exact n-row prefill (eval/roofline.py), with
+    this machine's peaks measured once, now; None for a model the MAC count does not cover."""
+    from ridgefill_runtime.eval.roofline import measure_peaks, prefill_work, weight_bytes
+    from ridgefill_runtime.fill.ceiling import layer_shapes
+
+    try:
+        shapes = layer_shapes(model.config, model.cache_spec().layers)
+    except ValueError as e:
+        print(f"no roofline columns: {e}")
+        return None
+    peaks = measure_peaks(threads)
+    print(peaks.describe())
+    cfg = model.config
+
+    def columns(m, n: int, seconds: float) -> dict:
+        work = prefill_work(shapes, cfg.vocab_size, cfg.hidden_size, weight_bytes(m.weights), n)
+        return work.columns(seconds, peaks)
+
+    return columns
+
+
 @torch.inference_mode()
 def time_hf(model, ids: list[int]) -> float:
     x = torch.tensor([ids])
@@ -104,6 +126,12 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=False, help="the llama.cpp arm")
+    ap.add_argument(
+        "--roofline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure this machine's FMA and copy peaks and add ours' GFLOP/s and roofline fraction",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -127,6 +155,7 @@ def main() -> None:
         peers["llama.cpp"] = llama_cpp_timer(path, max(args.lengths) + 16, args.threads)
 
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} model={path.name} (float32 activations, CPU)")
+    roof = roofline_counter(next(iter(llms.values())).engine.model, args.threads) if args.roofline else None
     for llm in llms.values():
         time_ours(engine_with_chunk(llm, 128), ids_all[:128])  # warm up
     for timed in peers.values():
@@ -134,7 +163,8 @@ def main() -> None:
     for w, llm in llms.items():
         print(f"\nweights = {w}; ratio = peer time / ours (above 1: ours faster)")
         head = " | ".join(f"{p} tok/s | ratio" for p in peers)
-        print(f"{'tokens':>6} | ours tok/s | ours chunk={args.chunk} tok/s | {head}")
+        roof_head = " | ours GFLOP/s | of FMA peak | of roofline" if roof else ""
+        print(f"{'tokens':>6} | ours tok/s | ours chunk={args.chunk} tok/s | {head}{roof_head}")
         for n in args.lengths:
             ids = ids_all[:n]
             whole, split = engine_with_chunk(llm, n), engine_with_chunk(llm, args.chunk)
@@ -146,6 +176,9 @@ def main() -> None:
                 times["chunked"].append(time_ours(split, ids))
             med = {k: statistics.median(v) for k, v in times.items()}
             cells = " | ".join(f"{n / med[p]:.0f} | {med[p] / med['ours']:.2f}" for p in peers)
+            if roof:
+                c = roof(llm.engine.model, n, med["ours"])
+                cells += f" | {c['gflops']:.1f} | {c['of_fma']:.2f} | {c['of_roofline']:.2f}"
             print(f"{n:>6} | {n / med['ours']:.0f} | {n / med['chunked']:.0f} | {cells}", flush=True)
 
 
