@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.scattered_rows_attention import compiled_for, scattered_rows_attention
+from .window_attention import banded_window_attention, worth_banding
 
 # On the CPU a sequence with more rows than this in one step (a prefill chunk) keeps its own
 # gather + SDPA call, whose blocked GEMMs beat the row-wise kernel there; on a GPU every cached
@@ -223,6 +224,15 @@ def causal_offset_mask(q_len: int, k_len: int, device: torch.device) -> torch.Te
     return k_pos <= q_pos
 
 
+def _consecutive_to_end(q_pos: torch.Tensor, k_pos: torch.Tensor | None, k_len: int) -> bool:
+    """The rows q_pos [R] are consecutive and the keys (positions k_pos [Lk], None: 0..Lk-1)
+    are consecutive and end at the last row: the shape banded_window_attention takes."""
+    rows_run = bool((q_pos.diff() == 1).all())
+    keys_run = k_pos is None or bool((k_pos.diff() == 1).all())
+    last_key = k_len - 1 if k_pos is None else int(k_pos[-1])
+    return rows_run and keys_run and int(q_pos[-1]) == last_key
+
+
 def attend_at(
     q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -235,6 +245,8 @@ def attend_at(
     """Chosen query rows q [R, H, D] at positions q_pos [R] over k/v [Lk, Hkv, D] whose
     positions are k_pos [Lk] (None: 0..Lk-1); a row sees keys at positions <= its own (and,
     with a window, > its own - window)."""
+    if window and worth_banding(q.shape[0], k.shape[0], window) and _consecutive_to_end(q_pos, k_pos, k.shape[0]):
+        return banded_window_attention(q, k, v, scale, window)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
     mask = None
     last = int(q_pos[0]) == (k.shape[0] - 1 if k_pos is None else int(k_pos[-1]))
@@ -252,6 +264,8 @@ def attend_at(
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """One sequence: q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H*D], queries = last Lq positions."""
     q_len, k_len = q.shape[0], k.shape[0]
+    if window and worth_banding(q_len, k_len, window):
+        return banded_window_attention(q, k, v, scale, window)
     if window and k_len > window:
         q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
         return attend_at(q, q_pos, k, v, scale, window=window)

@@ -90,3 +90,27 @@ def test_batched_decode_equals_each_alone(models):
         ((alone_ids, alone_lp),) = _run(ours.engine, [prompt], params)
         assert ids == alone_ids
         assert (lp - alone_lp).abs().max() < 1e-4
+
+
+def test_long_chunk_takes_the_banded_window_path_and_still_matches(models, gemma3_gguf, monkeypatch):
+    """One 2,000-row chunk: the local layers' attention runs in bands (layers/window_attention.py)
+    and the target log-probs still equal transformers'."""
+    from ridgefill_runtime.layers import attention
+
+    ref, short = models
+    ids = short.tokenizer.encode(TEXT.read_text())[:2000]
+    assert len(ids) == 2000
+    banded = []
+    real = attention.banded_window_attention
+    monkeypatch.setattr(attention, "banded_window_attention", lambda *a, **kw: banded.append(1) or real(*a, **kw))
+    ours = LLM(
+        EngineConfig(
+            model=str(gemma3_gguf),
+            cache=CacheConfig(kv_cache_gib=0.2),
+            scheduler=SchedulerConfig(max_num_batched_tokens=2048, chunk_size=2048),
+        )
+    )
+    got = torch.tensor(ours.score(ids)["target_logprobs"])
+    assert len(banded) == 15  # each local layer once
+    want = _ref_logprobs(ref, ids)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert (got - want).abs().max() < 1e-3, float((got - want).abs().max())
