@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ridgefill_runtime.layers.attention import attend, attend_at
+from ridgefill_runtime.layers.attention import attend
 from ridgefill_runtime.layers.window_attention import banded_window_attention
 
 # (heads, kv heads, head dim, window) per served model's layer kinds
@@ -47,8 +47,12 @@ def sdpa(q, k, v, scale, window, backend):
 
 
 def whole_mask(q, k, v, scale, window):
-    """The path windowed layers took before bands: one [L, L] mask."""
-    return attend_at(q, torch.arange(q.shape[0]), k, v, scale, window=window)
+    """The path windowed layers took before bands: SDPA over one [L, L] mask."""
+    pos = torch.arange(q.shape[0])
+    mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)  # [L, L]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
 
 def reference_rows(q, k, v, scale, window, rows):
