@@ -75,7 +75,8 @@ def attention_flops(n: int, heads: int, dim: int, window: int) -> float:
 
 def arms(window: int, n: int, mask_max: int, math_max: int):
     if window:
-        yield "banded (ours)", lambda q, k, v, s: banded_window_attention(q, k, v, s, window)
+        pos = torch.arange(n)
+        yield "banded (ours)", lambda q, k, v, s: banded_window_attention(q, pos, k, v, pos, s, window)
         if n <= mask_max:
             yield "whole mask (before)", lambda q, k, v, s: whole_mask(q, k, v, s, window)
     else:

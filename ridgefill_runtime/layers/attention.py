@@ -224,13 +224,10 @@ def causal_offset_mask(q_len: int, k_len: int, device: torch.device) -> torch.Te
     return k_pos <= q_pos
 
 
-def _consecutive_to_end(q_pos: torch.Tensor, k_pos: torch.Tensor | None, k_len: int) -> bool:
-    """The rows q_pos [R] are consecutive and the keys (positions k_pos [Lk], None: 0..Lk-1)
-    are consecutive and end at the last row: the shape banded_window_attention takes."""
-    rows_run = bool((q_pos.diff() == 1).all())
-    keys_run = k_pos is None or bool((k_pos.diff() == 1).all())
-    last_key = k_len - 1 if k_pos is None else int(k_pos[-1])
-    return rows_run and keys_run and int(q_pos[-1]) == last_key
+def _ascending(q_pos: torch.Tensor, k_pos: torch.Tensor | None) -> bool:
+    """Rows q_pos [R] and keys k_pos [Lk] (None: 0..Lk-1) in ascending position: the order
+    banded_window_attention takes."""
+    return bool((q_pos.diff() > 0).all()) and (k_pos is None or bool((k_pos.diff() > 0).all()))
 
 
 def attend_at(
@@ -245,8 +242,9 @@ def attend_at(
     """Chosen query rows q [R, H, D] at positions q_pos [R] over k/v [Lk, Hkv, D] whose
     positions are k_pos [Lk] (None: 0..Lk-1); a row sees keys at positions <= its own (and,
     with a window, > its own - window)."""
-    if window and worth_banding(q.shape[0], k.shape[0], window) and _consecutive_to_end(q_pos, k_pos, k.shape[0]):
-        return banded_window_attention(q, k, v, scale, window)
+    if window and worth_banding(q.shape[0], k.shape[0], window) and _ascending(q_pos, k_pos):
+        keys_at = torch.arange(k.shape[0], device=q.device) if k_pos is None else k_pos
+        return banded_window_attention(q, q_pos, k, v, keys_at, scale, window)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
     mask = None
     last = int(q_pos[0]) == (k.shape[0] - 1 if k_pos is None else int(k_pos[-1]))
@@ -265,7 +263,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wind
     """One sequence: q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H*D], queries = last Lq positions."""
     q_len, k_len = q.shape[0], k.shape[0]
     if window and worth_banding(q_len, k_len, window):
-        return banded_window_attention(q, k, v, scale, window)
+        keys_at = torch.arange(k_len, device=q.device)
+        return banded_window_attention(q, keys_at[k_len - q_len :], k, v, keys_at, scale, window)
     if window and k_len > window:
         q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
         return attend_at(q, q_pos, k, v, scale, window=window)
