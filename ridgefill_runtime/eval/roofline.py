@@ -138,6 +138,7 @@ def prefill_work(layers, vocab: int, hidden: int, wbytes: int, n: int) -> Work:
     return Work(2.0 * (exact_macs(layers, n) + vocab * hidden), wbytes)
 
 
-def fill_work(layers, vocab: int, hidden: int, wbytes: int, n: int, split: int, tail: int) -> Work:
-    """The fill's prefill of n rows (fill/ceiling.py's count), then the LM head on the last."""
-    return Work(2.0 * (fill_macs(layers, n, split, tail) + vocab * hidden), wbytes)
+def fill_work(layers, vocab: int, hidden: int, wbytes: int, n: int, split: int, tail: int, chosen=()) -> Work:
+    """The fill's prefill of n rows (fill/ceiling.py's count, `chosen` exact rows inside the
+    filled region), then the LM head on the last."""
+    return Work(2.0 * (fill_macs(layers, n, split, tail, tuple(chosen)) + vocab * hidden), wbytes)

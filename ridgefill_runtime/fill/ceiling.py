@@ -11,9 +11,10 @@ Per late layer, this counts:
 - a tail row: as in exact prefill, the layer's linear MACs plus attention over every key it
   reads (its window on a sliding-window layer).
 
-Lower layers and exact prefill count every row's linear and attention MACs. Left out on both
-sides: norms, RoPE, the softmax, the embedding and the LM head (one row either way), and exact
-rows chosen inside the filled region (the selectors add a few rows).
+Lower layers and exact prefill count every row's linear and attention MACs. Rows the selectors
+choose inside the filled region (`chosen`, their positions) run like tail rows, attending over
+the keys up to their own position. Left out on both sides: norms, RoPE, the softmax, the
+embedding and the LM head (one row either way).
 """
 
 from __future__ import annotations
@@ -63,20 +64,24 @@ def exact_macs(layers: tuple[LayerShape, ...], n: int) -> int:
     return sum(layer.linear_macs() * n + layer.attention_macs(0, n) for layer in layers)
 
 
-def fill_macs(layers: tuple[LayerShape, ...], n: int, split: int, tail: int) -> int:
+def fill_macs(layers: tuple[LayerShape, ...], n: int, split: int, tail: int, chosen: tuple[int, ...] = ()) -> int:
     t = min(tail, n)
+    chosen = tuple(p for p in set(chosen) if 0 <= p < n - t)  # NOTE: a chosen row inside the tail is a tail row
     late = sum(
-        (n - t) * layer.filled_row_macs() + t * layer.linear_macs() + layer.attention_macs(n - t, n)
+        (n - t - len(chosen)) * layer.filled_row_macs()
+        + (t + len(chosen)) * layer.linear_macs()
+        + layer.attention_macs(n - t, n)
+        + sum(layer.attention_macs(p, p + 1) for p in chosen)
         for layer in layers[split:]
     )
     return exact_macs(layers[:split], n) + late
 
 
-def ceiling(layers: tuple[LayerShape, ...], n: int, split: int, tail: int) -> float:
+def ceiling(layers: tuple[LayerShape, ...], n: int, split: int, tail: int, chosen: tuple[int, ...] = ()) -> float:
     """Exact prefill's MACs over the fill's: the speedup if time followed MACs."""
     if not 0 < split < len(layers):
         raise ValueError(f"split must be inside 1..{len(layers) - 1}, got {split}")
-    return exact_macs(layers, n) / fill_macs(layers, n, split, tail)
+    return exact_macs(layers, n) / fill_macs(layers, n, split, tail, chosen)
 
 
 def layer_shapes(config, spec_layers) -> tuple[LayerShape, ...]:

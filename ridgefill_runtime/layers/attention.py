@@ -242,7 +242,7 @@ def attend_at(
     """Chosen query rows q [R, H, D] at positions q_pos [R] over k/v [Lk, Hkv, D] whose
     positions are k_pos [Lk] (None: 0..Lk-1); a row sees keys at positions <= its own (and,
     with a window, > its own - window)."""
-    if window and worth_banding(q.shape[0], k.shape[0], window) and _ascending(q_pos, k_pos):
+    if worth_banding(q.shape[0], k.shape[0], window) and _ascending(q_pos, k_pos):
         keys_at = torch.arange(k.shape[0], device=q.device) if k_pos is None else k_pos
         return banded_window_attention(q, q_pos, k, v, keys_at, scale, window)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]

@@ -1,4 +1,4 @@
-"""Sliding-window attention in bands of query rows.
+"""Sliding-window attention (and a global layer's scattered rows) in bands of query rows.
 
 A windowed layer's row at position p reads only keys in (p - window, p]. Handing SDPA one
 [R, Lk] mask makes it score every pair and mask most away: at 8K rows and a 512 window that
@@ -17,8 +17,9 @@ BAND_BLOCK = 256  # query rows a band holds (128-512 measured within 10% at 4K-1
 
 
 def worth_banding(q_len: int, k_len: int, window: int) -> bool:
-    """Bands pay once the keys reach well past one band's span (else one mask is as cheap)."""
-    return window > 0 and q_len > 1 and k_len > 2 * (BAND_BLOCK + window)
+    """Bands pay once the keys reach well past one band's span (else one mask is as cheap).
+    A global layer (window 0) bands only scattered rows: a band stops at its last row's keys."""
+    return q_len > 1 and k_len > 2 * (BAND_BLOCK + window)
 
 
 def banded_window_attention(
@@ -32,20 +33,20 @@ def banded_window_attention(
     block: int = BAND_BLOCK,
 ) -> torch.Tensor:
     """Rows q [R, H, D] at ascending positions q_pos [R] over keys k/v [Lk, Hkv, D] at ascending
-    positions k_pos [Lk]; a row sees the keys at most window - 1 positions behind it, itself
-    included -> [R, H*D]."""
+    positions k_pos [Lk]; a row sees the keys at most window - 1 positions behind it (window 0:
+    every earlier key), itself included -> [R, H*D]."""
     rows, heads, dim = q.shape
     out = q.new_empty(rows, heads * dim)
     firsts = q_pos[::block]  # [bands] each band's first row's position
     lasts = q_pos[block - 1 :: block]
     if lasts.shape[0] < firsts.shape[0]:  # a short last band
         lasts = torch.cat([lasts, q_pos[-1:]])
-    lo = torch.searchsorted(k_pos, (firsts - window + 1).contiguous()).tolist()
+    lo = torch.searchsorted(k_pos, (firsts - window + 1).contiguous()).tolist() if window else [0] * len(firsts)
     hi = torch.searchsorted(k_pos, lasts.contiguous(), right=True).tolist()
     for b, r0 in enumerate(range(0, rows, block)):
         qp, kp = q_pos[r0 : r0 + block], k_pos[lo[b] : hi[b]]  # [r], [n]
         gap = qp[:, None] - kp[None, :]  # [r, n] how far behind each row a key is
-        mask = (gap >= 0) & (gap < window)
+        mask = (gap >= 0) & (gap < window) if window else gap >= 0
         qh = q[r0 : r0 + block].transpose(0, 1).unsqueeze(0)  # [1, H, r, D]
         kh = k[lo[b] : hi[b]].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
         vh = v[lo[b] : hi[b]].transpose(0, 1).unsqueeze(0)

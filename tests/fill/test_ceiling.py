@@ -9,7 +9,7 @@ from ridgefill_runtime.config import ModelConfig
 from ridgefill_runtime.fill.ceiling import LayerShape, ceiling, exact_macs, fill_macs, keys_read, layer_shapes
 
 
-def naive_fill_and_exact(layers, n, split, tail):
+def naive_fill_and_exact(layers, n, split, tail, chosen=()):
     """Every row of every layer counted one at a time (the reference)."""
     exact = fill = 0
     for index, layer in enumerate(layers):
@@ -23,7 +23,7 @@ def naive_fill_and_exact(layers, n, split, tail):
                 + 2 * layer.q_width * keys  # q·k and p·v
             )
             exact += full
-            filled = index >= split and i < n - tail
+            filled = index >= split and i < n - tail and i not in chosen
             fill += layer.hidden * layer.hidden + 2 * layer.hidden * layer.kv_width if filled else full
     return fill, exact
 
@@ -45,6 +45,9 @@ def test_macs_match_the_row_by_row_count(n, split, tail):
     assert exact_macs(layers, n) == exact
     assert fill_macs(layers, n, split, tail) == fill
     assert ceiling(layers, n, split, tail) == pytest.approx(exact / fill)
+    chosen = tuple(p for p in (0, 5, 9, n - 1, n - tail - 1) if p >= 0)  # NOTE: some fall inside the tail
+    fill, _ = naive_fill_and_exact(layers, n, split, tail, chosen)
+    assert fill_macs(layers, n, split, tail, chosen) == fill
 
 
 def test_a_tail_over_the_whole_prompt_saves_nothing_and_a_shorter_tail_saves_more():

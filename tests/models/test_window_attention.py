@@ -9,13 +9,14 @@ from ridgefill_runtime.layers.window_attention import banded_window_attention, w
 
 
 def window_loop(q, q_pos, k, v, k_pos, scale, window):
-    """float64, one row at a time: the row at position p softmaxes over keys at (p - window, p]."""
+    """float64, one row at a time: the row at position p softmaxes over keys at (p - window, p]
+    (window 0: at most p)."""
     q, k, v = q.double(), k.double(), v.double()
     rows, heads, dim = q.shape
     group = heads // k.shape[1]
     out = torch.empty(rows, heads, dim, dtype=torch.float64)
     for r, p in enumerate(q_pos.tolist()):
-        seen = (k_pos <= p) & (k_pos > p - window)
+        seen = (k_pos <= p) & (k_pos > p - window) if window else k_pos <= p
         for h in range(heads):
             kk, vv = k[seen, h // group], v[seen, h // group]  # [n, D]
             out[r, h] = torch.softmax(kk @ q[r, h] * scale, dim=0) @ vv
@@ -36,6 +37,7 @@ def last_rows(q_len, k_len):
         (40, 40, 50, 16),  # window longer than the prompt: plain causal
         (33, 90, 1, 8),  # a row sees only itself
         (1, 50, 8, 16),  # one row
+        (37, 100, 0, 16),  # a global layer
     ],
 )
 def test_banded_equals_the_row_loop(q_len, k_len, window, block):
@@ -55,8 +57,10 @@ def test_scattered_rows_over_gathered_keys():
     k_pos = torch.cat([torch.arange(300, 420), torch.arange(500, 900)])  # [520]
     q_pos = torch.cat([torch.tensor([330, 331, 410, 560, 561, 700]), torch.arange(850, 900)])
     q, k, v = torch.randn(len(q_pos), 4, 8), torch.randn(len(k_pos), 1, 8), torch.randn(len(k_pos), 1, 8)
-    got = banded_window_attention(q, q_pos, k, v, k_pos, 0.3, 24, block=8)
-    torch.testing.assert_close(got.double(), window_loop(q, q_pos, k, v, k_pos, 0.3, 24), atol=2e-6, rtol=1e-5)
+    for window in (24, 0):
+        got = banded_window_attention(q, q_pos, k, v, k_pos, 0.3, window, block=8)
+        want = window_loop(q, q_pos, k, v, k_pos, 0.3, window)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
 def _spy(monkeypatch):
