@@ -437,7 +437,10 @@ def body_for(arm: str, ids: list[int], max_tokens: int, cache_prompt: bool) -> d
         "ignore_eos": True,
         "cache_prompt": cache_prompt,  # llama-server's switch; ridgefill ignores unknown fields
     }
-    if arm == OURS_OFF:
+    # NOTE: the decode and chat phases (arm OURS) run with the fill off: a server whose config
+    # turns the fill on would otherwise fill the chat's prompts, and on a sliding-window model
+    # filled requests take no cached blocks, so the chat would measure no prefix cache at all
+    if arm in (OURS_OFF, OURS):
         body["ridgefill"] = {"mode": "off"}
     elif arm == OURS_ON:
         body["ridgefill"] = {"mode": "plain"}
