@@ -262,10 +262,7 @@ def attend_at(
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """One sequence: q [Lq, H, D], k/v [Lk, Hkv, D] -> [Lq, H*D], queries = last Lq positions."""
     q_len, k_len = q.shape[0], k.shape[0]
-    if window and worth_banding(q_len, k_len, window):
-        keys_at = torch.arange(k_len, device=q.device)
-        return banded_window_attention(q, keys_at[k_len - q_len :], k, v, keys_at, scale, window)
-    if window and k_len > window:
+    if window and k_len > window:  # NOTE: attend_at runs long prompts in bands
         q_pos = torch.arange(k_len - q_len, k_len, device=q.device)
         return attend_at(q, q_pos, k, v, scale, window=window)
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, L, D]
