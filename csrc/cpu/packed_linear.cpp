@@ -10,8 +10,8 @@
 //   scale  float16 or float32 [P, K / group, 16];  min: same, or empty (no offset)
 //
 // so one 16-byte load gives 16 output rows' weights at two k (4 bits) or one k (8 bits), one
-// widening of the bytes serves both nibbles, and a tile of up to 8 input
-// rows reuses each dequantized weight vector. The dequantized weight is computed exactly as the
+// widening of the bytes serves both nibbles, and a tile of up to 16 input
+// rows (AVX-512; 4 on AVX2) reuses each dequantized weight vector. The dequantized weight is computed exactly as the
 // dequantized path computes it (q * scale rounded, then + min rounded; see kMinExact), so the two
 // paths use the same weight values and differ only in summation order. Many-row calls (prefill
 // chunks) take packed_dequantize_t and a float32 BLAS GEMM instead (ops/packed_linear.py).
@@ -91,7 +91,7 @@ inline float weight_at(const Packed& w, int64_t panel, int64_t k, int j) {
   return v;
 }
 
-void panel_portable(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
+void panel_portable(const Packed& w, const float* x, const float*, int64_t M, int64_t panel, float* y) {
   float acc[kPanel];
   for (int64_t m = 0; m < M; ++m) {
     std::fill(acc, acc + kPanel, 0.f);
@@ -170,7 +170,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const f
 }
 
 template <int BITS, int MIN>
-void panel_avx2(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
+void panel_avx2(const Packed& w, const float* x, const float*, int64_t M, int64_t panel, float* y) {
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) tile_avx2<BITS, MIN, 4>(w, x + m * w.K, panel, y + m * kPanel);
   switch (M - m) {
@@ -244,6 +244,41 @@ __attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * kPanel, _mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
+// Sixteen rows of x against one panel: one accumulator a row (sixteen independent FMA chains hide the
+// latency that tile_avx512's even/odd pairs hide for few rows), so each dequantized weight vector
+// serves 16 FMAs instead of 8. Dequantizing costs three vector ops a k (widen, convert, scale) on
+// the two ports the FMAs use: 16 / 19 of their slots do useful work here against 8 / 11 in an
+// 8-row tile, the batched-decode case (benchmarks/packed_sweep.py). x is read k-major (xt [K, 16],
+// packed_linear_cpu transposes it once a call), so one k's 16 broadcasts come from one cache line.
+// The weights at one k times that k's 16 x values (xk: 16 contiguous floats).
+__attribute__((target("avx512f"))) inline void fma16(__m512 (&acc)[16], __m512 wv, const float* xk) {
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xk[r]), acc[r]);
+}
+
+template <int BITS, int MIN>
+__attribute__((target("avx512f"))) void tile16_avx512(const Packed& w, const float* xt, int64_t panel, float* y) {
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t groups = w.K / w.group;
+  const uint8_t* base = w.data + panel * w.panel_bytes();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t at = (panel * groups + g) * kPanel, k0 = g * w.group, k1 = k0 + w.group;
+    prefetch_group(w, base + k0 * (BITS == 4 ? 8 : 16), at);
+    const __m512 s = load16(w.scale, w.half_scale, at);
+    const __m512 z = MIN ? load16(w.min, w.half_scale, at) : _mm512_setzero_ps();
+    if (BITS == 4) {
+      for (int64_t k = k0; k < k1; k += 2) {  // a pair of k per 16 bytes
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k / 2) * 16)));
+        fma16(acc, dequant16<MIN>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z), xt + k * 16);
+        fma16(acc, dequant16<MIN>(_mm512_srli_epi32(b, 4), s, z), xt + (k + 1) * 16);
+      }
+    } else {
+      for (int64_t k = k0; k < k1; ++k) fma16(acc, q8_at<MIN>(base, k, s, z), xt + k * 16);
+    }
+  }
+  for (int r = 0; r < 16; ++r) _mm512_storeu_ps(y + r * kPanel, acc[r]);
+}
+
 template <int BITS, int MIN, int MR>
 void rest_avx512(const Packed& w, const float* x, int64_t rows, int64_t panel, float* y) {
   if constexpr (MR > 0) {
@@ -253,15 +288,16 @@ void rest_avx512(const Packed& w, const float* x, int64_t rows, int64_t panel, f
 }
 
 template <int BITS, int MIN>
-void panel_avx512(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
+void panel_avx512(const Packed& w, const float* x, const float* xt, int64_t M, int64_t panel, float* y) {
   int64_t m = 0;
+  for (; m + 16 <= M; m += 16) tile16_avx512<BITS, MIN>(w, xt + m * w.K, panel, y + m * kPanel);
   for (; m + 8 <= M; m += 8) tile_avx512<BITS, MIN, 8>(w, x + m * w.K, panel, y + m * kPanel);
   rest_avx512<BITS, MIN, 7>(w, x + m * w.K, M - m, panel, y + m * kPanel);
 }
 
 // -- dispatch ----------------------------------------------------------------------------------
 
-using PanelFn = void (*)(const Packed&, const float*, int64_t, int64_t, float*);
+using PanelFn = void (*)(const Packed&, const float*, const float*, int64_t, int64_t, float*);
 
 template <template <int, int> class Pick>
 PanelFn by_format(int bits, int min) {
@@ -293,7 +329,7 @@ PanelFn panel_kernel(const Packed& w) {
   return panel_portable;
 }
 #else
-using PanelFn = void (*)(const Packed&, const float*, int64_t, int64_t, float*);
+using PanelFn = void (*)(const Packed&, const float*, const float*, int64_t, int64_t, float*);
 PanelFn panel_kernel(const Packed&) { return panel_portable; }
 #endif
 
@@ -330,13 +366,17 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& data, const 
   if (M == 0 || n == 0) return y;
   const PanelFn kernel = panel_kernel(w);
   const float* xp = xc.data_ptr<float>();
+  // x's whole 16-row blocks again, k-major ([M / 16, K, 16]): the AVX-512 16-row tile's input
+  const int64_t blocks = M / 16;
+  const at::Tensor xt = xc.narrow(0, 0, blocks * 16).view({blocks, 16, w.K}).transpose(1, 2).contiguous();
+  const float* xtp = xt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // NOTE: a panel's 16 outputs per row land in a small buffer first, so the last, partial panel
   // writes only its real rows and y needs no padding columns.
   at::parallel_for(0, w.panels, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> tile(M * kPanel);
     for (int64_t p = lo; p < hi; ++p) {
-      kernel(w, xp, M, p, tile.data());
+      kernel(w, xp, xtp, M, p, tile.data());
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
       for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * n + p * kPanel, tile.data() + m * kPanel, cols * sizeof(float));
     }

@@ -63,7 +63,7 @@ def test_layout_round_trips(bits, group, dtype, with_min):
 
 @needs_kernel
 @pytest.mark.parametrize("bits,group,dtype,with_min", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 100, BLAS_MIN_ROWS, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 100, BLAS_MIN_ROWS, 300])
 def test_kernel_matches_float64(bits, group, dtype, with_min, rows):
     """Below BLAS_MIN_ROWS the in-register kernel, from there the BLAS route: both against float64."""
     n, k = 45, 128
