@@ -27,10 +27,11 @@
 // fp32; the output is cast to q's dtype. float and bfloat16 rows are read in
 // place (bfloat16 widened 32 at a time by a shift and a mask, see load32);
 // float16 rows go through an fp32 copy. int8 rows (cache.kv_dtype = "int8",
-// ridgefill::scattered_rows_attention_int8) go through the same fp32 copy,
-// each element widened and multiplied by its (slot, KV head)'s float32 scale:
-// float(q) * s, the product every other reader of the cache forms
-// (ridgefill_runtime/cache/int8_kv.py), so the kernel matches the reference.
+// ridgefill::scattered_rows_attention_int8) go through the fp32 copy too,
+// widened unscaled (vpmovsxbd + vcvtdq2ps, see kInt8Row); their (slot, KV head)'s
+// float32 scale s multiplies the key's dot product (K) or the key's softmax
+// weight (V) once rather than each element: q . (k * s) = (q . k) * s up to
+// rounding (reference: ridgefill_runtime/cache/int8_kv.py).
 //
 // Split-KV (flash-decoding): when few rows carry the work (fewer than
 // kTasksPerThread tasks per thread otherwise), rows are cut into chunks of at
@@ -149,13 +150,6 @@ RIDGEFILL_INLINE vf load16<c10::BFloat16>(const c10::BFloat16* p) {
   return reinterpret_cast<vf>(__builtin_convertvector(h, vu) << 16);
 }
 template <>
-RIDGEFILL_INLINE vf load16<int8_t>(const int8_t* p) {
-  typedef int8_t vb __attribute__((vector_size(16)));
-  vb b;
-  std::memcpy(&b, p, sizeof b);
-  return __builtin_convertvector(b, vf);
-}
-template <>
 RIDGEFILL_INLINE vf load16<c10::Half>(const c10::Half* p) {
   // IEEE half -> float without F16C (branch-free; the FP16 library's method, also c10's scalar one).
   vh h;
@@ -226,12 +220,43 @@ const HalfRowFn kHalfRow = pick_half_row();
 constexpr HalfRowFn kHalfRow = nullptr;
 #endif
 
+// int8 rows the same way: GCC 12 lowers the clones' vector conversion of 16 int8 lanes to 16 scalar
+// conversions (vcvtsi2ss), which made an int8 cache ~8x slower to attend over than a float32 one; one
+// vpmovsxbd + vcvtdq2ps per 16 (8) values here. The row's scale is not applied (see the header).
+using Int8RowFn = void (*)(const int8_t*, int64_t, float*);
+void int8_row_portable(const int8_t* src, int64_t D, float* dst) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) void int8_row_avx512(const int8_t* src, int64_t D, float* dst) {
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    _mm512_storeu_ps(dst + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)))));
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+__attribute__((target("avx2"))) void int8_row_avx2(const int8_t* src, int64_t D, float* dst) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(dst + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)))));
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+Int8RowFn pick_int8_row() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return int8_row_avx512;
+  return __builtin_cpu_supports("avx2") ? int8_row_avx2 : int8_row_portable;
+}
+const Int8RowFn kInt8Row = pick_int8_row();
+#else
+constexpr Int8RowFn kInt8Row = int8_row_portable;
+#endif
+
 // dst[0..D) = float(src[0..D)); entries past D are left as they are (zero padding).
 template <typename T>
 RIDGEFILL_INLINE void to_float_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst) {
   if constexpr (std::is_same_v<T, c10::Half>) {
     if (kHalfRow) return kHalfRow(src, D, dst);
   }
+  if constexpr (std::is_same_v<T, int8_t>) return kInt8Row(src, D, dst);
   int64_t d = 0;
   for (; d + kW <= D; d += kW) storef(dst + d, load16(src + d));
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
@@ -248,7 +273,7 @@ struct RowType<c10::Half> {
   using type = float;
 };
 template <>
-struct RowType<int8_t> {  // dequantized into the fp32 copy (widen_row)
+struct RowType<int8_t> {  // widened into the fp32 copy, unscaled
   using type = float;
 };
 
@@ -346,19 +371,10 @@ RIDGEFILL_INLINE int64_t first_key(const Problem<T>& P, int64_t row) {
   return P.window > 0 ? std::max<int64_t>(0, P.q_pos[row] - P.window + 1) : 0;
 }
 
-// A K/V row of T as fp32 in dst (T is not read in place: float16, int8). int8 rows are dequantized with their
-// scale, scales[at]: float(x) * s per element, the same product as the reference's.
-template <typename T>
-RIDGEFILL_INLINE void widen_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst,
-                                const float* scales, int64_t at) {
-  if constexpr (std::is_same_v<T, int8_t>) {
-    const float s = scales[at];
-    int64_t d = 0;
-    for (; d + kW <= D; d += kW) storef(dst + d, load16(src + d) * splat(s));
-    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
-  } else {
-    to_float_row(src, D, dst);
-  }
+// int8 rows' scale: row (slot, KV head)'s, or 1 for unscaled rows (scales null).
+RIDGEFILL_INLINE float row_scale(const float* scales, int64_t slot_stride, int64_t head_stride, int64_t slot,
+                                 int64_t kvh) {
+  return scales ? scales[slot * slot_stride + kvh * head_stride] : 1.0f;
 }
 
 // Prefetch of one key's K (or V) rows for every KV head: one contiguous run when the heads are adjacent.
@@ -424,15 +440,17 @@ RIDGEFILL_INLINE void score_keys(const Problem<T>& P, const int64_t* __restrict_
     for (int64_t kvh = 0; kvh < P.kv_heads; ++kvh) {
       using R = typename RowType<T>::type;
       const R* kr[kKeyGroup];
+      float ksc[kKeyGroup];  // int8 rows' scales (1 otherwise)
       for (int64_t b = 0; b < kKeyGroup; ++b) {
         const int64_t slot = slots[std::min(i0 + b, n - 1)];  // a short group repeats its last key
         const T* kp = P.k + slot * ks + kvh * khs;
         if constexpr (std::is_same_v<T, R>) {
           kr[b] = kp;
         } else {
-          widen_row(kp, D, ktile + b * Dp, P.k_scale, slot * P.ks_slot_stride + kvh * P.ks_head_stride);
+          to_float_row(kp, D, ktile + b * Dp);
           kr[b] = ktile + b * Dp;
         }
+        ksc[b] = row_scale(P.k_scale, P.ks_slot_stride, P.ks_head_stride, slot, kvh);
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
@@ -469,6 +487,7 @@ RIDGEFILL_INLINE void score_keys(const Problem<T>& P, const int64_t* __restrict_
           s[2] += qh[d] * static_cast<float>(kr[2][d]);
           s[3] += qh[d] * static_cast<float>(kr[3][d]);
         }
+        if constexpr (std::is_same_v<T, int8_t>) s *= vf4{ksc[0], ksc[1], ksc[2], ksc[3]};
         std::memcpy(scores + h * cap + i0, &s, sizeof s);
       }
     }
@@ -607,6 +626,7 @@ RIDGEFILL_ATTN_CLONES void attend_chunk(const Problem<T>& P, int64_t row, int64_
       prefetch_slot(P.v + slots[i] * vs, P.kv_heads, vhs, D);
     }
     for (int64_t kvh = 0; kvh < P.kv_heads; ++kvh) {
+      float vsc[kTile];  // int8 rows' scales: they weight the row's softmax weight
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t slot = slots[t0 + i];
         const T* vp = P.v + slot * vs + kvh * vhs;
@@ -614,13 +634,20 @@ RIDGEFILL_ATTN_CLONES void attend_chunk(const Problem<T>& P, int64_t row, int64_
           rows[i] = vp;
         } else {
           float* dst = S.vtile.data() + i * Dp;
-          widen_row(vp, D, dst, P.v_scale, slot * P.vs_slot_stride + kvh * P.vs_head_stride);
+          to_float_row(vp, D, dst);
           rows[i] = dst;
         }
+        if constexpr (std::is_same_v<T, int8_t>) vsc[i] = row_scale(P.v_scale, P.vs_slot_stride, P.vs_head_stride, slot, kvh);
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
-        accumulate_rows(acc + h * Dp, scores + h * cap + t0, rows, nt, D);
+        const float* p = scores + h * cap + t0;
+        float pw[kTile];
+        if constexpr (std::is_same_v<T, int8_t>) {
+          for (int64_t i = 0; i < nt; ++i) pw[i] = p[i] * vsc[i];
+          p = pw;
+        }
+        accumulate_rows(acc + h * Dp, p, rows, nt, D);
       }
     }
   }
