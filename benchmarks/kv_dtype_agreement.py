@@ -1,8 +1,9 @@
-"""What a narrower K/V cache (cache.kv_dtype) costs in accuracy, on the embedded SmolLM2 (Q4_1 GGUF):
-float16, bfloat16 and int8 (per-row scales, cache/int8_kv.py) slabs against the float32 cache, same packed
-weights, float32 compute; and what each does to decode speed.
+"""What a narrower K/V cache (cache.kv_dtype) costs in accuracy, on the embedded SmolLM2 (Q4_1 GGUF) or a
+packaged model (--model): float16, bfloat16 and int8 (per-row scales, cache/int8_kv.py) slabs against the
+float32 cache, same packed weights, float32 compute; and what each does to decode speed.
 
     python benchmarks/kv_dtype_agreement.py --threads 2 --docs 2 --tokens 1024 --chunk 128 --new 256
+    python benchmarks/kv_dtype_agreement.py --threads 2 --model gemma3-270m --batch 16 --rounds 3
 
 (a) teacher-forced: each real-text document is scored (log p(next token) at every position) in
     prompt chunks of `--chunk` rows, so every chunk after the first reads the earlier rows' K/V from
@@ -10,8 +11,9 @@ weights, float32 compute; and what each does to decode speed.
     not show it). Reported: max and mean |Δ log p| against the float32 cache, argmax agreement.
 (b) free-running greedy: `--new` tokens from the first 256 tokens of each document; the first
     position where the tokens differ from the float32 cache's.
-(c) decode speed: ms per decode step at batch 1 after a `--context`-token real-text prompt (the median of
-    `--steps` steps, timed once the prompt's prefill is over), one sequence alone in the engine.
+(c) decode speed: ms per decode step at batch 1 and at `--batch` sequences, each after a `--context`-token
+    real-text prompt (the median of `--steps` steps, timed once every prefill is over); the dtypes take
+    turns, `--rounds` times, and each cell is the median of its rounds.
 K/V bytes per token come from the pool itself (int8: its values and its float32 scales).
 """
 
@@ -31,34 +33,39 @@ from prefill import real_text_ids  # noqa: E402
 KV_DTYPES = ("auto", "float16", "bfloat16", "int8")
 
 
-def build(kv_dtype: str, docs: int, positions: int, chunk: int):
+def build(kv_dtype: str, seqs: int, positions: int, chunk: int, model: str | None):
     from ridgefill_runtime.config import CacheConfig, EngineConfig, SchedulerConfig
     from ridgefill_runtime.llm import LLM
 
-    blocks = docs * (-(-(positions + 1) // 16) + 1)
+    blocks = seqs * (-(-(positions + 1) // 16) + 1)
     return LLM(
         EngineConfig(
+            model=model,
             weights="packed",
             dtype="float32",
             cache=CacheConfig(block_size=16, num_blocks=blocks, kv_dtype=kv_dtype),
-            scheduler=SchedulerConfig(max_num_seqs=docs, max_num_batched_tokens=chunk + docs, chunk_size=chunk),
+            scheduler=SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=chunk + seqs, chunk_size=chunk),
         )
     )
 
 
-def decode_ms(llm, prompt: list[int], steps: int) -> float:
-    """Median ms of one engine step while `prompt`'s lone sequence decodes (its prefill steps not counted)."""
+def decode_ms(llm, prompts: list[list[int]], steps: int) -> float:
+    """Median ms of one engine step while `prompts`' sequences all decode (their prefill steps not counted)."""
     from ridgefill_runtime.sequence import SamplingParams
 
     engine = llm.engine
-    seq = engine.add_request(prompt, SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True))
-    while not seq.output_ids:  # the prefill's steps (the last one samples the first token)
+    # NOTE: a few extra tokens each, so that the sequences admitted first are still decoding at the last step
+    params = SamplingParams(max_tokens=steps + 2 * len(prompts) + 1, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while not all(s.output_ids for s in seqs):  # the prefills' steps (the last one samples the first token)
         engine.step()
     times = []
-    while engine.has_unfinished():
+    for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    for s in seqs:
+        engine.abort(s)
     return 1e3 * statistics.median(times)
 
 
@@ -75,29 +82,42 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256, help="greedy tokens per document in (b)")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens before the timed decode steps in (c)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps in (c)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences of the batched decode in (c)")
+    ap.add_argument("--rounds", type=int, default=3, help="turns of (c) over the dtypes")
+    ap.add_argument("--model", default=None, help="a packaged model's name (default: the embedded SmolLM2)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from ridgefill_runtime.sequence import SamplingParams
 
-    positions = max(args.tokens, 256 + args.new, args.context + args.steps + 1)
-    llms = {kv: build(kv, args.docs, positions, args.chunk) for kv in KV_DTYPES}
-    # NOTE: the decode prompt is text past the documents, so it takes no prefix-cache hit from them
-    ids = real_text_ids(llms["auto"].tokenizer, args.docs * args.tokens + args.context)
+    positions = max(args.tokens, 256 + args.new, args.context + args.steps + 2 * args.batch + 2)
+    seqs = max(args.docs, args.batch)
+    llms = {kv: build(kv, seqs, positions, args.chunk, args.model) for kv in KV_DTYPES}
+    # NOTE: the decode prompts are text past the documents, so they take no prefix-cache hit from them
+    ids = real_text_ids(llms["auto"].tokenizer, args.docs * args.tokens + args.batch * args.context)
     docs = [ids[i * args.tokens : (i + 1) * args.tokens] for i in range(args.docs)]
+    rest = ids[args.docs * args.tokens :]
+    prompts = [rest[i * args.context : (i + 1) * args.context] for i in range(args.batch)]
+    model = args.model or "SmolLM2-135M Q4_1"
     print(
-        f"threads={torch.get_num_threads()} SmolLM2-135M Q4_1 packed, float32 compute; {args.docs} documents x "
-        f"{args.tokens} tokens scored in chunks of {args.chunk}; {args.new} greedy tokens each; decode: batch 1, "
-        f"median of {args.steps} steps after {args.context} prompt tokens\n"
+        f"threads={torch.get_num_threads()} {model} packed, float32 compute; {args.docs} documents x "
+        f"{args.tokens} tokens scored in chunks of {args.chunk}; {args.new} greedy tokens each; decode: median "
+        f"of {args.steps} steps after {args.context} prompt tokens each, dtypes in turn, median of {args.rounds} "
+        f"rounds; load before: {' '.join(open('/proc/loadavg').read().split()[:3])}\n"
     )
     scores = {kv: [llm.score(d) for d in docs] for kv, llm in llms.items()}
     params = SamplingParams(max_tokens=args.new, temperature=0, ignore_eos=True)
     greedy = {kv: [c.token_ids for c in llm.generate([d[:256] for d in docs], params)] for kv, llm in llms.items()}
-    speed = {kv: decode_ms(llm, ids[args.docs * args.tokens :], args.steps) for kv, llm in llms.items()}
+    timed: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for kv, llm in llms.items():
+            for b in (1, args.batch):
+                timed.setdefault((kv, b), []).append(decode_ms(llm, prompts[:b], args.steps))
+    speed = {key: statistics.median(ts) for key, ts in timed.items()}
     print(
         "| K/V cache | bytes per token | max abs Δ log p | mean abs Δ log p | argmax agree | "
-        f"greedy: first divergence per document | decode ms/step (batch 1, {args.context} context) |"
+        f"greedy: first divergence per document | decode ms/step, batch 1 | decode ms/step, batch {args.batch} |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for kv, llm in llms.items():
         d, agree, total = [], 0, 0
         for mine, ref in zip(scores[kv], scores["auto"]):
@@ -110,7 +130,7 @@ def main() -> None:
         name = "float32 (auto)" if kv == "auto" else kv
         print(
             f"| {name} | {llm.engine.kv.bytes_per_token():,} | {max(d):.3g} | {statistics.fmean(d):.3g} | "
-            f"{agree} / {total} | {div} | {speed[kv]:.2f} |"
+            f"{agree} / {total} | {div} | {speed[kv, 1]:.2f} | {speed[kv, args.batch]:.2f} |"
         )
 
 

@@ -1,19 +1,22 @@
 // CPU kernel for ridgefill::int8_kv_write (schema in csrc/bindings.cpp): the int8 K/V cache's write
 // (cache.kv_dtype = "int8"; ridgefill_runtime/cache/int8_kv.py is the definition and the fallback).
 //
-// Row (n, h) of x [N, Hkv, D] goes to slab[slots[n], h] as round(x / s), s = max|x| / 127 stored in
-// scales[slots[n], h]; s = 0 (an all-zero row) stores zeros. The same float32 operations in the same
-// order as int8_kv.quantize (the division by 127, then x / s rounded half to even), so both give the
-// same bytes: one call instead of a dozen small torch ops per layer and step, which at batch 1 cost
-// more than the attention itself.
+// Group g (values 32g .. min(32g + 32, D)) of row (n, h) of x [N, Hkv, D] goes to slab[slots[n], h] as
+// round(x / s), s = max|x_g| / 127 stored in scales[slots[n], h, g]; s = 0 (an all-zero group) stores
+// zeros. The same float32 operations in the same order as int8_kv.quantize (the division by 127, then
+// x / s rounded half to even), so both give the same bytes: one call instead of a dozen small torch ops
+// per layer and step, which at batch 1 cost more than the attention itself.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
 namespace ridgefill {
 namespace {
+
+constexpr int64_t kGroup = 32;  // int8_kv.GROUP
 
 void quantize_rows(const at::Tensor& slab, const at::Tensor& scales, const int64_t* slots, const at::Tensor& x) {
   const int64_t n_rows = x.size(0), heads = x.size(1), D = x.size(2);
@@ -23,19 +26,23 @@ void quantize_rows(const at::Tensor& slab, const at::Tensor& scales, const int64
   for (int64_t n = 0; n < n_rows; ++n) {
     for (int64_t h = 0; h < heads; ++h) {
       const float* row = src + (n * heads + h) * D;
-      float amax = 0.0f;
-      for (int64_t d = 0; d < D; ++d) {
-        const float a = std::fabs(row[d]);
-        amax = (a > amax || std::isnan(a)) ? a : amax;  // NaN propagates, as torch's amax does
-      }
-      const float s = amax / 127.0f;
-      const float div = s > 0.0f ? s : 1.0f;
       int8_t* out = dst + slots[n] * slab.stride(0) + h * slab.stride(1);
-      for (int64_t d = 0; d < D; ++d) {
-        const float q = std::nearbyint(row[d] / div);  // the default rounding mode: half to even
-        out[d] = static_cast<int8_t>(std::isnan(q) ? 0.0f : std::fmin(127.0f, std::fmax(-127.0f, q)));
+      float* row_scales = sc + slots[n] * scales.stride(0) + h * scales.stride(1);
+      for (int64_t g = 0; g * kGroup < D; ++g) {
+        const int64_t d0 = g * kGroup, d1 = std::min(D, d0 + kGroup);
+        float amax = 0.0f;
+        for (int64_t d = d0; d < d1; ++d) {
+          const float a = std::fabs(row[d]);
+          amax = (a > amax || std::isnan(a)) ? a : amax;  // NaN propagates, as torch's amax does
+        }
+        const float s = amax / 127.0f;
+        const float div = s > 0.0f ? s : 1.0f;
+        for (int64_t d = d0; d < d1; ++d) {
+          const float q = std::nearbyint(row[d] / div);  // the default rounding mode: half to even
+          out[d] = static_cast<int8_t>(std::isnan(q) ? 0.0f : std::fmin(127.0f, std::fmax(-127.0f, q)));
+        }
+        row_scales[g * scales.stride(2)] = s;
       }
-      sc[slots[n] * scales.stride(0) + h * scales.stride(1)] = s;
     }
   }
 }
@@ -57,8 +64,9 @@ void int8_kv_write_cpu(const at::Tensor& k_slab, const at::Tensor& v_slab, const
                     kName, "need k_slab = v_slab [S, Hkv, D] with a contiguous last dim");
   const int64_t num_slots = k_slab.size(0);
   for (const at::Tensor* s : {&k_scale, &v_scale}) {
-    TORCH_CHECK_VALUE(s->dim() == 2 && s->size(0) == num_slots && s->size(1) == k_slab.size(1), kName,
-                      "k_scale/v_scale must be [S, Hkv]; got ", s->sizes());
+    TORCH_CHECK_VALUE(s->dim() == 3 && s->size(0) == num_slots && s->size(1) == k_slab.size(1) &&
+                          s->size(2) == (k_slab.size(2) + kGroup - 1) / kGroup,
+                      kName, "k_scale/v_scale must be [S, Hkv, G], G = ceil(D / 32); got ", s->sizes());
   }
   TORCH_CHECK_VALUE(slots.dim() == 1 && k.dim() == 3 && k.size(0) == slots.size(0) && k.size(1) == k_slab.size(1) &&
                         k.size(2) == k_slab.size(2) && v.sizes() == k.sizes(),

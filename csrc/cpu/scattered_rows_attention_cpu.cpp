@@ -28,10 +28,10 @@
 // place (bfloat16 widened 32 at a time by a shift and a mask, see load32);
 // float16 rows go through an fp32 copy. int8 rows (cache.kv_dtype = "int8",
 // ridgefill::scattered_rows_attention_int8) go through the fp32 copy too,
-// widened unscaled (vpmovsxbd + vcvtdq2ps, see kInt8Row); their (slot, KV head)'s
-// float32 scale s multiplies the key's dot product (K) or the key's softmax
-// weight (V) once rather than each element: q . (k * s) = (q . k) * s up to
-// rounding (reference: ridgefill_runtime/cache/int8_kv.py).
+// each value widened (vpmovsxbd + vcvtdq2ps, see kInt8Row) and multiplied by
+// its group's float32 scale (one per 32 values of a (slot, KV head) row):
+// float(q) * s, the product every other reader of the cache forms
+// (ridgefill_runtime/cache/int8_kv.py), so the kernel matches the reference.
 //
 // Split-KV (flash-decoding): when few rows carry the work (fewer than
 // kTasksPerThread tasks per thread otherwise), rows are cut into chunks of at
@@ -222,23 +222,28 @@ constexpr HalfRowFn kHalfRow = nullptr;
 
 // int8 rows the same way: GCC 12 lowers the clones' vector conversion of 16 int8 lanes to 16 scalar
 // conversions (vcvtsi2ss), which made an int8 cache ~8x slower to attend over than a float32 one; one
-// vpmovsxbd + vcvtdq2ps per 16 (8) values here. The row's scale is not applied (see the header).
-using Int8RowFn = void (*)(const int8_t*, int64_t, float*);
-void int8_row_portable(const int8_t* src, int64_t D, float* dst) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+// vpmovsxbd + vcvtdq2ps per 16 (8) values here, times scales[d / 32] (kInt8Group values per scale).
+constexpr int64_t kInt8Group = 32;
+using Int8RowFn = void (*)(const int8_t*, int64_t, float*, const float*);
+void int8_row_portable(const int8_t* src, int64_t D, float* dst, const float* scales) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scales[d / kInt8Group];
 }
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f"))) void int8_row_avx512(const int8_t* src, int64_t D, float* dst) {
+__attribute__((target("avx512f"))) void int8_row_avx512(const int8_t* src, int64_t D, float* dst, const float* scales) {
   int64_t d = 0;
-  for (; d + 16 <= D; d += 16)
-    _mm512_storeu_ps(dst + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)))));
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+  for (; d + 16 <= D; d += 16) {  // 16 values lie in one group of 32
+    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(x, _mm512_set1_ps(scales[d / kInt8Group])));
+  }
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scales[d / kInt8Group];
 }
-__attribute__((target("avx2"))) void int8_row_avx2(const int8_t* src, int64_t D, float* dst) {
+__attribute__((target("avx2"))) void int8_row_avx2(const int8_t* src, int64_t D, float* dst, const float* scales) {
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8)
-    _mm256_storeu_ps(dst + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)))));
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+  for (; d + 8 <= D; d += 8) {
+    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d))));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(x, _mm256_set1_ps(scales[d / kInt8Group])));
+  }
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scales[d / kInt8Group];
 }
 Int8RowFn pick_int8_row() {
   __builtin_cpu_init();
@@ -256,7 +261,6 @@ RIDGEFILL_INLINE void to_float_row(const T* __restrict__ src, int64_t D, float* 
   if constexpr (std::is_same_v<T, c10::Half>) {
     if (kHalfRow) return kHalfRow(src, D, dst);
   }
-  if constexpr (std::is_same_v<T, int8_t>) return kInt8Row(src, D, dst);
   int64_t d = 0;
   for (; d + kW <= D; d += kW) storef(dst + d, load16(src + d));
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
@@ -354,7 +358,8 @@ struct Problem {
   const T* k;  // [S, Hkv, D], unit stride in D
   const T* v;
   int64_t k_slot_stride, k_head_stride, v_slot_stride, v_head_stride;
-  // int8 slabs only: float32 [S, Hkv] scales; row (slot, h) is float(k[slot, h, :]) * k_scale[slot, h]
+  // int8 slabs only: float32 [S, Hkv, G] scales (last dim contiguous); value d of row (slot, h) is
+  // float(k[slot, h, d]) * k_scale[slot, h, d / 32]
   const float* k_scale;
   const float* v_scale;
   int64_t ks_slot_stride, ks_head_stride, vs_slot_stride, vs_head_stride;
@@ -371,10 +376,15 @@ RIDGEFILL_INLINE int64_t first_key(const Problem<T>& P, int64_t row) {
   return P.window > 0 ? std::max<int64_t>(0, P.q_pos[row] - P.window + 1) : 0;
 }
 
-// int8 rows' scale: row (slot, KV head)'s, or 1 for unscaled rows (scales null).
-RIDGEFILL_INLINE float row_scale(const float* scales, int64_t slot_stride, int64_t head_stride, int64_t slot,
-                                 int64_t kvh) {
-  return scales ? scales[slot * slot_stride + kvh * head_stride] : 1.0f;
+// A K/V row of T as fp32 in dst (T not read in place: float16, int8 with its row's group scales).
+template <typename T>
+RIDGEFILL_INLINE void widen_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst,
+                                const float* scales) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    kInt8Row(src, D, dst, scales);
+  } else {
+    to_float_row(src, D, dst);
+  }
 }
 
 // Prefetch of one key's K (or V) rows for every KV head: one contiguous run when the heads are adjacent.
@@ -440,17 +450,16 @@ RIDGEFILL_INLINE void score_keys(const Problem<T>& P, const int64_t* __restrict_
     for (int64_t kvh = 0; kvh < P.kv_heads; ++kvh) {
       using R = typename RowType<T>::type;
       const R* kr[kKeyGroup];
-      float ksc[kKeyGroup];  // int8 rows' scales (1 otherwise)
       for (int64_t b = 0; b < kKeyGroup; ++b) {
         const int64_t slot = slots[std::min(i0 + b, n - 1)];  // a short group repeats its last key
         const T* kp = P.k + slot * ks + kvh * khs;
         if constexpr (std::is_same_v<T, R>) {
           kr[b] = kp;
         } else {
-          to_float_row(kp, D, ktile + b * Dp);
+          const float* sc = P.k_scale ? P.k_scale + slot * P.ks_slot_stride + kvh * P.ks_head_stride : nullptr;
+          widen_row(kp, D, ktile + b * Dp, sc);
           kr[b] = ktile + b * Dp;
         }
-        ksc[b] = row_scale(P.k_scale, P.ks_slot_stride, P.ks_head_stride, slot, kvh);
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
@@ -487,7 +496,6 @@ RIDGEFILL_INLINE void score_keys(const Problem<T>& P, const int64_t* __restrict_
           s[2] += qh[d] * static_cast<float>(kr[2][d]);
           s[3] += qh[d] * static_cast<float>(kr[3][d]);
         }
-        if constexpr (std::is_same_v<T, int8_t>) s *= vf4{ksc[0], ksc[1], ksc[2], ksc[3]};
         std::memcpy(scores + h * cap + i0, &s, sizeof s);
       }
     }
@@ -626,7 +634,6 @@ RIDGEFILL_ATTN_CLONES void attend_chunk(const Problem<T>& P, int64_t row, int64_
       prefetch_slot(P.v + slots[i] * vs, P.kv_heads, vhs, D);
     }
     for (int64_t kvh = 0; kvh < P.kv_heads; ++kvh) {
-      float vsc[kTile];  // int8 rows' scales: they weight the row's softmax weight
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t slot = slots[t0 + i];
         const T* vp = P.v + slot * vs + kvh * vhs;
@@ -634,20 +641,13 @@ RIDGEFILL_ATTN_CLONES void attend_chunk(const Problem<T>& P, int64_t row, int64_
           rows[i] = vp;
         } else {
           float* dst = S.vtile.data() + i * Dp;
-          to_float_row(vp, D, dst);
+          widen_row(vp, D, dst, P.v_scale ? P.v_scale + slot * P.vs_slot_stride + kvh * P.vs_head_stride : nullptr);
           rows[i] = dst;
         }
-        if constexpr (std::is_same_v<T, int8_t>) vsc[i] = row_scale(P.v_scale, P.vs_slot_stride, P.vs_head_stride, slot, kvh);
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = kvh * G + g;
-        const float* p = scores + h * cap + t0;
-        float pw[kTile];
-        if constexpr (std::is_same_v<T, int8_t>) {
-          for (int64_t i = 0; i < nt; ++i) pw[i] = p[i] * vsc[i];
-          p = pw;
-        }
-        accumulate_rows(acc + h * Dp, p, rows, nt, D);
+        accumulate_rows(acc + h * Dp, scores + h * cap + t0, rows, nt, D);
       }
     }
   }
@@ -902,7 +902,7 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
   });
 }
 
-// k_scale / v_scale: null for float slabs; the int8 op's float32 [S, Hkv] scales.
+// k_scale / v_scale: null for float slabs; the int8 op's float32 [S, Hkv, G] scales.
 std::tuple<at::Tensor, at::Tensor> attention_cpu(
     const char* kName, const at::Tensor& q, const at::Tensor& q_seq, const at::Tensor& q_pos,
     const at::Tensor& k_slab, const at::Tensor& v_slab, const at::Tensor* k_scale, const at::Tensor* v_scale,
@@ -924,8 +924,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
       TORCH_CHECK(s->device().is_cpu(), kName, "all tensors must be on the CPU, got ", s->device());
       TORCH_CHECK_TYPE(s->scalar_type() == at::kFloat, kName, "k_scale/v_scale must be float32, got ",
                        s->scalar_type());
-      TORCH_CHECK_VALUE(s->dim() == 2 && s->size(0) == k_slab.size(0) && s->size(1) == k_slab.size(1), kName,
-                        "k_scale/v_scale must be [S, Hkv] like the slabs' first dims; got ", s->sizes());
+      TORCH_CHECK_VALUE(s->dim() == 3 && s->size(0) == k_slab.size(0) && s->size(1) == k_slab.size(1) &&
+                            s->size(2) == (k_slab.size(2) + kInt8Group - 1) / kInt8Group && s->stride(2) == 1,
+                        kName, "k_scale/v_scale must be [S, Hkv, G], G = ceil(D / 32), last dim contiguous; got ",
+                        s->sizes());
     }
   } else {
     TORCH_CHECK_TYPE((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&

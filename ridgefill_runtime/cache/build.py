@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import int8_kv
 from .block_manager import BlockManager
 from .kv_layout import KVLayout, window_layout
 from .kv_pool import KVPool
@@ -133,14 +134,14 @@ def check_kv_dtype(kv_dtype: torch.dtype | None, device: torch.device | str) -> 
 
 def kv_bytes_per_token(spec: CacheSpec, kv_dtype: torch.dtype | None = None) -> int:
     """K/V bytes per position with slabs of `kv_dtype` (None: the spec's); int8 adds a float32
-    scale per (layer, K or V, KV head), as KVPool.bytes_per_token counts it."""
+    scale per 32 values of each (layer, K or V, KV head) row, as KVPool.bytes_per_token counts it."""
     full = spec.kv_bytes_per_token()
     kv_dtype = kv_dtype or spec.dtype
     values = full * kv_dtype.itemsize // spec.dtype.itemsize
     if kv_dtype != torch.int8 or spec.attention is None:
         return values
     head_rows = full // (spec.attention.head_dim * spec.dtype.itemsize)  # 2 x layers x Hkv
-    return values + 4 * head_rows
+    return values + 4 * int8_kv.groups(spec.attention.head_dim) * head_rows
 
 
 def build_caches(spec: CacheSpec, budget: CacheBudget, device: torch.device | str) -> ModelCaches:

@@ -33,11 +33,12 @@ class KVPool:
         num_slots counts the pool's pages times block_size, shared by every group. `dtype`: what
         the slabs hold; written K/V are rounded to it, read() hands them back as `read_dtype` (the
         model's; None: the same). torch.int8: each (slot, KV head) row is stored quantized with a
-        float32 scale in k_scale[i] / v_scale[i] [slots, Hkv] beside the slab (int8_kv.py). scratch_slot: one slot past the last block, which no block table
+        float32 scale per 32 values in k_scale[i] / v_scale[i] [slots, Hkv, G] beside the slab (int8_kv.py). scratch_slot: one slot past the last block, which no block table
         names: the padding rows of a replayed decode graph (decode_graphs.py) write and read there
         and nowhere else (not with a layout)."""
         ids = range(layers) if isinstance(layers, int) else tuple(layers)
         shape = (num_slots, num_kv_heads, head_dim)
+        scales = (num_kv_heads, int8_kv.groups(head_dim))  # an int8 slot's scales per KV head
         self.num_slots = num_slots
         self.layout = layout
         self.read_dtype = read_dtype or dtype
@@ -53,16 +54,16 @@ class KVPool:
             self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
             self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in ids}
             if self.quantized:
-                self.k_scale = {i: torch.empty(shape[:2], device=device) for i in ids}  # [slots, Hkv] float32
-                self.v_scale = {i: torch.empty(shape[:2], device=device) for i in ids}
+                self.k_scale = {i: torch.empty((shape[0], *scales), device=device) for i in ids}  # [slots, Hkv, G]
+                self.v_scale = {i: torch.empty((shape[0], *scales), device=device) for i in ids}
             return
         k_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         v_slabs = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layout.group_size)]
         self.k = {i: k_slabs[layout.place(i)[1]] for i in ids}
         self.v = {i: v_slabs[layout.place(i)[1]] for i in ids}
         if self.quantized:  # NOTE: the scales are paged (and shared by a group's layers) as their slabs are
-            k_scales = [torch.empty(shape[:2], device=device) for _ in range(layout.group_size)]
-            v_scales = [torch.empty(shape[:2], device=device) for _ in range(layout.group_size)]
+            k_scales = [torch.empty((shape[0], *scales), device=device) for _ in range(layout.group_size)]
+            v_scales = [torch.empty((shape[0], *scales), device=device) for _ in range(layout.group_size)]
             self.k_scale = {i: k_scales[layout.place(i)[1]] for i in ids}
             self.v_scale = {i: v_scales[layout.place(i)[1]] for i in ids}
         self._group = {i: layout.place(i)[0] for i in ids}
@@ -119,12 +120,12 @@ class KVPool:
         at = self.physical(layer, slots)
         k, v = self.k[layer].index_select(0, at), self.v[layer].index_select(0, at)
         if self.quantized:
-            k_s, v_s = self.k_scale[layer].index_select(0, at), self.v_scale[layer].index_select(0, at)  # [L, Hkv]
+            k_s, v_s = self.k_scale[layer].index_select(0, at), self.v_scale[layer].index_select(0, at)  # [L, Hkv, G]
             return int8_kv.dequantize(k, k_s, self.read_dtype), int8_kv.dequantize(v, v_s, self.read_dtype)
         return k.to(self.read_dtype), v.to(self.read_dtype)
 
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
-        """The int8 slabs' scales [slots, Hkv] of `layer` (None, None for a float cache)."""
+        """The int8 slabs' scales [slots, Hkv, G] of `layer` (None, None for a float cache)."""
         if not self.quantized:
             return None, None
         return self.k_scale[layer], self.v_scale[layer]
@@ -135,8 +136,8 @@ class KVPool:
         with no second rounding of the stored values."""
         slab = (self.k if keys else self.v)[layer]
         if self.quantized:
-            slab = (self.k_scale if keys else self.v_scale)[layer]  # [slots, Hkv]
-            slab.index_copy_(0, slots, slab.index_select(0, slots) * ratio.float()[None, :])
+            slab = (self.k_scale if keys else self.v_scale)[layer]  # [slots, Hkv, G]
+            slab.index_copy_(0, slots, slab.index_select(0, slots) * ratio.float()[None, :, None])
             return
         rows = slab.index_select(0, slots)  # [P, Hkv, D]
         slab.index_copy_(0, slots, rows * ratio.to(slab.dtype)[None, :, None])
@@ -157,5 +158,6 @@ class KVPool:
         if not slabs:
             return 0
         k = next(iter(slabs.values()))
-        per_head = k.shape[2] * k.element_size() + (4 if self.quantized else 0)  # D values (+ a float32 scale)
+        scales = 4 * int8_kv.groups(k.shape[2]) if self.quantized else 0  # float32 scales per 32 values
+        per_head = k.shape[2] * k.element_size() + scales
         return 2 * len(slabs) * k.shape[1] * per_head

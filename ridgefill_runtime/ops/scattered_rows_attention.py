@@ -12,8 +12,8 @@ sequence's keys in the runtime's cache (ridgefill_runtime/cache/kv_pool.py):
                                     sliding window (window > 0) only max(0, q_pos - window + 1)..q_pos
   k_slab/v_slab [S, Hkv, D]         one layer's cache slabs; position p of sequence b lives at slot
                                     block_tables[b, p // block_size] * block_size + p % block_size
-  k_scale/v_scale float32 [S, Hkv]  int8 slabs only (cache.kv_dtype = "int8", cache/int8_kv.py): key/value
-                                    row (slot, h) is float(k_slab[slot, h]) * k_scale[slot, h]
+  k_scale/v_scale float32 [S, Hkv, G]  int8 slabs only (cache.kv_dtype = "int8", cache/int8_kv.py): value d
+                                    of row (slot, h) is float(k_slab[slot, h, d]) * k_scale[slot, h, d // 32]
   block_tables int32 [B, max_blocks]
   context_lens int32 [B]            keys written for each sequence; q_pos < context_lens[q_seq]
   window       int                  0: full causal attention; > 0: sliding window (Gemma 3's local layers), a row
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import int8_kv
 from .extension import op_available
 
 _OP_NAME = "ridgefill::scattered_rows_attention"
@@ -55,9 +56,10 @@ def _check_scales(q, k_slab, k_scale, v_scale) -> None:
     if q.dtype != torch.float32 or k_scale is None or v_scale is None:
         raise TypeError("scattered_rows_attention: int8 slabs need float32 queries and k_scale/v_scale")
     for s in (k_scale, v_scale):
-        if s.dtype != torch.float32 or tuple(s.shape) != tuple(k_slab.shape[:2]):
+        want = (*k_slab.shape[:2], int8_kv.groups(k_slab.shape[2]))
+        if s.dtype != torch.float32 or tuple(s.shape) != want:
             raise ValueError(
-                f"scattered_rows_attention: k_scale/v_scale must be float32 [S, Hkv] = {tuple(k_slab.shape[:2])}; "
+                f"scattered_rows_attention: k_scale/v_scale must be float32 [S, Hkv, G] = {want}; "
                 f"got {s.dtype} {tuple(s.shape)}"
             )
 
@@ -157,9 +159,10 @@ def scattered_rows_attention_reference(
         starts.index_add_(0, last + 1, -torch.ones_like(last))
         pos = (starts[:n_keys].cumsum(0) > 0).nonzero().flatten()  # [L] key positions, ascending
         slots = block_tables[b].long()[pos // block_size] * block_size + pos % block_size  # [L]
-        k, v = k_slab.index_select(0, slots).float(), v_slab.index_select(0, slots).float()  # [L, Hkv, D]
+        k, v = k_slab.index_select(0, slots), v_slab.index_select(0, slots)  # [L, Hkv, D]
         if k_scale is not None:  # int8 slabs: float(q) * scale, as every reader dequantizes (cache/int8_kv.py)
-            k, v = k * k_scale.index_select(0, slots)[..., None], v * v_scale.index_select(0, slots)[..., None]
+            k, v = int8_kv.dequantize(k, k_scale.index_select(0, slots)), int8_kv.dequantize(v, v_scale.index_select(0, slots))
+        k, v = k.float(), v.float()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, D]
         qb = q[pick].float()  # [Rb, H, D]
         scores = torch.einsum("rhd,lhd->rhl", qb, k) * scale  # [Rb, H, L]

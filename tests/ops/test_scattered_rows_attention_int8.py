@@ -28,11 +28,19 @@ def int8_compiled() -> bool:
 
 
 def naive_quantize_f64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row in float64: s = max|x| / 127, q = nearest integer to x / s (0 where s = 0)."""
+    """Per group of 32 values of a row, one value at a time in float64: s = max|x_g| / 127, q = nearest integer
+    to x / s (0 where s = 0). Returns q [N, Hkv, D] and s [N, Hkv, ceil(D / 32)]."""
     x = x.double()
-    s = x.abs().amax(-1)  # [N, Hkv]
-    s = s / 127
-    q = torch.where(s[..., None] > 0, x / s.clamp_min(1e-300)[..., None], 0.0).round()
+    N, H, D = x.shape
+    G = -(-D // 32)
+    q, s = torch.zeros_like(x), torch.zeros(N, H, G, dtype=torch.float64)
+    for n in range(N):
+        for h in range(H):
+            for g in range(G):
+                vals = x[n, h, 32 * g : 32 * g + 32]
+                s[n, h, g] = max(abs(float(a)) for a in vals) / 127
+                if s[n, h, g] > 0:
+                    q[n, h, 32 * g : 32 * g + 32] = (vals / s[n, h, g]).round()
     return q, s
 
 
@@ -41,9 +49,9 @@ def test_quantize_is_within_half_a_step_of_float64(magnitude):
     g = torch.Generator().manual_seed(0)
     x = magnitude * torch.randn(50, 3, 40, generator=g)
     x[4, 1] = 0.0  # an all-zero row: scale 0, zeros back (not NaN)
-    x[7, 0, 5] = -magnitude * 20  # one outlier sets its row's scale
-    q, s = int8_kv.quantize(x)
-    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (50, 3)
+    x[7, 0, 5] = -magnitude * 20  # one outlier sets its group's scale, not its row's
+    q, s = int8_kv.quantize(x)  # 40 values: a group of 32 and one of 8
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (50, 3, 2)
     assert int(q.abs().max()) == 127 and int(q.min()) >= -127
     q64, s64 = naive_quantize_f64(x)
     torch.testing.assert_close(s.double(), s64, rtol=2**-23, atol=0)
@@ -52,10 +60,12 @@ def test_quantize_is_within_half_a_step_of_float64(magnitude):
     assert int((q.double() != q64).sum()) <= 2
     back = int8_kv.dequantize(q, s)  # [50, 3, 40] float32
     err = (back.double() - x.double()).abs()
-    bound = s64[..., None] / 2 * (1 + 1e-5)  # half a step, plus float32's rounding of x / s and q * s
+    per_value = torch.cat([s64[..., :1].expand(-1, -1, 32), s64[..., 1:].expand(-1, -1, 8)], -1)  # [50, 3, 40]
+    bound = per_value / 2 * (1 + 1e-5)  # half a step, plus float32's rounding of x / s and q * s
     assert bool((err <= bound).all()), float((err - bound).max())
     assert torch.equal(back[4, 1], torch.zeros(40))
     assert float(err.max()) > 0  # it does round
+    assert float(s[7, 0, 0]) == pytest.approx(magnitude * 20 / 127) and float(s[7, 0, 1]) < float(s[7, 0, 0]) / 4
 
 
 def int8_slabs(k_slab, v_slab):
@@ -120,7 +130,7 @@ def test_int8_needs_its_scales_and_float32_queries():
     kq, vq, ks, vs = int8_slabs(k_slab, v_slab)
     with pytest.raises(TypeError, match="k_scale/v_scale"):
         scattered_rows_attention(q, q_seq, q_pos, kq, vq, tables, ctx, 16, 0.1)
-    with pytest.raises(ValueError, match=r"k_scale/v_scale must be .*\[S, Hkv\]"):
+    with pytest.raises(ValueError, match=r"k_scale/v_scale must be .*\[S, Hkv, G\]"):
         scattered_rows_attention(q, q_seq, q_pos, kq, vq, tables, ctx, 16, 0.1, k_scale=ks[:-1], v_scale=vs)
     with pytest.raises(TypeError, match="int8 slabs only"):
         scattered_rows_attention(q, q_seq, q_pos, k_slab, v_slab, tables, ctx, 16, 0.1, k_scale=ks, v_scale=vs)
@@ -169,8 +179,8 @@ def test_compiled_write_stores_the_bytes_quantize_makes(monkeypatch):
         return (
             torch.zeros(16, 3, 40, dtype=torch.int8),
             torch.zeros(16, 3, 40, dtype=torch.int8),
-            torch.zeros(16, 3),
-            torch.zeros(16, 3),
+            torch.zeros(16, 3, 2),
+            torch.zeros(16, 3, 2),
         )
 
     got = slabs()
