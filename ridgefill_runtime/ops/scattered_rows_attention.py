@@ -161,7 +161,10 @@ def scattered_rows_attention_reference(
         slots = block_tables[b].long()[pos // block_size] * block_size + pos % block_size  # [L]
         k, v = k_slab.index_select(0, slots), v_slab.index_select(0, slots)  # [L, Hkv, D]
         if k_scale is not None:  # int8 slabs: float(q) * scale, as every reader dequantizes (cache/int8_kv.py)
-            k, v = int8_kv.dequantize(k, k_scale.index_select(0, slots)), int8_kv.dequantize(v, v_scale.index_select(0, slots))
+            k, v = (
+                int8_kv.dequantize(k, k_scale.index_select(0, slots)),
+                int8_kv.dequantize(v, v_scale.index_select(0, slots)),
+            )
         k, v = k.float(), v.float()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, H, D]
         qb = q[pick].float()  # [Rb, H, D]
