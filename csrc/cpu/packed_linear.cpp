@@ -197,6 +197,11 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const f
 template <int BITS, int MIN>
 void panel_avx2(const Packed& w, const float* x, const float*, int64_t M, int64_t panel, float* y) {
   int64_t m = 0;
+  // 8-bit weights: 6-row tiles (12 accumulators; the group's scales then live on the stack and come in as
+  // memory operands): each weight vector serves 6 rows, and AVX2's one broadcast per 8-lane FMA, not the
+  // FMA ports, is the limit there. 4-bit weights keep 4 rows (their two widened k need the registers).
+  if constexpr (BITS == 8)
+    for (; m + 6 <= M; m += 6) tile_avx2<BITS, MIN, 6>(w, x + m * w.K, panel, y + m * kPanel);
   for (; m + 4 <= M; m += 4) tile_avx2<BITS, MIN, 4>(w, x + m * w.K, panel, y + m * kPanel);
   switch (M - m) {
     case 3: tile_avx2<BITS, MIN, 3>(w, x + m * w.K, panel, y + m * kPanel); break;

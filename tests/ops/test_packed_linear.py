@@ -167,7 +167,7 @@ _ISA_CHECK = textwrap.dedent("""
         mins = (torch.randn(45, 128 // group, generator=g) * 0.05).to(dtype) if with_min else None
         w = pack(q, scale, mins, bits, group)
         wd = dequantize_reference(w).double()
-        for rows in (1, 2, 3, 4, 5, 8, 9, 17, BLAS_MIN_ROWS - 1):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33, BLAS_MIN_ROWS - 1):
             x = torch.randn(rows, 128, generator=g)
             y = packed_linear(x, w).double()
             total += float(y.sum())
