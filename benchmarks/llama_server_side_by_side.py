@@ -214,7 +214,8 @@ def markdown_tables(result: dict) -> str:
         f"Machine: {m['cpu']} ({m['cores']} CPUs; avx2: {m['avx2']}, avx512f: {m['avx512f']}); "
         f"threads {result['threads']} each; load at start {m['load_start']}, at end {m.get('load_end')}; "
         f"rounds {result['rounds']}, arm order alternated. {result['versions']['llama-server']}; "
-        f"ridgefill {result['versions']['ridgefill']}.",
+        f"ridgefill {result['versions']['ridgefill']}."
+        + (f" ISA caps for ours: {m['isa_caps']}." if m.get("isa_caps") else ""),
         "",
     ]
     ttft = result["phases"].get("ttft")
@@ -278,6 +279,12 @@ def _f(x, nd: int) -> str:
 # -- machine, binaries, servers ---------------------------------------------------------------
 
 
+# Environment variables that cap the instruction set of ours (ridgefill's packed kernel, ATen's kernels, MKL,
+# oneDNN): set together, they make this machine run ours as an AVX2 CPU would (our attention kernel still
+# picks its own clone by CPU detection).
+ISA_CAP_VARS = ("RIDGEFILL_PACKED_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA")
+
+
 def machine_info() -> dict:
     cpu, flags = platform.processor() or "?", set()
     try:
@@ -300,6 +307,8 @@ def machine_info() -> dict:
         "avx2": "avx2" in flags,
         "avx512f": "avx512f" in flags,
         "load_start": [round(x, 2) for x in os.getloadavg()],
+        # ISA caps in force for ours (an AVX2 CPU emulated on an AVX-512 one), if any
+        "isa_caps": {k: os.environ[k] for k in ISA_CAP_VARS if k in os.environ},
         "platform": platform.platform(),
         "python": platform.python_version(),
     }

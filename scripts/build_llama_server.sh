@@ -5,6 +5,8 @@
 #
 #   bash scripts/build_llama_server.sh            # builds once, prints the binary's path last
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 JOBS=2 RIDGEFILL_LLAMA_SERVER_CACHE=DIR bash scripts/...
+#   LLAMA_SERVER_ISA=avx2 bash scripts/build_llama_server.sh  # AVX2 + FMA + F16C only, in DIR/<version>-avx2:
+#                                                             # an AVX2 CPU's llama.cpp, on an AVX-512 machine
 #
 # Idempotent: when DIR/<version>/bin/llama-server exists, runs and was built with the same
 # flags (DIR/<version>/FLAGS), nothing is rebuilt.
@@ -22,7 +24,10 @@ set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 JOBS="${JOBS:-2}"
 CACHE_ROOT="${RIDGEFILL_LLAMA_SERVER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ridgefill/llama-server}"
+ISA="${LLAMA_SERVER_ISA:-native}"
+[[ "$ISA" == "native" || "$ISA" == "avx2" ]] || { echo "build_llama_server: LLAMA_SERVER_ISA must be native or avx2, got $ISA" >&2; exit 2; }
 ROOT="$CACHE_ROOT/$VERSION"
+if [[ "$ISA" == "avx2" ]]; then ROOT="$ROOT-avx2"; fi
 BIN_DIR="$ROOT/bin"
 BIN="$BIN_DIR/llama-server"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,7 +44,12 @@ EXTRA_FLAGS=""
 if grep -qw amx_tile /proc/cpuinfo 2>/dev/null && [[ "${LLAMA_SERVER_AMX:-0}" != "1" ]]; then
     EXTRA_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 fi
-FLAGS="Release BUILD_SHARED_LIBS=OFF GGML_NATIVE=ON LLAMA_CURL=OFF LLAMA_OPENSSL=OFF LLAMA_BUILD_UI=OFF LLAMA_USE_PREBUILT_UI=OFF${EXTRA_FLAGS:+ C/CXX flags: $EXTRA_FLAGS}"
+ISA_FLAGS="GGML_NATIVE=ON"
+# NOTE: ggml's x86 ISA switches (used when GGML_NATIVE is off); AVX-VNNI and AVX512* stay off
+if [[ "$ISA" == "avx2" ]]; then
+    ISA_FLAGS="GGML_NATIVE=OFF GGML_AVX=ON GGML_AVX2=ON GGML_FMA=ON GGML_F16C=ON GGML_BMI2=ON GGML_AVX512=OFF"
+fi
+FLAGS="Release BUILD_SHARED_LIBS=OFF $ISA_FLAGS LLAMA_CURL=OFF LLAMA_OPENSSL=OFF LLAMA_BUILD_UI=OFF LLAMA_USE_PREBUILT_UI=OFF${EXTRA_FLAGS:+ C/CXX flags: $EXTRA_FLAGS}"
 
 if [[ -x "$BIN" ]] && "$BIN" --version >/dev/null 2>&1 && [[ "$(cat "$ROOT/FLAGS" 2>/dev/null)" == "$FLAGS" ]]; then
     say "already built: $("$BIN" --version 2>&1 | grep -m1 -i version || true)"
@@ -96,7 +106,7 @@ start=$(date +%s)
 "$CMAKE" -S "$LLAMA_SRC" -B "$BUILD" "${GEN[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=ON \
+    $(for f in $ISA_FLAGS; do printf -- '-D%s ' "$f"; done) \
     -DLLAMA_CURL=OFF \
     -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_SERVER=ON \
