@@ -277,7 +277,7 @@ struct RowType<c10::Half> {
   using type = float;
 };
 template <>
-struct RowType<int8_t> {  // widened into the fp32 copy, unscaled
+struct RowType<int8_t> {  // widened into the fp32 copy, times its group scales (widen_row)
   using type = float;
 };
 
