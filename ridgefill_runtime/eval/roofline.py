@@ -63,6 +63,11 @@ def _binary() -> Path:
 def measure_peaks(threads: int) -> Peaks:
     done = subprocess.run([str(_binary()), str(threads)], capture_output=True, text=True, check=True)
     got = dict(line.split() for line in done.stdout.splitlines() if line.strip())
+    if int(got["threads_run"]) != threads:  # NOTE: the peak would be that of fewer cores than the benchmark's
+        raise RuntimeError(
+            f"the roofline peaks program ran on {got['threads_run']} threads, not the {threads} asked for "
+            "(OMP_THREAD_LIMIT or OMP_DYNAMIC set?)"
+        )
     return Peaks(float(got["fma_gflops"]), float(got["copy_gbs"]), int(got["lanes"]), threads)
 
 
