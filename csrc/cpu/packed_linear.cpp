@@ -145,9 +145,9 @@ __attribute__((target("avx2,fma,f16c"))) inline void q8_avx2(const uint8_t* pane
 
 template <int BITS, int MIN, int MR>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const float* x, int64_t panel, float* y) {
-  // With one or two rows, one accumulator set is a chain of dependent FMAs, k after k: batch-1 decode then
-  // waited on the FMA latency, not on memory (17-19 GB/s against AVX-512's 22-26 on one machine). Even and
-  // odd k go to two sets there, as in tile_avx512; four rows already give eight independent chains.
+  // With one or two rows, one accumulator set is a chain of dependent FMAs, k after k: even and odd k go to
+  // two sets there, as in tile_avx512 (four rows already give eight independent chains). Measured under the
+  // AVX2 cap on an AVX-512 Xeon, this alone changed little; q8_avx2's two 8-byte loads gave 8-10 % at batch 1.
   constexpr int C = MR <= 2 ? 2 : 1;
   __m256 acc[C][MR][2];
   for (int c = 0; c < C; ++c)
