@@ -306,6 +306,53 @@ class StructuredConfig:
         check_settings(self, "structured")
 
 
+PARALLEL_BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism over torch.distributed (the [parallel] table; parallel/ runs it): every rank
+    holds a shard of each layer's heads and MLP columns and runs every step; rank 0 schedules, samples
+    and serves. The rendezvous settings are torchrun's; a launch under torchrun sets them itself."""
+
+    tensor_parallel_size: int = setting(
+        1,
+        help="ranks one model is split across (vLLM's name); > 1 without torchrun starts the other ranks "
+        "as processes on this machine",
+        flag="--tensor-parallel-size",
+        aliases=("-tp",),
+        check=">= 1",
+    )
+    backend: str = setting(
+        "auto",
+        help="torch.distributed backend: auto (nccl on CUDA, which is RCCL on ROCm; gloo on the CPU) | gloo | nccl",
+        flag="--distributed-backend",
+        choices=PARALLEL_BACKENDS,
+    )
+    nnodes: int = setting(1, help="machines the ranks span (torchrun's --nnodes)", flag="--nnodes", check=">= 1")
+    node_rank: int = setting(0, help="this machine's index among them", flag="--node-rank", check=">= 0")
+    master_addr: str = setting("127.0.0.1", help="rank 0's address, where the others meet", flag="--master-addr")
+    master_port: int = setting(
+        0, help="the rendezvous port (0: a free one, on one machine only)", flag="--master-port", check=">= 0"
+    )
+    timeout_s: float = setting(
+        60.0,
+        help="a collective (or the start) that has not finished in this long ends the server naming the rank",
+        flag="--distributed-timeout",
+        check="positive",
+    )
+
+    def __post_init__(self) -> None:
+        check_settings(self, "parallel")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"parallel.node_rank ({self.node_rank}) must be below parallel.nnodes ({self.nnodes})")
+        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"parallel.tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                f"parallel.nnodes ({self.nnodes}): every machine runs as many ranks"
+            )
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding for greedy requests: each decode step verifies up to `num_tokens`
@@ -386,6 +433,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     looped: LoopConfig = field(default_factory=LoopConfig)  # read only for looped models
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         check_settings(self, "model")

@@ -94,7 +94,9 @@ class _Counts:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None):
+    def __init__(self, model, tokenizer, config: EngineConfig, fill_maps=None, relay=None):
+        """`relay`: a tensor-parallel rank 0's parallel/relay.StepRelay; each step and each pool
+        hook then also reaches the other ranks (the model holds this rank's shard)."""
         cfg = model.config
         if hasattr(tokenizer, "for_model_rows") and cfg.vocab_size > tokenizer.vocab_size:
             # A padded vocabulary: rows past the tokenizer decode to nothing (finding 6 of issue 31).
@@ -131,8 +133,9 @@ class Engine:
             log.warning("prefix cache: filled requests take no cached blocks on this model: %s", self.filled_uncached)
         defer = (not self.prefix_caching or bool(self.filled_uncached)) and not rewrites_filled_rows(config.fill)
         manager = self.caches.manager(  # the scheduler owns it
-            self.prefix_caching, lazy_late_pages=defer, snapshot_every=config.cache.snapshot_every
+            self.prefix_caching, lazy_late_pages=defer, snapshot_every=config.cache.snapshot_every, relay=relay
         )
+        self.relay = relay
         self.blocks = manager.blocks
         self.fill = config.fill
         propose = NgramProposer(self.speculative) if self.speculative.method == "ngram" else no_drafts
@@ -152,7 +155,10 @@ class Engine:
         if self.fill.enabled and not 0 < self.fill.split < cfg.num_layers:
             raise ValueError(f"fill.split must be in 1..{cfg.num_layers - 1} for this model, got {self.fill.split}")
         self.max_model_len = min(cfg.max_position_embeddings, self.caches.max_tokens)
-        graphs = engine_decode_graphs(model, self.caches, config, self.max_model_len)
+        # NOTE: a captured graph would replay no all-reduce of the step channel's making: tensor-
+        # parallel ranks run decode steps eagerly (untested on GPUs with NCCL so far)
+        sharded = config.parallel.tensor_parallel_size > 1
+        graphs = None if sharded else engine_decode_graphs(model, self.caches, config, self.max_model_len)
         # NOTE: without a Hugging Face tokenizers backend (a model served as token ids only) no
         # grammar can be spelled in tokens: Engine.validate refuses structured requests by name
         self.grammars = GrammarBook(tokenizer, config.structured) if hasattr(tokenizer, "backend") else None
@@ -167,10 +173,17 @@ class Engine:
             graphs=graphs,
             constrainer=constrainer,
         )
+        if relay is not None:
+            self.runner = relay.wrap_runner(self.runner)
         self.maps_digest = _file_digest(fill_maps.path) if fill_maps is not None else ""
         self.text = TextTracker(tokenizer)
         self.eos_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.counts = _Counts()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank). Idempotent."""
+        if self.relay is not None:
+            self.relay.stop()
 
     # -- requests ----------------------------------------------------------------------
 

@@ -14,6 +14,10 @@ from .ops.packed_linear import compiled_for as packed_compiled_for
 from .fill.maps import FillMaps, check_maps_fit
 from .loader.load import load_checkpoint, naming_the_file
 from .models.registry import family
+from .parallel.group import TensorGroup
+from .parallel.launch import start_parallel_engine, wants_parallel
+from .parallel.relay import StepRelay
+from .parallel.shard import Shard, shard_checkpoint
 from .sequence import SamplingParams
 
 
@@ -26,6 +30,16 @@ class Completion:
 
 
 def build_engine(config: EngineConfig) -> Engine:
+    """The engine `config` asks for; with parallel.tensor_parallel_size > 1 (or under torchrun) rank
+    0's, the other ranks started and following it (parallel/launch.py). Close it with Engine.close()."""
+    if wants_parallel(config):
+        return start_parallel_engine(config, build_local_engine)  # type: ignore[return-value]
+    return build_local_engine(config)
+
+
+def build_local_engine(config: EngineConfig, group: TensorGroup | None = None, relay: StepRelay | None = None) -> Engine:
+    """This process's engine; in a tensor-parallel `group`, over this rank's shard of the model
+    (`relay`: rank 0's, which sends each step to the others)."""
     ckpt = load_checkpoint(config.model, packed=_wants_packed(config))
     if config.weights == "packed" and not any(isinstance(t, GroupedInts) for t in ckpt.tensors.values()):
         raise UnsupportedError(
@@ -33,13 +47,19 @@ def build_engine(config: EngineConfig) -> Engine:
             f"llama/qwen3 model with Q8_0, Q4_0, Q4_1, Q4_K or Q6_K linear weights)"
         )
     # The checkpoint's family (models/registry.py) says which model class runs it.
+    model_config, tensors = ckpt.config, ckpt.tensors
+    if group is not None:
+        model_config, tensors = shard_checkpoint(model_config, tensors, Shard(group.rank, group.size))
     with naming_the_file(ckpt.source):
         model = family(ckpt.config.architecture).build_model(
-            ckpt.config, ckpt.tensors, dtype=_DTYPES[config.dtype], device=config.device
+            model_config, tensors, dtype=_DTYPES[config.dtype], device=config.device
         )
+    if group is not None:
+        model.sum_shards = group.sum_shards
     model.identity = ckpt.identity
+    tensors.clear()
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
-    return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model))
+    return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model), relay=relay)
 
 
 def _wants_packed(config: EngineConfig) -> bool:
@@ -82,6 +102,10 @@ class LLM:
     def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None):
         self.engine = engine or build_engine(config or EngineConfig())
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (nothing to do on one rank)."""
+        self.engine.close()
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):

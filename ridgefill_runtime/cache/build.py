@@ -3,7 +3,9 @@ manager that hands their ids out. Every engine, offline driver and evaluation bu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -62,6 +64,15 @@ class CacheBudget:
         )
 
 
+class HookRelay(Protocol):
+    def hook(self, owner: str, method: str, fn: Callable[..., None]) -> Callable[..., None]:
+        """fn, also told to whoever must repeat it (`owner`: "states" or "kv", the pool it calls)."""
+
+
+def _direct(owner: str, method: str, fn: Callable[..., None]) -> Callable[..., None]:
+    return fn
+
+
 @dataclass(frozen=True)
 class ModelCaches:
     """What build_caches made: the tensor pools (the runner and model use them) and their size."""
@@ -81,13 +92,19 @@ class ModelCaches:
         return self.num_blocks // per_block * self.block_size
 
     def manager(
-        self, prefix_caching: bool = False, lazy_late_pages: bool = False, snapshot_every: int = 0
+        self,
+        prefix_caching: bool = False,
+        lazy_late_pages: bool = False,
+        snapshot_every: int = 0,
+        relay: HookRelay | None = None,
     ) -> CacheManager:
         """A manager of these pools' ids; freeing a slot clears what the pools keep in it.
         lazy_late_pages: the runner defers the fill's sliding-window late writes (Runner's
         defer_windows), so those pages are taken when the late sweep comes near them.
         snapshot_every: a recurrent model's prefix cache snapshots its states every this many
-        blocks (and at each prompt's last full block)."""
+        blocks (and at each prompt's last full block). relay: tensor parallelism's rank 0 wraps
+        each pool hook so that the other ranks' pools do the same (parallel/relay.py)."""
+        hook = relay.hook if relay is not None else _direct
         if prefix_caching and not self.spec.prefix_cacheable:
             raise ValueError("cache.prefix_caching: " + self.spec.why_not_prefix_cacheable())
         snapshots = None
@@ -99,14 +116,15 @@ class ModelCaches:
                 )
             snapshots = SnapshotTable(self.states.num_snapshots)
         blocks = BlockManager(self.num_blocks, self.block_size)
-        pages = None if self.layout is None else WindowPages(self.layout, blocks, self.kv.map_pages, lazy_late_pages)
+        map_pages = hook("kv", "map_pages", self.kv.map_pages)
+        pages = None if self.layout is None else WindowPages(self.layout, blocks, map_pages, lazy_late_pages)
         return CacheManager(
             blocks,
             self.states.num_slots,
             self.spec.stash_bytes_per_row(),
-            on_free_slot=self.states.free_slot,
-            on_stash_done=self.states.drop_stash,
-            on_rollback=self.states.restore_row,
+            on_free_slot=hook("states", "free_slot", self.states.free_slot),
+            on_stash_done=hook("states", "drop_stash", self.states.drop_stash),
+            on_rollback=hook("states", "restore_row", self.states.restore_row),
             prefix_caching=prefix_caching,
             window_pages=pages,
             kv_bytes_per_block=self.kv.bytes_per_token() * self.block_size,

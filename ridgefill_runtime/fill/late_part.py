@@ -28,17 +28,21 @@ def late_part(h: torch.Tensor, rope: tuple[torch.Tensor, ...], rope_at, fill: Fi
     return h_late, tuple(rope_late)
 
 
-def mass_hook(requests: tuple[MassRequest, ...], kv, found: list[list[torch.Tensor]], scale: float, window_of):
+def mass_hook(
+    requests: tuple[MassRequest, ...], kv, found: list[list[torch.Tensor]], scale: float, window_of, sum_shards
+):
     """An on_q(layer, q) hook appending, per request, the attention its keys receive at each of
     its layers ([K] float32) to found[request]; the runner adds them into its accumulators.
-    window_of(layer): that layer's sliding window (0: none). None when nothing is requested."""
+    window_of(layer): that layer's sliding window (0: none). sum_shards: the model's sum over
+    tensor-parallel ranks (each holds some heads; every rank must pick the same exact rows).
+    None when nothing is requested."""
     if not requests:
         return None
 
     def on_q(layer: int, q: torch.Tensor) -> None:
         for r, masses in zip(requests, found):
             if layer in r.layers:
-                masses.append(_mass(kv, layer, q[r.rows], r, scale, window_of(layer)))  # [K]
+                masses.append(sum_shards(_mass(kv, layer, q[r.rows], r, scale, window_of(layer))))  # [K]
 
     return on_q
 

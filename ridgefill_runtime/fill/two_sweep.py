@@ -39,7 +39,7 @@ def two_sweep(model, batch: ForwardBatch) -> ForwardOutput:
     late_mass: list[list[torch.Tensor]] = [[] for _ in fill.late.mass]
     h = model.embed(batch.input_ids)  # [N, d]
     rope = model.rope(batch.positions)
-    on_q = mass_hook(fill.lower.mass, kv, lower_mass, model.scale, model.window)
+    on_q = mass_hook(fill.lower.mass, kv, lower_mass, model.scale, model.window, model.sum_shards)
     for i in range(fill.split if batch.attention.num_seqs else 0):
         h = model.layer(i, h, rope, batch.attention, batch.caches, on_q=on_q)
     split_states = h[fill.lower.exit_rows]  # [X, d]
@@ -114,7 +114,7 @@ class _Rescales:
 def _late_rows(model: FillHooks, batch: ForwardBatch, fill: FillStep, h, rope, kv, found, rescales) -> LateRows:
     """What the late layers read. h [M, d], rope: the late part at the split; found: the late
     mass requests' lists the attention hook appends to."""
-    on_q = mass_hook(fill.late.mass, kv, found, model.scale, model.window)
+    on_q = mass_hook(fill.late.mass, kv, found, model.scale, model.window, model.sum_shards)
     on_kv = rescales.from_layer_kv if model.rescale_from_layer_kv and fill.late.rescales else None
     part = fill.filled_late
     share = None

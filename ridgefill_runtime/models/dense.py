@@ -17,7 +17,7 @@ from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable, apply_rotary
 from ..ops.packed_linear import linear, weight_rows, weight_slice
 from ..ops.rms_norm import rms_norm
-from .fill_hooks import LateRows
+from .fill_hooks import LateRows, unsharded
 from .forward import ForwardBatch, ForwardOutput
 from .weights import DenseWeights, build_weights
 
@@ -25,6 +25,10 @@ from .weights import DenseWeights, build_weights
 class DenseLM:
     # NOTE: the rescale reads the late rows' K/V as the layer made them (its on_kv hook)
     rescale_from_layer_kv = True
+    # A tensor-parallel rank's o and down products (and the selectors' attention mass) are partial
+    # sums over its heads and MLP columns; parallel/ sets this to the group's in-place all-reduce.
+    # Alone, each is whole already.
+    sum_shards = staticmethod(unsharded)
 
     def __init__(
         self,
@@ -135,9 +139,9 @@ class DenseLM:
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """After attention: residual [R, d] + output projection of attn [R, H*D], then the MLP."""
         w = self.weights.layers[layer]
-        h = h + linear(attn, w.o)
+        h = h + self.sum_shards(linear(attn, w.o))
         x = rms_norm(h, w.post_norm, self.config.rms_norm_eps)
-        return h + swiglu_mlp(x, w.gate_up, w.down)
+        return h + self.sum_shards(swiglu_mlp(x, w.gate_up, w.down))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden rows [R, d] -> float32 logits [R, V]."""

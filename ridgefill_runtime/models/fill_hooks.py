@@ -22,6 +22,11 @@ OnKV = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, k [N, Hkv, D
 OnQ = Callable[[int, torch.Tensor], None]  # (layer, q [N, H, D])
 
 
+def unsharded(x: torch.Tensor) -> torch.Tensor:
+    """sum_shards of a model on one rank: its partial sums are whole already."""
+    return x
+
+
 @dataclass(frozen=True)
 class LateRows:
     """What a late layer of a two-sweep step reads besides its input h [M, d] (the late part).
@@ -55,6 +60,10 @@ class FillHooks(Protocol):
     config: ModelConfig
     scale: float  # the attention's softmax scale (the selectors' attention mass is measured with it)
     rescale_from_layer_kv: bool  # the rescale's exact K/V: the layer's own (on_kv), else kv_only of its input
+
+    def sum_shards(self, x: torch.Tensor) -> torch.Tensor:
+        """A partial result over this rank's heads summed over the tensor-parallel group, in place
+        (identity on one rank)."""
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """ids [N] -> h [N, d]."""

@@ -184,8 +184,9 @@ class Gemma3LM(DenseLM):
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Norms after attention and around the MLP (sandwich): h [R, d], attn [R, H*D]."""
         w, (pre_ff, post_ff), eps = self.weights.layers[layer], self.ff_norms[layer], self.config.rms_norm_eps
-        h = h + rms_norm(linear(attn, w.o), w.post_norm, eps)
-        return h + rms_norm(geglu_mlp(rms_norm(h, pre_ff, eps), w.gate_up, w.down), post_ff, eps)
+        h = h + rms_norm(self.sum_shards(linear(attn, w.o)), w.post_norm, eps)
+        mlp = self.sum_shards(geglu_mlp(rms_norm(h, pre_ff, eps), w.gate_up, w.down))
+        return h + rms_norm(mlp, post_ff, eps)
 
 
 # -- the family --------------------------------------------------------------------------------

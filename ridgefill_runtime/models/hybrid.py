@@ -26,7 +26,7 @@ from ..layers.mlp import swiglu_mlp
 from ..layers.moe import MoEWeights, sparse_moe
 from ..layers.rotary import RotaryTable, apply_rotary
 from ..layers.zero_centred_norm import zero_centred_rms_norm
-from .fill_hooks import LateRows
+from .fill_hooks import LateRows, unsharded
 from .forward import ForwardBatch, ForwardOutput
 from .hybrid_weights import AttentionWeights, HybridWeights, build_hybrid_weights
 
@@ -34,6 +34,7 @@ from .hybrid_weights import AttentionWeights, HybridWeights, build_hybrid_weight
 class HybridLM:
     # NOTE: the gated attention hands out no K/V: the rescale projects the measuring rows' input
     rescale_from_layer_kv = False
+    sum_shards = staticmethod(unsharded)  # NOTE: not sharded yet (parallel/shard.py SHARDABLE)
 
     def __init__(
         self,

@@ -118,11 +118,25 @@ TINY_CONFIGS = {
 }
 
 
+# Tensor parallelism's shapes (tests/parallel): heads that split 2 and 3 ways (llama, Gemma 3 with a
+# window), one K/V head copied to every rank (Qwen3), and Qwen2's q/k/v biases cut by head.
+TP_CONFIGS = {
+    "llama_tp_mha": dict(TINY_CONFIGS["llama_gqa_untied"], hidden_size=96, intermediate_size=192,
+                         num_attention_heads=6, num_key_value_heads=6),
+    "qwen3_tp_one_kv": dict(TINY_CONFIGS["qwen3_qk_norm"], hidden_size=96, intermediate_size=192,
+                            num_attention_heads=6, num_key_value_heads=1, head_dim=16),
+    "gemma3_tp_window": dict(TINY_CONFIGS["gemma3_sliding"], hidden_size=96, intermediate_size=192, num_attention_heads=12,
+                             num_key_value_heads=6, head_dim=16),
+    "qwen2_tp_bias": dict(TINY_CONFIGS["qwen2_untied"], hidden_size=96, intermediate_size=192,
+                          num_attention_heads=6, num_key_value_heads=2),
+}  # fmt: skip
+
+
 def build_tiny(name: str, folder, seed: int = 0):
     """Save a random model of config `name` into `folder`; returns the transformers model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(TINY_CONFIGS[name])
+    kw = dict(TINY_CONFIGS[name] if name in TINY_CONFIGS else TP_CONFIGS[name])
     model_type = kw.pop("model_type")
     cfg = AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
