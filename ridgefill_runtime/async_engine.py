@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .config import RowsConfig
 from .engine import Engine, EngineStats
-from .errors import RidgefillError
+from .errors import ParallelError, RidgefillError
 from .sequence import SamplingParams, Sequence, SeqStatus
 
 log = logging.getLogger("ridgefill.engine")
@@ -155,8 +155,16 @@ class EngineObserver:
 
 class AsyncEngine:
     def __init__(
-        self, engine: Engine, max_queued: int, observer: EngineObserver | None = None, stall_after_s: float = 60.0
+        self,
+        engine: Engine,
+        max_queued: int,
+        observer: EngineObserver | None = None,
+        stall_after_s: float = 60.0,
+        on_fatal: Callable[[str], None] = lambda cause: None,
     ):
+        """`on_fatal(cause)`: called on the engine thread when the engine cannot go on (a lost
+        tensor-parallel rank), after every request has had its error; the server ends there."""
+        self.on_fatal = on_fatal
         if not stall_after_s > 0:
             raise ValueError(f"stall_after_s must be positive, got {stall_after_s}")
         self.engine = engine
@@ -293,6 +301,12 @@ class AsyncEngine:
         try:
             self._loop()
             self._close("abort", SHUTTING_DOWN)
+        except ParallelError as e:
+            log.error("%s", e)
+            with self._lock:
+                self._accepting = False
+            self._close("error", str(e))
+            self.on_fatal(str(e))
         except BaseException:  # noqa: BLE001 - the thread must not die silently
             log.exception("the engine thread failed; failing every request in flight")
             with self._lock:
@@ -384,6 +398,8 @@ class AsyncEngine:
         ran = self.engine.counts.steps
         try:
             outputs = self.engine.step()
+        except ParallelError:
+            raise  # NOTE: a lost rank ends the engine (_run); no request alone could step without it
         except Exception:  # noqa: BLE001
             log.exception("engine step failed; retrying its sequences one at a time")
             self._isolate_fault()

@@ -19,3 +19,8 @@ class UnsupportedError(ModelLoadError):
 
 class InputError(RidgefillError):
     """A request that cannot be served as asked (too long, bad sampling parameters)."""
+
+
+class ParallelError(RidgefillError):
+    """A tensor-parallel rank failed to start, died or timed out; the message names the rank (where
+    known) and the cause. The group cannot go on without it: the server ends rather than serve on."""

@@ -111,10 +111,12 @@ def create_app(
     fill: FillSettings,
     build: Callable[[], Engine] | None = None,
     on_load_failure: Callable[[str], None] | None = None,
+    on_engine_lost: Callable[[str], None] = lambda cause: None,
 ) -> FastAPI:
     """`build`: makes the Engine (tests share one model); None loads it from engine_config.
     `on_load_failure(cause)`: called (on the loading thread) when the model cannot load, e.g.
-    to end the process; None keeps serving 503 with the cause on /health."""
+    to end the process; None keeps serving 503 with the cause on /health. `on_engine_lost(cause)`:
+    the engine cannot go on (a tensor-parallel rank died); every request has had its error."""
     state = ServerState(server_config, ServerMetrics())
 
     def load() -> None:
@@ -122,7 +124,7 @@ def create_app(
             from ridgefill_runtime.llm import build_engine
 
             built = build() if build is not None else build_engine(engine_config)
-            async_engine = AsyncEngine(built, server_config.max_queued_requests, state.metrics)
+            async_engine = AsyncEngine(built, server_config.max_queued_requests, state.metrics, on_fatal=on_engine_lost)
             if built.tokenizer is not None:
                 _ = built.tokenizer.longest_piece_bytes  # NOTE: read once here, not on the event loop
         except Exception as e:  # noqa: BLE001 - any failure to load is reported, not raised

@@ -79,7 +79,7 @@ def _serve(sock: socket.socket, engine_cfg, server_cfg, fill) -> int:
     # NOTE: imported only now: torch (through the app) costs seconds; every check above is done.
     import torch
 
-    from ridgefill_runtime.errors import ModelLoadError
+    from ridgefill_runtime.errors import ModelLoadError, ParallelError
 
     from .app import create_app
     from .connections import (
@@ -107,7 +107,13 @@ def _serve(sock: socket.socket, engine_cfg, server_cfg, fill) -> int:
         failure.append(cause)
         server.should_exit = True  # NOTE: read by uvicorn's main loop every 0.1 s
 
-    app = create_app(engine_cfg, server_cfg, fill, on_load_failure=fail)
+    lost: list[str] = []
+
+    def engine_lost(cause: str) -> None:
+        lost.append(cause)
+        server.should_exit = True
+
+    app = create_app(engine_cfg, server_cfg, fill, on_load_failure=fail, on_engine_lost=engine_lost)
     config = uvicorn_config(app, server_cfg, cap, log_level=server_cfg.log_level)  # listens on `sock`
     state = app.state.ridgefill
     server = DrainingServer(config, on_signal=state.begin_shutdown, drained=state.finish_shutdown)
@@ -117,4 +123,6 @@ def _serve(sock: socket.socket, engine_cfg, server_cfg, fill) -> int:
     server.run(sockets=[sock])
     if failure:
         raise ModelLoadError(f"cannot load the model ({engine_cfg.model or 'embedded default'}): {failure[0]}")
+    if lost:
+        raise ParallelError(f"the engine stopped: {lost[0]}")
     return 0

@@ -21,16 +21,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import ParallelConfig
-from ..errors import RidgefillError
+from ..errors import ParallelError
 
 Alive = Callable[[int], "str | None"]  # rank -> None while it runs, else why it ended
 
 # How long a worker waits for rank 0's next step: the server may idle for days.
 STEP_WAIT = timedelta(days=365)
-
-
-class ParallelError(RidgefillError):
-    """A rank failed to start, died or timed out; the message names the rank and the cause."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +38,7 @@ class Rendezvous:
     size: int
     addr: str
     port: int
+    torchrun: bool = False  # torchrun's agent holds the store at addr:port; every rank joins it
 
     @staticmethod
     def from_torchrun() -> Rendezvous | None:
@@ -53,6 +50,7 @@ class Rendezvous:
             int(os.environ["WORLD_SIZE"]),
             os.environ.get("MASTER_ADDR", "127.0.0.1"),
             int(os.environ.get("MASTER_PORT", "29500")),
+            torchrun=True,
         )
 
 
@@ -80,14 +78,8 @@ class TensorGroup:
         backend = backend_for(parallel, device)
         if backend == "nccl" and torch.device(device).type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", at.rank % max(1, torch.cuda.device_count()))))
-        timeout = timedelta(seconds=parallel.timeout_s)
         try:
-            store = dist.TCPStore(at.addr, at.port, at.size, at.rank == 0, timeout, wait_for_workers=False)
-            if at.rank == 0:
-                _wait_for_ranks(store, at.size, parallel.timeout_s, alive)
-            else:
-                store.set(f"ridgefill/joined/{at.rank}", "1")
-            dist.init_process_group(backend, store=store, rank=at.rank, world_size=at.size, timeout=timeout)
+            _join(at, backend, parallel.timeout_s, alive)
         except (RuntimeError, ValueError, OSError) as e:  # DistStoreError is a RuntimeError
             raise ParallelError(
                 f"tensor-parallel rank {at.rank}: could not join the group of {at.size} at {at.addr}:{at.port} "
@@ -119,6 +111,19 @@ class TensorGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _join(at: Rendezvous, backend: str, timeout_s: float, alive: Alive | None) -> None:
+    timeout = timedelta(seconds=timeout_s)
+    if at.torchrun:  # NOTE: its agent holds the store, and its own start-up waited for every rank
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    store = dist.TCPStore(at.addr, at.port, at.size, at.rank == 0, timeout, wait_for_workers=False)
+    if at.rank == 0:
+        _wait_for_ranks(store, at.size, timeout_s, alive)
+    else:
+        store.set(f"ridgefill/joined/{at.rank}", "1")
+    dist.init_process_group(backend, store=store, rank=at.rank, world_size=at.size, timeout=timeout)
 
 
 def _wait_for_ranks(store, size: int, timeout_s: float, alive: Alive | None) -> None:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import torch
 
 from ..config import EngineConfig
-from ..errors import RidgefillError
-from .group import ParallelError, Rendezvous, TensorGroup, free_port
+from ..errors import ParallelError, RidgefillError
+from .group import Rendezvous, TensorGroup, free_port
 from .relay import StepRelay, follow_steps
 
 log = logging.getLogger("ridgefill.parallel")
@@ -105,7 +105,7 @@ def _build_checked(config: EngineConfig, group: TensorGroup, build: Build, child
     """This rank's engine, once every rank has built its own; else ParallelError naming the first rank that failed."""
     engine, error = None, None
     try:
-        relay = StepRelay(group, on_stop=lambda: (_end(children), group.close())) if group.rank == 0 else None
+        relay = StepRelay(group, _watch(children), on_stop=lambda: (_end(children), group.close())) if group.rank == 0 else None
         engine = build(config, group, relay)
     except (RidgefillError, ValueError, OSError, RuntimeError) as e:
         error = f"{type(e).__name__}: {e}" if not isinstance(e, RidgefillError) else str(e)

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UnsupportedError
+from ..errors import ParallelError, UnsupportedError
 
 if TYPE_CHECKING:
-    from .group import TensorGroup
+    from .group import Alive, TensorGroup
 
 Event = tuple[str, str, tuple]  # (owner: "states" | "kv" | "runner", method, args)
 
@@ -28,11 +28,22 @@ Event = tuple[str, str, tuple]  # (owner: "states" | "kv" | "runner", method, ar
 class StepRelay:
     """Rank 0's end: pool hooks and runner calls that the other ranks repeat."""
 
-    def __init__(self, group: TensorGroup, on_stop: Callable[[], None] = lambda: None):
+    def __init__(self, group: TensorGroup, alive: Alive | None = None, on_stop: Callable[[], None] = lambda: None):
+        """`alive`: rank -> None, or how the process started for it ended (ranks this one started)."""
         self.group = group
         self.pending: list[Event] = []
+        self._alive = alive
         self._on_stop = on_stop
-        self.stopped = False
+        self.stopped = self.lost = False
+
+    def lost_rank(self, error: BaseException) -> ParallelError:
+        """What a failed collective means: the group is gone. Names the ranks known to have died."""
+        self.lost = True
+        dead = []
+        if self._alive is not None:
+            dead = [f"rank {r}: {why}" for r in range(1, self.group.size) if (why := self._alive(r)) is not None]
+        cause = "; ".join(dead) if dead else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        return ParallelError(f"tensor-parallel group lost during a step ({cause})")
 
     def hook(self, owner: str, method: str, fn: Callable[..., None]) -> Callable[..., None]:
         """fn, which also queues the call for the other ranks (the cache manager's pool hooks)."""
@@ -56,7 +67,10 @@ class StepRelay:
             return
         self.stopped = True
         try:
-            self.send("stop")
+            if not self.lost:  # NOTE: after a loss the others have gone, or will at their next collective
+                self.send("stop")
+        except RuntimeError:
+            pass  # the same: nobody is left to tell
         finally:
             self._on_stop()
 
@@ -68,8 +82,13 @@ class RelayedRunner:
         self.runner, self.relay = runner, relay
 
     def run(self, items):
-        self.relay.send("step", items)
-        return self.runner.run(items)
+        if self.relay.lost:
+            raise ParallelError("tensor-parallel group lost earlier; the engine cannot run")
+        try:
+            self.relay.send("step", items)
+            return self.runner.run(items)
+        except Exception as e:  # NOTE: whatever ended the step on this rank left the others out of step
+            raise self.relay.lost_rank(e) from e
 
     def forget(self, seq_id: int) -> None:
         self.runner.forget(seq_id)
