@@ -38,11 +38,12 @@ class Rendezvous:
     size: int
     addr: str
     port: int
-    torchrun: bool = False  # torchrun's agent holds the store at addr:port; every rank joins it
+    torchrun: bool = False  # torchrun's agent holds the store at addr:port (else rank 0 makes it)
 
     @staticmethod
     def from_torchrun() -> Rendezvous | None:
-        """torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or None outside it."""
+        """torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, set by torchrun or by
+        hand), or None outside it."""
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return None
         return Rendezvous(
@@ -50,7 +51,7 @@ class Rendezvous:
             int(os.environ["WORLD_SIZE"]),
             os.environ.get("MASTER_ADDR", "127.0.0.1"),
             int(os.environ.get("MASTER_PORT", "29500")),
-            torchrun=True,
+            torchrun=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
 
