@@ -33,11 +33,13 @@ def build_engine(config: EngineConfig) -> Engine:
     """The engine `config` asks for; with parallel.tensor_parallel_size > 1 (or under torchrun) rank
     0's, the other ranks started and following it (parallel/launch.py). Close it with Engine.close()."""
     if wants_parallel(config):
-        return start_parallel_engine(config, build_local_engine)  # type: ignore[return-value]
+        return start_parallel_engine(config, build_local_engine)
     return build_local_engine(config)
 
 
-def build_local_engine(config: EngineConfig, group: TensorGroup | None = None, relay: StepRelay | None = None) -> Engine:
+def build_local_engine(
+    config: EngineConfig, group: TensorGroup | None = None, relay: StepRelay | None = None
+) -> Engine:
     """This process's engine; in a tensor-parallel `group`, over this rank's shard of the model
     (`relay`: rank 0's, which sends each step to the others)."""
     ckpt = load_checkpoint(config.model, packed=_wants_packed(config))

@@ -134,9 +134,11 @@ def _wait_for_ranks(store, size: int, timeout_s: float, alive: Alive | None) -> 
         while not store.check([f"ridgefill/joined/{rank}"]):  # NOTE: it may still be importing torch
             gone = alive(rank) if alive is not None else None
             if gone is not None:
-                raise ParallelError(f"tensor-parallel rank {rank} failed to start: {gone}")
+                raise ParallelError(f"tensor-parallel rank {rank} failed to start: {gone} before joining")
             if time.monotonic() > deadline:
-                raise ParallelError(f"tensor-parallel rank {rank} did not join within {timeout_s:g} s (parallel.timeout_s)")
+                raise ParallelError(
+                    f"tensor-parallel rank {rank} did not join within {timeout_s:g} s (parallel.timeout_s)"
+                )
             time.sleep(0.05)
 
 

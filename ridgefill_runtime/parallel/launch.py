@@ -16,6 +16,8 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing as mp
+from multiprocessing.process import BaseProcess
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -42,7 +44,7 @@ def start_parallel_engine(config: EngineConfig, build: Build):
     torchrun launch: follows rank 0's steps and exits the process when it stops."""
     parallel = config.parallel
     at = Rendezvous.from_torchrun()
-    children: list[mp.Process] = []
+    children: list[BaseProcess] = []
     if at is not None:
         if at.size != parallel.tensor_parallel_size:
             raise ParallelError(
@@ -65,7 +67,7 @@ def start_parallel_engine(config: EngineConfig, build: Build):
     return engine
 
 
-def _start_machine(config: EngineConfig) -> tuple[Rendezvous, list[mp.Process]]:
+def _start_machine(config: EngineConfig) -> tuple[Rendezvous, list[BaseProcess]]:
     """This machine's first rank, after starting its others as processes."""
     p = config.parallel
     if p.nnodes > 1 and p.master_port == 0:
@@ -74,7 +76,7 @@ def _start_machine(config: EngineConfig) -> tuple[Rendezvous, list[mp.Process]]:
     per_node = p.tensor_parallel_size // p.nnodes
     first = p.node_rank * per_node
     ctx = mp.get_context("spawn")  # NOTE: fork would copy this process's threads and torch state
-    children = []
+    children: list[BaseProcess] = []
     for rank in range(first + 1, first + per_node):
         at = Rendezvous(rank, p.tensor_parallel_size, p.master_addr, port)
         child = ctx.Process(
@@ -88,7 +90,7 @@ def _start_machine(config: EngineConfig) -> tuple[Rendezvous, list[mp.Process]]:
     return Rendezvous(first, p.tensor_parallel_size, p.master_addr, port), children
 
 
-def _watch(children: list[mp.Process]):
+def _watch(children: list[BaseProcess]):
     """rank -> None while the process started for it runs, else its exit."""
     by_rank = {int(c.name.rsplit("-", 1)[1]): c for c in children}
 
@@ -96,19 +98,18 @@ def _watch(children: list[mp.Process]):
         child = by_rank.get(rank)
         if child is None or child.is_alive():
             return None
-        return f"its process exited with status {child.exitcode} before joining (its stderr says why)"
+        return f"its process exited with status {child.exitcode}"
 
     return gone
 
 
-def _build_checked(config: EngineConfig, group: TensorGroup, build: Build, children: list[mp.Process]):
+def _build_checked(config: EngineConfig, group: TensorGroup, build: Build, children: list[BaseProcess]):
     """This rank's engine, once every rank has built its own; else ParallelError naming the first rank that failed."""
     engine, error = None, None
     try:
-        relay = StepRelay(group, _watch(children), on_stop=lambda: (_end(children), group.close())) if group.rank == 0 else None
-        engine = build(config, group, relay)
-    except (RidgefillError, ValueError, OSError, RuntimeError) as e:
-        error = f"{type(e).__name__}: {e}" if not isinstance(e, RidgefillError) else str(e)
+        engine = build(config, group, _relay(group, children) if group.rank == 0 else None)
+    except Exception as e:  # noqa: BLE001 - every rank hears of it, and all stop with one line
+        error = str(e) if isinstance(e, RidgefillError) else f"{type(e).__name__}: {e}"
     errors = group.gather_errors(error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
@@ -119,6 +120,16 @@ def _build_checked(config: EngineConfig, group: TensorGroup, build: Build, child
     return engine
 
 
+def _relay(group: TensorGroup, children: list[BaseProcess]) -> StepRelay:
+    """Rank 0's relay; stopping it also waits for the ranks it started and leaves the group."""
+
+    def stopped() -> None:
+        _end(children)
+        group.close()
+
+    return StepRelay(group, _watch(children), on_stop=stopped)
+
+
 def _follow(engine, group: TensorGroup) -> None:
     try:
         follow_steps(engine.runner, engine.caches, group)
@@ -126,7 +137,7 @@ def _follow(engine, group: TensorGroup) -> None:
         group.close()
 
 
-def _end(children: list[mp.Process], wait_s: float = 10.0) -> None:
+def _end(children: list[BaseProcess], wait_s: float = 10.0) -> None:
     """Wait for the machine's other ranks to leave (they have been told to stop), then end any left."""
     for child in children:
         child.join(wait_s)
@@ -142,14 +153,21 @@ def worker_main(config: EngineConfig, at: Rendezvous, threads: int) -> None:
 
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    parent = os.getppid()
     try:
         group = TensorGroup(at, config.parallel, config.device)
         engine = _build_checked(config, group, build_local_engine, [])
+    except ParallelError:
+        sys.exit(1)  # NOTE: the first rank, which started this one, says why in its own one line
+    try:
         _follow(engine, group)
-    except ParallelError as e:
-        print(f"ridgefill: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
     except BaseException as e:  # noqa: BLE001 - one line, whatever it was
-        print(f"ridgefill: tensor-parallel rank {at.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if os.getppid() == parent:
+            sys.exit(1)  # NOTE: the first rank lives: it names the rank it lost in its own one line
+        print(
+            f"ridgefill: tensor-parallel rank {at.rank}: the rank that started it is gone ({type(e).__name__})",
+            file=sys.stderr,
+            flush=True,
+        )
         log.debug("%s", traceback.format_exc())
         sys.exit(1)

@@ -42,7 +42,11 @@ class StepRelay:
         dead = []
         if self._alive is not None:
             dead = [f"rank {r}: {why}" for r in range(1, self.group.size) if (why := self._alive(r)) is not None]
-        cause = "; ".join(dead) if dead else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        cause = (
+            "; ".join(dead)
+            if dead
+            else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
         return ParallelError(f"tensor-parallel group lost during a step ({cause})")
 
     def hook(self, owner: str, method: str, fn: Callable[..., None]) -> Callable[..., None]:

@@ -23,7 +23,16 @@ from tiny_models import build_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 RIDGEFILL = [sys.executable, "-m", "ridgefill_server"]
-GEMMA_PROMPT = ["--model", "gemma3-270m", "--prompt", "The capital of France is", "--max-tokens", "12", "--threads", "1"]
+GEMMA_PROMPT = [
+    "--model",
+    "gemma3-270m",
+    "--prompt",
+    "The capital of France is",
+    "--max-tokens",
+    "12",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,9 @@ def test_shards_put_back_together_are_the_checkpoint(tmp_path, name, size):
 
 def test_sizes_the_heads_cannot_take_are_refused_naming_the_counts(llama):
     cfg = load_hf_folder(llama).config  # 6 heads, 6 K/V heads, MLP 192
-    with pytest.raises(UnsupportedError, match=r"tensor_parallel_size = 4 does not divide the model's 6 attention heads"):
+    with pytest.raises(
+        UnsupportedError, match=r"tensor_parallel_size = 4 does not divide the model's 6 attention heads"
+    ):
         check_divides(cfg, 4)
     with pytest.raises(UnsupportedError, match=r"2 K/V heads can be neither split 3 ways nor copied evenly"):
         check_divides(cfg.replace(num_kv_heads=2, num_heads=6), 3)
@@ -88,7 +99,9 @@ def test_a_rank_that_dies_ends_the_step_naming_it(llama):
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids
         (worker,) = _children()
         os.kill(worker, signal.SIGKILL)
-        with pytest.raises(ParallelError, match=r"group lost during a step \(rank 1: its process exited with status -9"):
+        with pytest.raises(
+            ParallelError, match=r"group lost during a step \(rank 1: its process exited with status -9"
+        ):
             llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0))
     finally:
         llm.close()
@@ -116,7 +129,13 @@ def _children() -> set[int]:
 
 
 def _env(rank: int, size: int, port: int) -> dict[str, str]:
-    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def test_torchrun_on_two_loopback_machines_equals_one_process(gemma3_gguf):
@@ -127,9 +146,22 @@ def test_torchrun_on_two_loopback_machines_equals_one_process(gemma3_gguf):
     rendezvous = ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     machines = [
         subprocess.Popen(
-            [*torchrun, "--node-rank", str(k), *rendezvous, "-m", "ridgefill_server", "generate", *GEMMA_PROMPT,
-             "--tensor-parallel-size", "2"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            [
+                *torchrun,
+                "--node-rank",
+                str(k),
+                *rendezvous,
+                "-m",
+                "ridgefill_server",
+                "generate",
+                *GEMMA_PROMPT,
+                "--tensor-parallel-size",
+                "2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
         )  # fmt: skip
         for k in range(2)
     ]
@@ -149,7 +181,11 @@ def test_a_rank_that_cannot_start_ends_every_rank_with_one_line(gemma3_gguf, tmp
         subprocess.Popen(
             [*RIDGEFILL, "generate", *GEMMA_PROMPT, "--tensor-parallel-size", "2", "--distributed-timeout", "30"]
             + (["--model", str(empty)] if rank == 1 else []),
-            env=_env(rank, 2, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env=_env(rank, 2, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
         )  # fmt: skip
         for rank in range(2)
     ]
@@ -168,4 +204,6 @@ def test_a_rank_that_never_joins_ends_the_start_after_the_timeout_naming_it():
         env=_env(0, 2, port), capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert alone.returncode == 1
-    assert alone.stderr.strip() == "ridgefill: error: tensor-parallel rank 1 did not join within 3 s (parallel.timeout_s)"
+    assert (
+        alone.stderr.strip() == "ridgefill: error: tensor-parallel rank 1 did not join within 3 s (parallel.timeout_s)"
+    )
