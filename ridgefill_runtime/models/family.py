@@ -84,6 +84,10 @@ class ModelFamily:
     gguf: GGUFFormat | None = None
     # its model class takes a GGUF's quantized linear weights packed (GroupedInts; ops/packed_linear)
     packed_weights: bool = False
+    # tensor parallelism: how each weight is cut, by the end of its name -> a rule of
+    # parallel/shard.py ("q_heads", "o_columns", ...); names matching none stay whole on every
+    # rank. None: the family is not sharded (its model adds no partial sums across ranks).
+    shards: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -19,6 +19,7 @@ from ..ops.rms_norm import rms_norm
 from . import decoder_config
 from .dense import DenseLM
 from .family import GGUFFormat, MetadataLookup, ModelFamily
+from .weights import DENSE_SHARDS
 
 # Gemma 3 names its local layers "sliding_attention"; every sixth layer is global unless
 # config.json lists the kinds (llama.cpp keeps only the pattern: its converter drops the list).
@@ -198,6 +199,7 @@ GEMMA3 = ModelFamily(
     weight_names=weight_names,
     config_class=SlidingWindow,
     packed_weights=True,
+    shards=DENSE_SHARDS,
     qk_norm=True,
     gguf=GGUFFormat(
         architecture="gemma3",

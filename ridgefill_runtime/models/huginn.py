@@ -17,7 +17,7 @@ from ..errors import ModelLoadError, UnsupportedError
 from .family import ModelFamily
 from .looped import LoopedLM
 from .looped_config import LoopedConfig
-from .looped_weights import BLOCK_PARTS, block_prefix
+from .looped_weights import BLOCK_PARTS, LOOPED_SHARDS, block_prefix
 
 
 def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str) -> ModelConfig:
@@ -92,4 +92,5 @@ HUGINN_RAVEN = ModelFamily(
     parse_hf_config=config_from_hf,
     weight_names=huginn_weight_names,
     config_class=LoopedConfig,
+    shards=LOOPED_SHARDS,
 )

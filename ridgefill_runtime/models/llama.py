@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import decoder_config
 from .dense import DenseLM
 from .family import GGUFFormat, ModelFamily
+from .weights import DENSE_SHARDS
 
 LLAMA = ModelFamily(
     name="llama",
@@ -12,6 +13,7 @@ LLAMA = ModelFamily(
     parse_hf_config=decoder_config.config_from_hf,
     weight_names=decoder_config.weight_names,
     packed_weights=True,
+    shards=DENSE_SHARDS,
     gguf=GGUFFormat(
         architecture="llama",
         parse_config=decoder_config.config_from_gguf,

@@ -24,11 +24,16 @@ from ..layers.loop_attention import LoopAttention, LoopRead, default_reads
 from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable
 from ..ops.rms_norm import rms_norm as _rms_norm_op
+from .fill_hooks import unsharded
 from .forward import ForwardBatch, ForwardOutput
 from .looped_weights import LoopedWeights, SandwichWeights, build_looped_weights
 
 
 class LoopedLM:
+    # A tensor-parallel rank's proj and mlp.proj products are partial sums over its heads and MLP
+    # columns; parallel/ sets this to the group's in-place all-reduce.
+    sum_shards = staticmethod(unsharded)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -130,8 +135,9 @@ class LoopedLM:
         if w.q_bias is not None:
             q, k = q + w.q_bias, k + w.k_bias
         q, k = rotate_pairs(q, *rope), rotate_pairs(k, *rope)
-        x = rms_norm(F.linear(attend(q, k, v), w.proj) + x, w.norm_2, eps)
-        return rms_norm(swiglu_mlp(rms_norm(x, w.norm_3, eps), w.gate_up, w.down) + x, w.norm_4, eps)
+        x = rms_norm(self.sum_shards(F.linear(attend(q, k, v), w.proj)) + x, w.norm_2, eps)
+        mlp = self.sum_shards(swiglu_mlp(rms_norm(x, w.norm_3, eps), w.gate_up, w.down))
+        return rms_norm(mlp + x, w.norm_4, eps)
 
     def rope(self, positions: torch.Tensor):
         """cos, sin [N, 1, D/2] float32 (float64 for a float64 model: the reference tests)."""

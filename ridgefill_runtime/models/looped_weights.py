@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -18,6 +19,20 @@ BLOCK_PARTS = (
     "mlp.proj.weight",
     "norm_3.weight",
     "norm_4.weight",
+)
+
+
+# Tensor parallelism (parallel/shard.py): the fused Wqkv by head, fc's gate and up halves by MLP
+# column, proj (attention) and mlp.proj by input, summed over the ranks (LoopedLM.sum_shards).
+# The adapter, norms, embedding and head: whole.
+LOOPED_SHARDS = MappingProxyType(
+    {
+        "attn.Wqkv.weight": "qkv_heads",
+        "attn.qk_bias": "qk_bias_heads",
+        "attn.proj.weight": "q_columns",
+        "mlp.fc.weight": "gate_up_rows",
+        "mlp.proj.weight": "mlp_columns",
+    }
 )
 
 

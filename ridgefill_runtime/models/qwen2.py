@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from . import decoder_config
 from .dense import DenseLM
 from .family import GGUFFormat, ModelFamily
+from .weights import DENSE_SHARDS
 
 
 def config_from_hf(family: ModelFamily, raw: dict, generation: dict, where: str) -> ModelConfig:
@@ -27,6 +28,7 @@ QWEN2 = ModelFamily(
     parse_hf_config=config_from_hf,
     weight_names=decoder_config.weight_names,
     packed_weights=True,
+    shards=DENSE_SHARDS,
     gguf=GGUFFormat(
         architecture="qwen2",
         parse_config=decoder_config.config_from_gguf,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import decoder_config
 from .dense import DenseLM
 from .family import GGUFFormat, ModelFamily
+from .weights import DENSE_SHARDS
 
 QWEN3 = ModelFamily(
     name="qwen3",
@@ -12,6 +13,7 @@ QWEN3 = ModelFamily(
     parse_hf_config=decoder_config.config_from_hf,
     weight_names=decoder_config.weight_names,
     packed_weights=True,
+    shards=DENSE_SHARDS,
     qk_norm=True,
     gguf=GGUFFormat(
         architecture="qwen3",

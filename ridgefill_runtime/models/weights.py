@@ -7,6 +7,7 @@ without changing a value; norms and biases are always dense in the run dtype."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -16,6 +17,24 @@ from ..ops.grouped_ints import GroupedInts, concat_rows, dequantize_groups
 from ..ops.packed_linear import PackedWeight, pack
 
 Weight = torch.Tensor | PackedWeight  # a linear layer's weight
+
+# Tensor parallelism (parallel/shard.py): Megatron's cut of the Llama-named layer weights. q/k/v
+# (and their biases) by head, gate/up by MLP column; o and down by input, their products summed
+# over the ranks (DenseLM.sum_shards). Norms, embedding and head: whole.
+DENSE_SHARDS = MappingProxyType(
+    {
+        "self_attn.q_proj.weight": "q_heads",
+        "self_attn.q_proj.bias": "q_heads",
+        "self_attn.k_proj.weight": "kv_heads",
+        "self_attn.k_proj.bias": "kv_heads",
+        "self_attn.v_proj.weight": "kv_heads",
+        "self_attn.v_proj.bias": "kv_heads",
+        "mlp.gate_proj.weight": "mlp_rows",
+        "mlp.up_proj.weight": "mlp_rows",
+        "self_attn.o_proj.weight": "q_columns",
+        "mlp.down_proj.weight": "mlp_columns",
+    }
+)
 
 
 @dataclass

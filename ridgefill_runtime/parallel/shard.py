@@ -1,4 +1,6 @@
-"""One rank's shard of a dense checkpoint (Megatron-style tensor parallelism), by Hugging Face name.
+"""One rank's shard of a checkpoint (Megatron-style tensor parallelism), each weight cut by the rule
+its family declares for its name (ModelFamily.shards; models/weights.py DENSE_SHARDS for the Llama
+names).
 
 Column-parallel (each rank keeps some output rows): q, k, v (and their biases) by head, gate and
 up by MLP column. Row-parallel (each rank keeps the matching input columns): o and down; their
@@ -26,16 +28,8 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UnsupportedError
-from ..ops.grouped_ints import GroupedInts
-
-# The families whose model is models/dense.py's DenseLM (with a family's overrides): their layers
-# name their weights as Llama does. Hybrid, MoE and looped families are not sharded yet.
-SHARDABLE = ("llama", "qwen2", "qwen3", "gemma3_text")
-
-_Q, _K, _V = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
-_COLUMNS_BY_HEAD = {_Q: "q", _K: "kv", _V: "kv"}  # projection -> whose heads its rows are
-_MLP_COLUMNS = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-_ROW_PARALLEL = {"self_attn.o_proj.weight": "q", "mlp.down_proj.weight": "mlp"}  # cut along the input
+from ..models.registry import family, supported
+from ..ops.grouped_ints import GroupedInts, concat_rows
 
 
 @dataclass(frozen=True)
@@ -62,10 +56,10 @@ class HeadPlan:
 def check_divides(config: ModelConfig, size: int) -> None:
     """Refuse, naming the setting and the counts, a size the model's heads cannot be split by."""
     where = f"parallel.tensor_parallel_size = {size}"
-    if config.architecture not in SHARDABLE:
+    if family(config.architecture).shards is None:
+        sharded = [name for name in supported() if family(name).shards is not None]
         raise UnsupportedError(
-            f"{where}: tensor parallelism is built for the dense families ({', '.join(SHARDABLE)}), "
-            f"not yet for {config.architecture!r}"
+            f"{where}: tensor parallelism is built for {', '.join(sharded)}, not yet for {config.architecture!r}"
         )
     h, hkv, inter = config.num_heads, config.num_kv_heads, config.intermediate_size
     if h % size:
@@ -105,27 +99,49 @@ def shard_config(config: ModelConfig, plan: HeadPlan) -> ModelConfig:
 def shard_checkpoint(
     config: ModelConfig, tensors: dict[str, torch.Tensor], shard: Shard
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(the shard's config, its tensors by the same names). Views where a cut allows: a rank's
-    tensors stay slices of the loader's until the model builds its fused copies."""
+    """(the shard's config, its tensors by the same names), each cut by its family's rule
+    (ModelFamily.shards). Views where a cut allows: a rank's tensors stay slices of the loader's
+    until the model builds its fused copies."""
     plan = head_plan(config, shard)
-    hd = config.head_dim
+    rules = family(config.architecture).shards or {}
+    cuts = _cuts(config, plan)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        part = name.split(".")
-        layer_part = ".".join(part[3:]) if name.startswith("model.layers.") else ""
-        proj = ".".join(part[3:5]) if layer_part else ""
-        if proj in _COLUMNS_BY_HEAD and part[-1] in ("weight", "bias"):
-            lo, hi = plan.q_heads if _COLUMNS_BY_HEAD[proj] == "q" else plan.kv_heads
-            out[name] = _rows(t, lo * hd, hi * hd, name)
-        elif layer_part in _MLP_COLUMNS:
-            out[name] = _rows(t, *plan.mlp, name)
-        elif layer_part in _ROW_PARALLEL:
-            lo, hi = plan.q_heads if _ROW_PARALLEL[layer_part] == "q" else plan.mlp
-            unit = hd if _ROW_PARALLEL[layer_part] == "q" else 1
-            out[name] = _columns(t, lo * unit, hi * unit, name)
-        else:
-            out[name] = t  # norms, embedding, LM head: whole on every rank
+        rule = next((r for end, r in rules.items() if name.endswith("." + end)), None)
+        out[name] = t if rule is None else cuts[rule](t, name)  # NOTE: no rule: whole on every rank
     return shard_config(config, plan), out
+
+
+def _cuts(config: ModelConfig, plan: HeadPlan) -> dict:
+    """Rule -> (tensor, name) -> this rank's part. Row ranges are of the output (dim 0), column
+    ranges of the input (dim 1); fused rules take each part's range and join them."""
+    hd, hq, hkv, inter = config.head_dim, config.num_heads, config.num_kv_heads, config.intermediate_size
+    q = (plan.q_heads[0] * hd, plan.q_heads[1] * hd)
+    kv = (plan.kv_heads[0] * hd, plan.kv_heads[1] * hd)
+    mlp = plan.mlp
+
+    def fused(t, name, parts):  # parts: (offset of the part, its range)
+        return _join([_rows(t, off + lo, off + hi, name) for off, (lo, hi) in parts])
+
+    return {
+        "q_heads": lambda t, name: _rows(t, *q, name),
+        "kv_heads": lambda t, name: _rows(t, *kv, name),
+        "mlp_rows": lambda t, name: _rows(t, *mlp, name),
+        "q_columns": lambda t, name: _columns(t, *q, name),
+        "mlp_columns": lambda t, name: _columns(t, *mlp, name),
+        # [q; k; v] rows in one tensor (Huginn's Wqkv)
+        "qkv_heads": lambda t, name: fused(t, name, [(0, q), (hq * hd, kv), ((hq + hkv) * hd, kv)]),
+        # [gate; up] rows in one tensor (Huginn's fc)
+        "gate_up_rows": lambda t, name: fused(t, name, [(0, mlp), (inter, mlp)]),
+        # a [2, 1, H, D] query and key bias by head (Huginn's qk_bias; its models have as many K/V heads)
+        "qk_bias_heads": lambda t, name: t[:, :, plan.q_heads[0] : plan.q_heads[1]],
+    }
+
+
+def _join(parts):
+    if isinstance(parts[0], GroupedInts):
+        return concat_rows(parts)
+    return torch.cat(parts)
 
 
 def _rows(t, lo: int, hi: int, name: str):

@@ -14,6 +14,7 @@ from ridgefill_runtime.config import (
     CacheConfig,
     EngineConfig,
     FillConfig,
+    LoopConfig,
     ParallelConfig,
     RowsConfig,
     SpeculativeConfig,
@@ -252,3 +253,36 @@ def test_gemma3_fill_with_selected_rows_at_two_ranks_equals_one(gemma3_gguf):
     assert len(one["late_kv"]) == 2  # Gemma 3 270M's global layers above the split: 11 and 17
     for (k1, v1), (kn, vn) in zip(one["late_kv"], many["late_kv"]):
         assert torch.allclose(k1, kn, atol=1e-4) and torch.allclose(v1, vn, atol=1e-4)
+
+
+# -- looped models ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_looped_model_with_self_speculation_at_several_ranks_equals_one(tmp_path, tp):
+    """A tiny Huginn-layout model (6 heads, MLP 48): the prelude, core and coda blocks sharded alike;
+    the RIPE cache and the model's own drafts (looped.block = 4) on every rank. NOTE: float64: in
+    float32 this random model's loops amplify rounding until one rank with 1 or 2 threads differs
+    by 0.014 in log p over 40 tokens (and either from float64 by 0.16); TP = 2 fell in that noise
+    (0.028), which would hide a wrong shard no better than a 1e-4 bound fails a right one."""
+    from looped_reference import TINY_HUGINN, write_tiny_huginn
+
+    write_tiny_huginn(tmp_path, dict(TINY_HUGINN, n_embd=48, n_heads=6, num_key_value_heads=6))
+    torch.manual_seed(4)
+    ids = torch.randint(3, 61, (40,)).tolist()
+
+    def looped(llm: LLM) -> dict:
+        scored = llm.score(ids)
+        tokens = [c.token_ids for c in llm.generate([ids[:9], ids[:17]], SamplingParams(max_tokens=12, temperature=0))]
+        return {
+            "logprobs": torch.tensor(scored["target_logprobs"]),
+            "tokens": tokens,
+            "accepted": llm.engine.stats().spec_accepted_tokens_total,
+        }
+
+    loops = LoopConfig(draft_loops=2, window=16)  # the tiny model runs 4 loops
+    one = run(engine_config(tmp_path, 1, looped=loops, dtype="float64"), looped)
+    many = run(engine_config(tmp_path, tp, looped=loops, dtype="float64"), looped)
+    assert (one["logprobs"] - many["logprobs"]).abs().max() < BOUND
+    assert one["tokens"] == many["tokens"]
+    assert one["accepted"] > 0 and one["accepted"] == many["accepted"]
