@@ -171,8 +171,8 @@ def main() -> None:
         f"{replicated / (args.ranks - 1) / 2**20:.1f} MiB each |"
     )
 
-    ids = real_text_ids(args.model, args.prompt)
     arms = {1: build(args, 1), args.ranks: build(args, args.ranks)}
+    ids = real_text_ids(arms[1][0].tokenizer, args.prompt)
     found: dict[int, list[dict]] = {r: [] for r in arms}
     for round_ in range(args.rounds):
         for ranks in sorted(arms, reverse=bool(round_ % 2)):  # NOTE: turns, each round in the other order
