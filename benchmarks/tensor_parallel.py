@@ -159,6 +159,7 @@ def main() -> None:
     print(
         f"# tensor parallelism: model {args.model or 'embedded SmolLM2-135M'}, device {args.device}, {args.threads} threads in all"
     )
+    print(f"# load before the run (/proc/loadavg): {Path('/proc/loadavg').read_text().strip()}")
     print("\n## weights per rank (MiB)\n")
     print("| ranks | per rank | of one rank's | whole on every rank (norms, embedding, head) |")
     print("|---|---|---|---|")
