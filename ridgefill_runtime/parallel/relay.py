@@ -14,6 +14,7 @@ only rank 0's results leave the engine.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from ..errors import ParallelError, UnsupportedError
 if TYPE_CHECKING:
     from .group import Alive, TensorGroup
 
+DEATH_GRACE_S = 3.0  # how long a failed step waits to learn which rank's process ended
 Event = tuple[str, str, tuple]  # (owner: "states" | "kv" | "runner", method, args)
 
 
@@ -39,15 +41,26 @@ class StepRelay:
     def lost_rank(self, error: BaseException) -> ParallelError:
         """What a failed collective means: the group is gone. Names the ranks known to have died."""
         self.lost = True
-        dead = []
-        if self._alive is not None:
-            dead = [f"rank {r}: {why}" for r in range(1, self.group.size) if (why := self._alive(r)) is not None]
+        dead = self._dead_ranks()
         cause = (
             "; ".join(dead)
             if dead
             else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         )
         return ParallelError(f"tensor-parallel group lost during a step ({cause})")
+
+    def _dead_ranks(self) -> list[str]:
+        """The started ranks whose process has ended. NOTE: a collective fails as soon as the peer's
+        socket closes, often before its exit status can be read; wait that short moment, so the
+        error names the rank rather than the socket."""
+        if self._alive is None:
+            return []
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while True:
+            dead = [f"rank {r}: {why}" for r in range(1, self.group.size) if (why := self._alive(r)) is not None]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
 
     def hook(self, owner: str, method: str, fn: Callable[..., None]) -> Callable[..., None]:
         """fn, which also queues the call for the other ranks (the cache manager's pool hooks)."""
