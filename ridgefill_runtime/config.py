@@ -42,6 +42,16 @@ class FamilyConfig:
         (EngineConfig.looped) or the request says."""
         return False
 
+    def shard_counts(self) -> dict[str, int]:
+        """The family's own things tensor parallelism splits evenly across ranks, by name (a
+        hybrid's Gated DeltaNet heads, its experts' MLP widths); rank r of n keeps the r-th n-th
+        of each (parallel/shard.py). The heads and MLP width every family has are not listed."""
+        return {}
+
+    def sharded(self, size: int) -> FamilyConfig:
+        """These settings as one rank of `size` sees them: each of shard_counts divided by size."""
+        return self
+
 
 @dataclass(frozen=True)
 class ModelConfig:

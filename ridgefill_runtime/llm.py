@@ -17,7 +17,7 @@ from .models.registry import family
 from .parallel.group import TensorGroup
 from .parallel.launch import start_parallel_engine, wants_parallel
 from .parallel.relay import StepRelay
-from .parallel.shard import Shard, shard_checkpoint
+from .parallel.shard import Shard, head_plan, shard_checkpoint
 from .sequence import SamplingParams
 
 
@@ -50,8 +50,9 @@ def build_local_engine(
         )
     # The checkpoint's family (models/registry.py) says which model class runs it.
     model_config, tensors = ckpt.config, ckpt.tensors
-    if group is not None:
-        model_config, tensors = shard_checkpoint(model_config, tensors, Shard(group.rank, group.size))
+    shard = None if group is None else Shard(group.rank, group.size)
+    if shard is not None:
+        model_config, tensors = shard_checkpoint(model_config, tensors, shard)
     with naming_the_file(ckpt.source):
         model = family(ckpt.config.architecture).build_model(
             model_config, tensors, dtype=_DTYPES[config.dtype], device=config.device
@@ -61,7 +62,10 @@ def build_local_engine(
     model.identity = ckpt.identity
     tensors.clear()
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
-    return Engine(model, ckpt.tokenizer, config, load_fill_maps(config, model), relay=relay)
+    maps = load_fill_maps(config, model)
+    if maps is not None and shard is not None and maps.terminal:
+        maps.keep_value_heads(*head_plan(ckpt.config, shard).family["value_heads"])
+    return Engine(model, ckpt.tokenizer, config, maps, relay=relay)
 
 
 def _wants_packed(config: EngineConfig) -> bool:

@@ -168,6 +168,12 @@ class FillMaps:
             self._prefetched[nxt] = (nw, event)
         return w
 
+    def keep_value_heads(self, lo: int, hi: int) -> None:
+        """A tensor-parallel rank's maps: ΔM of its own value heads lo..hi only, as its Gated
+        DeltaNet states hold (parallel/shard.py). The maps proper predict whole hidden rows,
+        which every rank needs, and stay whole."""
+        self.terminal = {layer: t[lo:hi].contiguous() for layer, t in self.terminal.items()}
+
     def terminal_shift(self, layer: int) -> torch.Tensor:
         """ΔM [Hv, Dk, Dv] float32 of late recurrent layer `layer`."""
         return self.terminal[layer]

@@ -34,7 +34,7 @@ from .hybrid_weights import AttentionWeights, HybridWeights, build_hybrid_weight
 class HybridLM:
     # NOTE: the gated attention hands out no K/V: the rescale projects the measuring rows' input
     rescale_from_layer_kv = False
-    sum_shards = staticmethod(unsharded)  # NOTE: not sharded yet (parallel/shard.py SHARDABLE)
+    sum_shards = staticmethod(unsharded)  # a tensor-parallel rank's: its group's all-reduce (llm.py)
 
     def __init__(
         self,
@@ -117,8 +117,10 @@ class HybridLM:
         w, cfg = self.weights.layers[i], self.config
         x = zero_centred_rms_norm(h, w.post_norm, cfg.rms_norm_eps)
         if isinstance(w.mlp, MoEWeights):
-            return h + sparse_moe(x, w.mlp, cfg.family_config.moe.top_k, cfg.family_config.moe.norm_topk_prob)
-        return h + swiglu_mlp(x, w.mlp.gate_up, w.mlp.down)
+            return h + self.sum_shards(
+                sparse_moe(x, w.mlp, cfg.family_config.moe.top_k, cfg.family_config.moe.norm_topk_prob)
+            )
+        return h + self.sum_shards(swiglu_mlp(x, w.mlp.gate_up, w.mlp.down))
 
     def kv_only(self, layer: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
         """What a filled row writes at an attention layer: layer input [F, d] -> k, v [F, Hkv, D]
@@ -149,6 +151,7 @@ class HybridLM:
             )
             if rows is not None:
                 mixed, h = mixed[rows], h[rows]
+            mixed = self.sum_shards(mixed)  # NOTE: after picking the rows: less to send
         else:
             mixed = self.attention(i, x, rope, batch, kv_pool_of(caches), rows, on_q)
             if rows is not None:
@@ -180,7 +183,7 @@ class HybridLM:
                 filled=late.share_filled,
                 history=states.histories.get(i) if late.batch.verifies is not None else None,
             )
-            h_exact = (x_in if exact is None else x_in[exact]) + mixed
+            h_exact = (x_in if exact is None else x_in[exact]) + self.sum_shards(mixed)
         elif exact is not None and exact.numel() == 0:
             return h if rows is None else h[rows]  # every row of the step is filled: nothing attends
         else:
@@ -217,7 +220,7 @@ class HybridLM:
             gate = gate[rows]
         if on_q is not None:
             on_q(layer, q)
-        return F.linear(attn * torch.sigmoid(gate), w.o)
+        return self.sum_shards(F.linear(attn * torch.sigmoid(gate), w.o))
 
     def _rotate(self, x: torch.Tensor, rope) -> torch.Tensor:
         """RoPE on the first rotary_dim dims of each head [N, heads, D]; the rest pass through."""

@@ -8,6 +8,7 @@ under `text_config`; only its text path is served.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import FamilyConfig, ModelConfig
@@ -82,6 +83,25 @@ class HybridConfig(FamilyConfig):
 
     def is_linear(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
+
+    def shard_counts(self) -> dict[str, int]:
+        """Tensor parallelism splits the GDN heads (value heads go with their key head: value head
+        j reads key head j // (Hv / Hk), so a rank keeping key heads a..b keeps value heads
+        a·r..b·r, r = Hv / Hk) and each expert's MLP width (within experts: see parallel/shard.py)."""
+        counts = {"key_heads": self.key_heads, "value_heads": self.value_heads}
+        if self.moe is not None:
+            counts.update(expert_mlp=self.moe.expert_intermediate_size, shared_mlp=self.moe.shared_intermediate_size)
+        return counts
+
+    def sharded(self, size: int) -> HybridConfig:
+        moe = self.moe and dataclasses.replace(
+            self.moe,
+            expert_intermediate_size=self.moe.expert_intermediate_size // size,
+            shared_intermediate_size=self.moe.shared_intermediate_size // size,
+        )
+        return dataclasses.replace(
+            self, key_heads=self.key_heads // size, value_heads=self.value_heads // size, moe=moe
+        )
 
     @property
     def conv_channels(self) -> int:

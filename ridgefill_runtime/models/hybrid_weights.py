@@ -9,6 +9,7 @@ kept as float32 (1 + w) where the family's RMSNorm is zero-centred.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -17,6 +18,38 @@ from .hybrid_config import HybridConfig
 from ..layers.gated_deltanet import GDNWeights
 from ..layers.moe import MoEWeights
 from .weights import _Fetcher
+
+
+# Tensor parallelism (parallel/shard.py): the rule cutting each weight, by the end of its name (`*`:
+# an expert's index). Column-parallel by head or MLP column; out_proj, o_proj and down by input,
+# summed over the ranks (HybridLM.sum_shards). Norms, router, shared-expert gate, embedding, head: whole.
+HYBRID_SHARDS = MappingProxyType(
+    {
+        "self_attn.q_proj.weight": "q_gate_heads",
+        "self_attn.k_proj.weight": "kv_heads",
+        "self_attn.v_proj.weight": "kv_heads",
+        "self_attn.o_proj.weight": "q_columns",
+        "linear_attn.in_proj_qkv.weight": "gdn_channels",  # Qwen3.5
+        "linear_attn.in_proj_z.weight": "value_rows",
+        "linear_attn.in_proj_b.weight": "value_entries",
+        "linear_attn.in_proj_a.weight": "value_entries",
+        "linear_attn.in_proj_qkvz.weight": "key_groups",  # Qwen3-Next
+        "linear_attn.in_proj_ba.weight": "key_groups_ba",
+        "linear_attn.conv1d.weight": "gdn_channels",
+        "linear_attn.A_log": "value_entries",
+        "linear_attn.dt_bias": "value_entries",
+        "linear_attn.out_proj.weight": "value_columns",
+        "mlp.gate_proj.weight": "mlp_rows",
+        "mlp.up_proj.weight": "mlp_rows",
+        "mlp.down_proj.weight": "mlp_columns",
+        "mlp.experts.*.gate_proj.weight": "expert_mlp_rows",
+        "mlp.experts.*.up_proj.weight": "expert_mlp_rows",
+        "mlp.experts.*.down_proj.weight": "expert_mlp_columns",
+        "mlp.shared_expert.gate_proj.weight": "shared_mlp_rows",
+        "mlp.shared_expert.up_proj.weight": "shared_mlp_rows",
+        "mlp.shared_expert.down_proj.weight": "shared_mlp_columns",
+    }
+)
 
 
 @dataclass

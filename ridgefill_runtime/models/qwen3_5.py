@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import hybrid_config
 from .family import ModelFamily
 from .hybrid import HybridLM
-from .hybrid_weights import hybrid_weight_names
+from .hybrid_weights import HYBRID_SHARDS, hybrid_weight_names
 
 QWEN3_5_TEXT = ModelFamily(
     name="qwen3_5_text",
@@ -15,6 +15,7 @@ QWEN3_5_TEXT = ModelFamily(
     weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False),
     config_class=hybrid_config.HybridConfig,
     qk_norm=True,
+    shards=HYBRID_SHARDS,
 )
 QWEN3_5 = ModelFamily(
     name="qwen3_5",
@@ -23,4 +24,5 @@ QWEN3_5 = ModelFamily(
     weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=False),
     config_class=hybrid_config.HybridConfig,
     qk_norm=True,
+    shards=HYBRID_SHARDS,
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from . import hybrid_config
 from .family import ModelFamily
 from .hybrid import HybridLM
-from .hybrid_weights import hybrid_weight_names
+from .hybrid_weights import HYBRID_SHARDS, hybrid_weight_names
 
 QWEN3_NEXT = ModelFamily(
     name="qwen3_next",
@@ -15,4 +15,5 @@ QWEN3_NEXT = ModelFamily(
     weight_names=lambda cfg: hybrid_weight_names(cfg, fused_gdn=True),
     config_class=hybrid_config.HybridConfig,
     qk_norm=True,
+    shards=HYBRID_SHARDS,
 )

@@ -16,13 +16,26 @@ whose GQA group its K/V heads serve, so each rank's attention is the whole model
 The shard's ModelConfig says the shard's own head and MLP counts: the model, its cache spec and
 the K/V pool built from it hold that rank's part and nothing else, on every rank alike.
 
+The Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next) add their own counts (FamilyConfig.shard_counts):
+a GDN layer is split by key head, each with the value heads that read it, so its conv channels,
+gates, decays and recurrent state are the rank's own and only out_proj's product is summed; the
+gated attention's q_proj keeps each head's query and gate rows together. MoE experts are split
+within each expert (every rank holds every expert's r-th slice of its MLP width, the router whole):
+each rank's share of every step is then exactly 1/n of the expert work whatever the routing, and
+the sum rides on the one all-reduce the MLP needs anyway. Expert parallelism (whole experts per
+rank) balances only on average, so a step would wait on the rank its tokens happened to pick; it
+pays at large batches and many ranks, which this CPU cannot show.
+
 A packed (GGUF) weight is cut without changing a value: rows whole, columns at group edges; a
 column cut that would split a quantization group is refused rather than re-quantized.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -51,6 +64,7 @@ class HeadPlan:
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     mlp: tuple[int, int]
+    family: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # FamilyConfig.shard_counts' ranges
 
 
 def check_divides(config: ModelConfig, size: int) -> None:
@@ -71,6 +85,9 @@ def check_divides(config: ModelConfig, size: int) -> None:
         )
     if inter % size:
         raise UnsupportedError(f"{where} does not divide the model's MLP width {inter}")
+    for name, count in config.family_config.shard_counts().items():
+        if count % size:
+            raise UnsupportedError(f"{where} does not divide the model's {count} {name.replace('_', ' ')}")
 
 
 def head_plan(config: ModelConfig, shard: Shard) -> HeadPlan:
@@ -84,15 +101,17 @@ def head_plan(config: ModelConfig, shard: Shard) -> HeadPlan:
         kv_head = r // (n // config.num_kv_heads)  # NOTE: ranks n / Hkv apart share one copied head
         kv = (kv_head, kv_head + 1)
     inter = config.intermediate_size // n
-    return HeadPlan(q_heads=(r * hq, (r + 1) * hq), kv_heads=kv, mlp=(r * inter, (r + 1) * inter))
+    own = {name: (r * c // n, (r + 1) * c // n) for name, c in config.family_config.shard_counts().items()}
+    return HeadPlan(q_heads=(r * hq, (r + 1) * hq), kv_heads=kv, mlp=(r * inter, (r + 1) * inter), family=own)
 
 
-def shard_config(config: ModelConfig, plan: HeadPlan) -> ModelConfig:
+def shard_config(config: ModelConfig, plan: HeadPlan, size: int) -> ModelConfig:
     """The model as one rank sees it: its heads and MLP columns only."""
     return config.replace(
         num_heads=plan.q_heads[1] - plan.q_heads[0],
         num_kv_heads=plan.kv_heads[1] - plan.kv_heads[0],
         intermediate_size=plan.mlp[1] - plan.mlp[0],
+        family_config=config.family_config.sharded(size),
     )
 
 
@@ -103,13 +122,23 @@ def shard_checkpoint(
     (ModelFamily.shards). Views where a cut allows: a rank's tensors stay slices of the loader's
     until the model builds its fused copies."""
     plan = head_plan(config, shard)
-    rules = family(config.architecture).shards or {}
+    rules = _rules(config.architecture)
     cuts = _cuts(config, plan)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        rule = next((r for end, r in rules.items() if name.endswith("." + end)), None)
+        rule = next((r for end, r in rules if end.search(name)), None)
         out[name] = t if rule is None else cuts[rule](t, name)  # NOTE: no rule: whole on every rank
-    return shard_config(config, plan), out
+    return shard_config(config, plan, shard.size), out
+
+
+@lru_cache
+def _rules(architecture: str) -> tuple[tuple[re.Pattern, str], ...]:
+    """The family's rules as (a pattern matching the end of a tensor name, the rule); a `*` in a
+    rule's name stands for one index (the expert's in "mlp.experts.*.gate_proj.weight")."""
+    rules = family(architecture).shards or {}
+    return tuple(
+        (re.compile(r"(?:^|\.)" + re.escape(end).replace(r"\*", r"\d+") + "$"), rule) for end, rule in rules.items()
+    )
 
 
 def _cuts(config: ModelConfig, plan: HeadPlan) -> dict:
@@ -124,6 +153,7 @@ def _cuts(config: ModelConfig, plan: HeadPlan) -> dict:
         return _join([_rows(t, off + lo, off + hi, name) for off, (lo, hi) in parts])
 
     return {
+        **_hybrid_cuts(config, plan),
         "q_heads": lambda t, name: _rows(t, *q, name),
         "kv_heads": lambda t, name: _rows(t, *kv, name),
         "mlp_rows": lambda t, name: _rows(t, *mlp, name),
@@ -136,6 +166,34 @@ def _cuts(config: ModelConfig, plan: HeadPlan) -> dict:
         # a [2, 1, H, D] query and key bias by head (Huginn's qk_bias; its models have as many K/V heads)
         "qk_bias_heads": lambda t, name: t[:, :, plan.q_heads[0] : plan.q_heads[1]],
     }
+
+
+def _hybrid_cuts(config: ModelConfig, plan: HeadPlan) -> dict:
+    """The Gated DeltaNet hybrids' own rules (models/hybrid_weights.py HYBRID_SHARDS names them)."""
+    if "key_heads" not in plan.family:
+        return {}
+    hy, hd = config.family_config, config.head_dim
+    (k0, k1), (v0, v1) = plan.family["key_heads"], plan.family["value_heads"]
+    dk, dv, per_key = hy.key_head_dim, hy.value_head_dim, hy.value_heads // hy.key_heads
+    qk, v = (k0 * dk, k1 * dk), (v0 * dv, v1 * dv)
+    conv = [(0, qk), (hy.key_heads * dk, qk), (2 * hy.key_heads * dk, v)]  # [q | k | v] channels
+    group = 2 * dk + 2 * per_key * dv  # Qwen3-Next's in_proj_qkvz rows per key head: [q | k | v | z]
+    cuts = {
+        # q_proj: per head its query rows then its gate rows
+        "q_gate_heads": lambda t, name: _rows(t, 2 * plan.q_heads[0] * hd, 2 * plan.q_heads[1] * hd, name),
+        "gdn_channels": lambda t, name: _join([_rows(t, off + lo, off + hi, name) for off, (lo, hi) in conv]),
+        "value_rows": lambda t, name: _rows(t, *v, name),
+        "value_entries": lambda t, name: _rows(t, v0, v1, name),  # one row (or entry) per value head
+        "value_columns": lambda t, name: _columns(t, *v, name),
+        "key_groups": lambda t, name: _rows(t, k0 * group, k1 * group, name),
+        "key_groups_ba": lambda t, name: _rows(t, k0 * 2 * per_key, k1 * 2 * per_key, name),  # [b_g | a_g]
+    }
+    for part in ("expert_mlp", "shared_mlp"):
+        if part in plan.family:
+            lo, hi = plan.family[part]
+            cuts[part + "_rows"] = lambda t, name, lo=lo, hi=hi: _rows(t, lo, hi, name)
+            cuts[part + "_columns"] = lambda t, name, lo=lo, hi=hi: _columns(t, lo, hi, name)
+    return cuts
 
 
 def _join(parts):

@@ -188,6 +188,23 @@ HYBRID_CONFIGS = {
 }
 
 
+# Shapes for tensor parallelism (tests/parallel): the Qwen3.5 one splits its 2 K/V heads at TP 2; the
+# Qwen3-Next one has one K/V head (copied to every rank) and 6 key / 12 value GDN heads, MLP 96,
+# experts 24 and shared expert 36 wide, so TP 2 and TP 3 both divide it.
+HYBRID_TP_CONFIGS = {
+    "qwen3_5_tp": HYBRID_CONFIGS["qwen3_5_text"],
+    "qwen3_next_tp": dict(
+        HYBRID_CONFIGS["qwen3_next_moe"],
+        num_attention_heads=6,
+        num_key_value_heads=1,
+        linear_num_key_heads=6,
+        linear_num_value_heads=12,
+        linear_value_head_dim=8,
+        shared_expert_intermediate_size=36,
+    ),
+}
+
+
 def build_tiny_hybrid(name: str, folder, seed: int = 0):
     """Save a random hybrid of config `name` into `folder`; returns the transformers model.
 
@@ -195,7 +212,7 @@ def build_tiny_hybrid(name: str, folder, seed: int = 0):
     the part carried across chunks, matters) and A_log / dt_bias a spread of decays."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(HYBRID_CONFIGS[name])
+    kw = dict(HYBRID_CONFIGS.get(name) or HYBRID_TP_CONFIGS[name])
     cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

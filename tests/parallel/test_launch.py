@@ -19,7 +19,7 @@ from ridgefill_runtime.loader.hf import load_hf_folder
 from ridgefill_runtime.parallel.group import free_port
 from ridgefill_runtime.parallel.shard import Shard, check_divides, head_plan, shard_checkpoint
 from ridgefill_runtime.sequence import SamplingParams
-from tiny_models import build_tiny
+from tiny_models import build_tiny, build_tiny_hybrid
 
 ROOT = Path(__file__).resolve().parents[2]
 RIDGEFILL = [sys.executable, "-m", "ridgefill_server"]
@@ -78,8 +78,24 @@ def test_sizes_the_heads_cannot_take_are_refused_naming_the_counts(llama):
         check_divides(cfg, 4)
     with pytest.raises(UnsupportedError, match=r"2 K/V heads can be neither split 3 ways nor copied evenly"):
         check_divides(cfg.replace(num_kv_heads=2, num_heads=6), 3)
-    with pytest.raises(UnsupportedError, match=r"not yet for 'qwen3_next'"):
-        check_divides(cfg.replace(architecture="qwen3_next"), 2)
+    # a family that declares no shard rules (every registered one does): refused by name
+    import dataclasses
+
+    from ridgefill_runtime.models import registry
+
+    registry.register(dataclasses.replace(registry.family("llama"), name="unsharded_llama", gguf=None, shards=None))
+    try:
+        with pytest.raises(UnsupportedError, match=r"not yet for 'unsharded_llama'"):
+            check_divides(cfg.replace(architecture="unsharded_llama"), 2)
+    finally:
+        registry.unregister("unsharded_llama")
+
+
+def test_a_hybrid_size_its_gated_deltanet_heads_cannot_take_is_refused(tmp_path):
+    build_tiny_hybrid("qwen3_5_tp", tmp_path)
+    cfg = load_hf_folder(tmp_path).config  # 4 heads, 2 K/V heads (copied at 4), MLP 96, GDN 2 key / 4 value heads
+    with pytest.raises(UnsupportedError, match=r"tensor_parallel_size = 4 does not divide the model's 2 key heads"):
+        check_divides(cfg, 4)
 
 
 def test_a_refused_size_ends_the_start_with_one_line_and_no_process_left(llama):

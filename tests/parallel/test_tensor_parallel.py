@@ -24,7 +24,7 @@ from ridgefill_runtime.layers.attention import kv_slots
 from ridgefill_runtime.llm import LLM
 from ridgefill_runtime.loader.hf import load_hf_folder
 from ridgefill_runtime.sequence import SamplingParams
-from tiny_models import build_tiny
+from tiny_models import HYBRID_TP_CONFIGS, build_tiny, build_tiny_hybrid
 
 BOUND = 1e-4
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
@@ -63,6 +63,16 @@ def assert_same(one: dict, many: dict) -> None:
     assert one["sampled"] == many["sampled"]
 
 
+def word_tokenizer(folder, vocab: int) -> None:
+    """A word-level tokenizer.json whose token i is the word "w{i}"."""
+    import tokenizers
+
+    words = {f"w{i}": i for i in range(vocab)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="w0"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.save(str(folder / "tokenizer.json"))
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     made = {}
@@ -70,7 +80,11 @@ def folders(tmp_path_factory):
     def folder(name: str):
         if name not in made:
             made[name] = tmp_path_factory.mktemp(name)
-            build_tiny(name, made[name])
+            if name in HYBRID_TP_CONFIGS:
+                build_tiny_hybrid(name, made[name])
+                word_tokenizer(made[name], 320)  # NOTE: the fill's row selectors read its token table
+            else:
+                build_tiny(name, made[name])
         return made[name]
 
     return folder
@@ -92,6 +106,9 @@ def prompt() -> list[int]:
         ("gemma3_tp_window", 2),  # sliding-window layers and a global one
         ("gemma3_tp_window", 3),
         ("qwen2_tp_bias", 2),  # q/k/v biases cut by head
+        ("qwen3_5_tp", 2),  # Gated DeltaNet by key head with its value heads; gated attention's K/V split
+        ("qwen3_next_tp", 2),  # fused GDN projections, MoE within experts, one K/V head copied
+        ("qwen3_next_tp", 3),
     ],
 )
 def test_tensor_parallel_equals_one_rank(folders, prompt, name, tp):
@@ -134,7 +151,8 @@ def filled(llm: LLM, ids: list[int], split: int = SPLIT) -> dict:
     positions = torch.arange(seq.fill.boundary)
     slots = kv_slots(torch.tensor(table), positions, engine.caches.block_size)
     # NOTE: global layers only: a sliding-window layer's pages of old positions have been given back
-    late_global = [layer for layer in range(split, engine.model.config.num_layers) if not engine.model.window(layer)]
+    model = engine.model
+    late_global = [l for l in range(split, model.config.num_layers) if model.keeps_kv(l) and not model.window(l)]
     late = [engine.kv.read(layer, slots) for layer in late_global]
     return {
         "boundary": seq.fill.boundary,
@@ -166,6 +184,43 @@ def test_fill_at_two_ranks_equals_one(folders):
     assert heads == one["kv_heads"] // 2
     for (k1, v1), (kn, vn) in zip(one["late_kv"], many["late_kv"]):
         assert torch.allclose(k1[:, :heads], kn, atol=1e-5) and torch.allclose(v1[:, :heads], vn, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_tp", "qwen3_next_tp"])
+def test_hybrid_fill_with_rows_and_the_terminal_correction_at_two_ranks_equals_one(folders, name):
+    """The two-sweep prefill on a hybrid: filled rows carry each rank's GDN heads from x̂, the
+    attention selector's mass is summed over the ranks' heads, and at the prefix's end each rank
+    adds ρ·ΔM of its own value heads (ρ from its heads' gates)."""
+    from ridgefill_runtime.fill.maps import add_terminal_shift
+
+    folder = folders(name)
+    hy = load_hf_folder(folder).config.family_config
+    path = random_maps(folder)
+    gen = torch.Generator().manual_seed(6)
+    late_gdn = [l for l in range(SPLIT, len(hy.layer_types)) if hy.is_linear(l)]
+    shift = (hy.value_heads, hy.key_head_dim, hy.value_head_dim)
+    add_terminal_shift(path, {l: 0.5 * torch.randn(shift, generator=gen) for l in late_gdn}, every=64, states=1)
+    rows = RowsConfig(selectors=("attention",), attention_layers=(3,), attention_share=0.1, window=8)
+    cache = CacheConfig(num_blocks=96, block_size=16, prefix_caching="off")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 300, (120,)).tolist()
+
+    def fill(terminal: bool) -> FillConfig:
+        return FillConfig(arm="ridgefill", split=SPLIT, tail=TAIL, maps=path, rows=rows, terminal_state=terminal)
+
+    one = run(engine_config(folder, 1, fill=fill(True), cache=cache), lambda llm: filled(llm, ids))
+    many = run(engine_config(folder, 2, fill=fill(True), cache=cache), lambda llm: filled(llm, ids))
+    plain = run(engine_config(folder, 1, fill=fill(False), cache=cache), lambda llm: filled(llm, ids))
+    assert late_gdn and (one["logprobs"] - plain["logprobs"]).abs().max() > 1e-2  # the correction acts
+    assert one["boundary"] == many["boundary"] == len(ids) - TAIL
+    assert len(one["exact_rows"]) > 3 and one["exact_rows"] == many["exact_rows"]
+    assert torch.allclose(one["scores"]["attention"], many["scores"]["attention"], rtol=1e-4, atol=1e-6)
+    assert (one["logprobs"] - many["logprobs"]).abs().max() < BOUND
+    assert one["tokens"] == many["tokens"]
+    heads, kv_heads = many["kv_heads"], one["kv_heads"]
+    for (k1, v1), (kn, vn) in zip(one["late_kv"], many["late_kv"], strict=True):
+        first = slice(0, heads) if kv_heads > 1 else slice(None)  # rank 0's heads (one head: copied)
+        assert torch.allclose(k1[:, first], kn, atol=1e-5) and torch.allclose(v1[:, first], vn, atol=1e-5)
 
 
 # -- the prefix cache and n-gram speculation -------------------------------------------------------
