@@ -254,6 +254,32 @@ def test_prefix_cache_and_ngram_speculation_at_two_ranks_give_one_ranks_tokens(f
     assert one["tokens"] == many["tokens"]
 
 
+def test_ngram_speculation_on_a_hybrid_at_two_ranks_gives_one_ranks_tokens(folders, prompt):
+    """Drafts verified row by row over each rank's GDN heads; a rejected draft rolls every rank's
+    states back to the same row (the rollback reaches the other ranks as relayed pool events)."""
+    folder = folders("qwen3_next_tp")
+
+    def spoken(llm: LLM) -> dict:
+        # NOTE: a random model rarely repeats itself; its own greedy run, replayed after the prompt
+        # again, gives drafts it partly accepts (7 of the 20 tokens follow the first run)
+        p = prompt[:30]
+        g = llm.generate([p], SamplingParams(max_tokens=40, temperature=0))[0].token_ids
+        tokens = [c.token_ids for c in llm.generate([p + g + p + g[:20]], SamplingParams(max_tokens=20, temperature=0))]
+        stats = llm.engine.stats()
+        return {
+            "tokens": (g, tokens),
+            "accepted": stats.spec_accepted_tokens_total,
+            "drafted": stats.spec_draft_tokens_total,
+        }
+
+    kw = dict(speculative=SpeculativeConfig(method="ngram", num_tokens=4))
+    one = run(engine_config(folder, 1, **kw), spoken)
+    many = run(engine_config(folder, 2, **kw), spoken)
+    assert 0 < one["accepted"] < one["drafted"]  # some drafts accepted, some rolled back
+    assert (one["accepted"], one["drafted"]) == (many["accepted"], many["drafted"])
+    assert one["tokens"] == many["tokens"]
+
+
 # -- real models -------------------------------------------------------------------------------------
 
 TEXT = "/usr/share/common-licenses/GPL-3"
