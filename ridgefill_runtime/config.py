@@ -79,6 +79,9 @@ class ModelConfig:
     attention_scale: float | None = None  # q·k multiplier; None: head_dim ** -0.5
     # the family's own settings (its ModelFamily.config_class): Gated DeltaNet layers, loops, local layers...
     family_config: FamilyConfig = field(default_factory=FamilyConfig)
+    # the rows of the embedding and LM head this model holds, lo..hi: a tensor-parallel rank's part
+    # (parallel/shard.py; its logits are still over all vocab_size tokens); None: every row
+    vocab_rows: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -93,6 +96,10 @@ class ModelConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.vocab_rows is not None:
+            lo, hi = self.vocab_rows
+            if not 0 <= lo < hi <= self.vocab_size:
+                raise ModelLoadError(f"model config: vocab_rows {self.vocab_rows} outside 0..{self.vocab_size}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"model config: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
@@ -104,6 +111,11 @@ class ModelConfig:
                 f"model config: family_config must be a FamilyConfig, got {type(self.family_config).__name__}"
             )
         self.family_config.check(self)
+
+    @property
+    def held_vocab(self) -> int:
+        """Rows of the embedding and LM head this model holds (vocab_rows)."""
+        return self.vocab_size if self.vocab_rows is None else self.vocab_rows[1] - self.vocab_rows[0]
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -17,7 +18,7 @@ from .models.registry import family
 from .parallel.group import TensorGroup
 from .parallel.launch import start_parallel_engine, wants_parallel
 from .parallel.relay import StepRelay
-from .parallel.shard import Shard, head_plan, shard_checkpoint
+from .parallel.shard import Shard, head_plan, shard_checkpoint, vocab_rows
 from .sequence import SamplingParams
 
 
@@ -57,8 +58,10 @@ def build_local_engine(
         model = family(ckpt.config.architecture).build_model(
             model_config, tensors, dtype=_DTYPES[config.dtype], device=config.device
         )
-    if group is not None:
+    if shard is not None:
         model.sum_shards = group.sum_shards
+        widths = [hi - lo for lo, hi in vocab_rows(ckpt.config.vocab_size, shard)]
+        model.gather_vocab = partial(group.gather_columns, widths=widths)
     model.identity = ckpt.identity
     tensors.clear()
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory

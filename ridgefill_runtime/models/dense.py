@@ -15,7 +15,8 @@ from ..config import ModelConfig
 from ..layers.attention import AttentionBatch, paged_attention, paged_attention_rows
 from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable, apply_rotary
-from ..ops.packed_linear import linear, weight_rows, weight_slice
+from ..layers.vocab import embed_tokens, vocab_logits
+from ..ops.packed_linear import linear, weight_slice
 from ..ops.rms_norm import rms_norm
 from .fill_hooks import LateRows, unsharded
 from .forward import ForwardBatch, ForwardOutput
@@ -29,6 +30,7 @@ class DenseLM:
     # sums over its heads and MLP columns; parallel/ sets this to the group's in-place all-reduce.
     # Alone, each is whole already.
     sum_shards = staticmethod(unsharded)
+    gather_vocab = staticmethod(unsharded)  # a rank's logits [R, V_rank] -> every rank's [R, V]
 
     def __init__(
         self,
@@ -52,7 +54,7 @@ class DenseLM:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [N] -> hidden [N, d]."""
-        return weight_rows(self.weights.embed, input_ids, self.dtype)
+        return embed_tokens(self.weights.embed, input_ids, self.dtype, self.config.vocab_rows, self.sum_shards)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """cos, sin for rows at `positions` [N]; computed once per forward, used by every layer.
@@ -146,7 +148,7 @@ class DenseLM:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden rows [R, d] -> float32 logits [R, V]."""
         x = rms_norm(h, self.weights.final_norm, self.config.rms_norm_eps)
-        return linear(x, self.weights.lm_head).float()
+        return vocab_logits(x, self.weights.lm_head, self.gather_vocab).float()
 
     # -- the whole model --------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from ..config import FamilyConfig, ModelConfig
 from ..errors import ModelLoadError, UnsupportedError
 from ..layers.mlp import geglu_mlp
 from ..layers.rotary import RotaryTable
-from ..ops.packed_linear import linear, weight_rows
+from ..layers.vocab import embed_tokens
+from ..ops.packed_linear import linear
 from ..ops.rms_norm import rms_norm
 from . import decoder_config
 from .dense import DenseLM
@@ -173,7 +174,8 @@ class Gemma3LM(DenseLM):
         self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype).item()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return weight_rows(self.weights.embed, input_ids, self.dtype) * self.embed_scale  # [N, d]
+        table = self.weights.embed
+        return embed_tokens(table, input_ids, self.dtype, self.config.vocab_rows, self.sum_shards) * self.embed_scale
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(cos, sin) of the global base, then of the local base: each [N, 1, D/2]."""

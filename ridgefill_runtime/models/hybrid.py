@@ -25,6 +25,7 @@ from ..layers.gated_deltanet import gdn_mixer, state_shapes
 from ..layers.mlp import swiglu_mlp
 from ..layers.moe import MoEWeights, sparse_moe
 from ..layers.rotary import RotaryTable, apply_rotary
+from ..layers.vocab import embed_tokens, vocab_logits
 from ..layers.zero_centred_norm import zero_centred_rms_norm
 from .fill_hooks import LateRows, unsharded
 from .forward import ForwardBatch, ForwardOutput
@@ -35,6 +36,7 @@ class HybridLM:
     # NOTE: the gated attention hands out no K/V: the rescale projects the measuring rows' input
     rescale_from_layer_kv = False
     sum_shards = staticmethod(unsharded)  # a tensor-parallel rank's: its group's all-reduce (llm.py)
+    gather_vocab = staticmethod(unsharded)  # a rank's logits [R, V_rank] -> every rank's [R, V]
 
     def __init__(
         self,
@@ -93,7 +95,7 @@ class HybridLM:
     # -- pieces (the two-sweep prefill and the map fit run some of them on their own) ------------
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.weights.embed[input_ids]  # [N, d]
+        return embed_tokens(self.weights.embed, input_ids, self.dtype, self.config.vocab_rows, self.sum_shards)
 
     def rope(self, positions: torch.Tensor):
         """cos, sin [N, 1, rotary_dim/2] for rows at `positions` [N]."""
@@ -102,7 +104,7 @@ class HybridLM:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden rows [R, d] -> float32 logits [R, V]."""
         x = zero_centred_rms_norm(h, self.weights.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.weights.lm_head).float()
+        return vocab_logits(x, self.weights.lm_head, self.gather_vocab).float()
 
     def keeps_kv(self, layer: int) -> bool:
         """Attention layers keep paged K/V; Gated DeltaNet layers a recurrent state."""

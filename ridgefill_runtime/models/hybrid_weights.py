@@ -22,7 +22,8 @@ from .weights import _Fetcher
 
 # Tensor parallelism (parallel/shard.py): the rule cutting each weight, by the end of its name (`*`:
 # an expert's index). Column-parallel by head or MLP column; out_proj, o_proj and down by input,
-# summed over the ranks (HybridLM.sum_shards). Norms, router, shared-expert gate, embedding, head: whole.
+# summed over the ranks (HybridLM.sum_shards); embedding and head by token (layers/vocab.py). Norms,
+# router, shared-expert gate: whole.
 HYBRID_SHARDS = MappingProxyType(
     {
         "self_attn.q_proj.weight": "q_gate_heads",
@@ -48,6 +49,8 @@ HYBRID_SHARDS = MappingProxyType(
         "mlp.shared_expert.gate_proj.weight": "shared_mlp_rows",
         "mlp.shared_expert.up_proj.weight": "shared_mlp_rows",
         "mlp.shared_expert.down_proj.weight": "shared_mlp_columns",
+        "embed_tokens.weight": "vocab_rows",
+        "lm_head.weight": "vocab_rows",
     }
 )
 
@@ -110,8 +113,8 @@ def build_hybrid_weights(cfg: ModelConfig, tensors: dict, dtype: torch.dtype, de
                 mlp,
             )
         )
-    embed = f.get(root + "embed_tokens.weight", (cfg.vocab_size, d))
-    lm_head = embed if cfg.tie_word_embeddings else f.get("lm_head.weight", (cfg.vocab_size, d))
+    embed = f.get(root + "embed_tokens.weight", (cfg.held_vocab, d))
+    lm_head = embed if cfg.tie_word_embeddings else f.get("lm_head.weight", (cfg.held_vocab, d))
     return HybridWeights(embed, layers, zero_centred(root + "norm.weight", d), lm_head)
 
 

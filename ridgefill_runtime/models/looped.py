@@ -23,6 +23,7 @@ from ..layers.attention import AttentionBatch, paged_attention
 from ..layers.loop_attention import LoopAttention, LoopRead, default_reads
 from ..layers.mlp import swiglu_mlp
 from ..layers.rotary import RotaryTable
+from ..layers.vocab import embed_tokens, vocab_logits
 from ..ops.rms_norm import rms_norm as _rms_norm_op
 from .fill_hooks import unsharded
 from .forward import ForwardBatch, ForwardOutput
@@ -33,6 +34,7 @@ class LoopedLM:
     # A tensor-parallel rank's proj and mlp.proj products are partial sums over its heads and MLP
     # columns; parallel/ sets this to the group's in-place all-reduce.
     sum_shards = staticmethod(unsharded)
+    gather_vocab = staticmethod(unsharded)  # a rank's logits [R, V_rank] -> every rank's [R, V]
 
     def __init__(
         self,
@@ -79,7 +81,8 @@ class LoopedLM:
         storage: LoopPlanesCache = caches.spec.layers[self.core[0]]
         reads = reads or default_reads(storage, batch.num_seqs)
         rope = self.rope(positions)
-        h = self.weights.embed[input_ids] * self.config.family_config.embed_scale  # [N, d]
+        h = embed_tokens(self.weights.embed, input_ids, self.dtype, self.config.vocab_rows, self.sum_shards)
+        h = h * self.config.family_config.embed_scale  # [N, d]
         for layer in self.prelude:
             h = self.block(layer, h, rope, self._paged(layer, batch, caches))
         s = self.loop(
@@ -90,7 +93,7 @@ class LoopedLM:
             h = self.block(layer, h, rope, self._paged(layer, batch, caches))
         if logit_rows is not None:
             h = h[logit_rows]
-        logits = F.linear(self.norm(h), self.weights.lm_head)
+        logits = vocab_logits(self.norm(h), self.weights.lm_head, self.gather_vocab)
         return logits if logits.dtype == torch.float64 else logits.float()  # NOTE: float64 stays (reference tests)
 
     # -- pieces --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ BLOCK_PARTS = (
 
 # Tensor parallelism (parallel/shard.py): the fused Wqkv by head, fc's gate and up halves by MLP
 # column, proj (attention) and mlp.proj by input, summed over the ranks (LoopedLM.sum_shards).
-# The adapter, norms, embedding and head: whole.
+# The embedding and head by token (layers/vocab.py); the adapter and norms: whole.
 LOOPED_SHARDS = MappingProxyType(
     {
         "attn.Wqkv.weight": "qkv_heads",
@@ -32,6 +32,8 @@ LOOPED_SHARDS = MappingProxyType(
         "attn.proj.weight": "q_columns",
         "mlp.fc.weight": "gate_up_rows",
         "mlp.proj.weight": "mlp_columns",
+        "transformer.wte.weight": "vocab_rows",
+        "lm_head.weight": "vocab_rows",
     }
 )
 
@@ -98,8 +100,8 @@ def build_looped_weights(
                 norm_4=f.get(p + "norm_4.weight", (d,)),
             )
         )
-    embed = f.get("transformer.wte.weight", (cfg.vocab_size, d))
-    lm_head = embed if cfg.tie_word_embeddings else f.get("lm_head.weight", (cfg.vocab_size, d))
+    embed = f.get("transformer.wte.weight", (cfg.held_vocab, d))
+    lm_head = embed if cfg.tie_word_embeddings else f.get("lm_head.weight", (cfg.held_vocab, d))
     return LoopedWeights(
         embed=embed,
         blocks=blocks,

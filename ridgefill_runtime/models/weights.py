@@ -20,7 +20,7 @@ Weight = torch.Tensor | PackedWeight  # a linear layer's weight
 
 # Tensor parallelism (parallel/shard.py): Megatron's cut of the Llama-named layer weights. q/k/v
 # (and their biases) by head, gate/up by MLP column; o and down by input, their products summed
-# over the ranks (DenseLM.sum_shards). Norms, embedding and head: whole.
+# over the ranks (DenseLM.sum_shards). Embedding and head by token (layers/vocab.py). Norms: whole.
 DENSE_SHARDS = MappingProxyType(
     {
         "self_attn.q_proj.weight": "q_heads",
@@ -33,6 +33,8 @@ DENSE_SHARDS = MappingProxyType(
         "mlp.up_proj.weight": "mlp_rows",
         "self_attn.o_proj.weight": "q_columns",
         "mlp.down_proj.weight": "mlp_columns",
+        "embed_tokens.weight": "vocab_rows",
+        "lm_head.weight": "vocab_rows",
     }
 )
 
@@ -128,8 +130,8 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: tor
     # NOTE: a tied table is packed (it is the head, read whole every step); an untied one only
     # serves lookups, so it is dense and the head alone is packed.
     if cfg.tie_word_embeddings:
-        embed = lm_head = f.linear(["model.embed_tokens.weight"], [(cfg.vocab_size, d)])
+        embed = lm_head = f.linear(["model.embed_tokens.weight"], [(cfg.held_vocab, d)])
     else:
-        embed = f.get("model.embed_tokens.weight", (cfg.vocab_size, d))
-        lm_head = f.linear(["lm_head.weight"], [(cfg.vocab_size, d)])
+        embed = f.get("model.embed_tokens.weight", (cfg.held_vocab, d))
+        lm_head = f.linear(["lm_head.weight"], [(cfg.held_vocab, d)])
     return DenseWeights(embed=embed, layers=layers, final_norm=f.get("model.norm.weight", (d,)), lm_head=lm_head)

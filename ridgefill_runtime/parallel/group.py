@@ -93,6 +93,15 @@ class TensorGroup:
         dist.all_reduce(x)
         return x
 
+    def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """Every rank's x [R, widths[rank]] joined along the columns, [R, Σ widths], on every rank
+        (a vocab-parallel head's logits). NOTE: padded to the widest part, as an all-gather moves
+        equal parts."""
+        wide = max(widths)
+        parts = [x.new_empty(x.shape[0], wide) for _ in widths]
+        dist.all_gather(parts, torch.nn.functional.pad(x, (0, wide - x.shape[1])))
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+
     def send_step(self, message) -> None:
         """Rank 0: one step's message to every other rank."""
         dist.broadcast_object_list([message], src=0, group=self.steps)

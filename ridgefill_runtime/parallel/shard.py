@@ -4,9 +4,10 @@ names).
 
 Column-parallel (each rank keeps some output rows): q, k, v (and their biases) by head, gate and
 up by MLP column. Row-parallel (each rank keeps the matching input columns): o and down; their
-products are partial sums the model adds across ranks (DenseLM.sum_shards). Norms, the embedding
-and the LM head stay whole on every rank (replicated; benchmarks/tensor_parallel.py measures what
-that costs in memory).
+products are partial sums the model adds across ranks (DenseLM.sum_shards). Vocab-parallel: the
+embedding and LM head by token, rank r keeping rows r·V/n .. (r+1)·V/n (layers/vocab.py: the
+lookups all-reduced, the logits all-gathered); benchmarks/tensor_parallel_parts.py measured it
+against keeping them whole. Norms stay whole on every rank.
 
 K/V heads: with at least as many K/V heads as ranks each rank keeps its own; with fewer, each K/V
 head is copied to the ranks whose query heads read it (vLLM's rule), so rank r keeps K/V head
@@ -64,6 +65,7 @@ class HeadPlan:
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     mlp: tuple[int, int]
+    vocab: tuple[int, int]
     family: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # FamilyConfig.shard_counts' ranges
 
 
@@ -102,7 +104,19 @@ def head_plan(config: ModelConfig, shard: Shard) -> HeadPlan:
         kv = (kv_head, kv_head + 1)
     inter = config.intermediate_size // n
     own = {name: (r * c // n, (r + 1) * c // n) for name, c in config.family_config.shard_counts().items()}
-    return HeadPlan(q_heads=(r * hq, (r + 1) * hq), kv_heads=kv, mlp=(r * inter, (r + 1) * inter), family=own)
+    return HeadPlan(
+        q_heads=(r * hq, (r + 1) * hq),
+        kv_heads=kv,
+        mlp=(r * inter, (r + 1) * inter),
+        vocab=vocab_rows(config.vocab_size, shard)[r],
+        family=own,
+    )
+
+
+def vocab_rows(vocab: int, shard: Shard) -> list[tuple[int, int]]:
+    """Every rank's rows of the vocabulary, in rank order (sizes differ by one at most)."""
+    n = shard.size
+    return [(r * vocab // n, (r + 1) * vocab // n) for r in range(n)]
 
 
 def shard_config(config: ModelConfig, plan: HeadPlan, size: int) -> ModelConfig:
@@ -112,6 +126,7 @@ def shard_config(config: ModelConfig, plan: HeadPlan, size: int) -> ModelConfig:
         num_kv_heads=plan.kv_heads[1] - plan.kv_heads[0],
         intermediate_size=plan.mlp[1] - plan.mlp[0],
         family_config=config.family_config.sharded(size),
+        vocab_rows=plan.vocab,
     )
 
 
@@ -154,6 +169,7 @@ def _cuts(config: ModelConfig, plan: HeadPlan) -> dict:
 
     return {
         **_hybrid_cuts(config, plan),
+        "vocab_rows": lambda t, name: _rows(t, *plan.vocab, name),
         "q_heads": lambda t, name: _rows(t, *q, name),
         "kv_heads": lambda t, name: _rows(t, *kv, name),
         "mlp_rows": lambda t, name: _rows(t, *mlp, name),

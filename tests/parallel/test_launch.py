@@ -63,6 +63,8 @@ def test_shards_put_back_together_are_the_checkpoint(tmp_path, name, size):
     for r, (shard_cfg, _) in enumerate(shards):
         assert shard_cfg.num_heads * size == cfg.num_heads
         assert shard_cfg.intermediate_size * size == cfg.intermediate_size
+        v = cfg.vocab_size  # vocab-parallel: the embedding and head rows by token, the logits still over all
+        assert shard_cfg.vocab_rows == (r * v // size, (r + 1) * v // size) and shard_cfg.vocab_size == v
         plan = head_plan(cfg, Shard(r, size))
         group = cfg.num_heads // cfg.num_kv_heads  # query heads per K/V head in the whole model
         # every query head of the rank reads a K/V head the rank holds
