@@ -18,7 +18,7 @@ from .models.registry import family
 from .parallel.group import TensorGroup
 from .parallel.launch import start_parallel_engine, wants_parallel
 from .parallel.relay import StepRelay
-from .parallel.shard import Shard, head_plan, shard_checkpoint, vocab_rows
+from .parallel.shard import Shard, even_rows, head_plan, shard_checkpoint
 from .sequence import SamplingParams
 
 
@@ -60,15 +60,23 @@ def build_local_engine(
         )
     if shard is not None:
         model.sum_shards = group.sum_shards
-        widths = [hi - lo for lo, hi in vocab_rows(ckpt.config.vocab_size, shard)]
+        widths = [hi - lo for lo, hi in even_rows(ckpt.config.vocab_size, shard)]
         model.gather_vocab = partial(group.gather_columns, widths=widths)
     model.identity = ckpt.identity
     tensors.clear()
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
     maps = load_fill_maps(config, model)
-    if maps is not None and shard is not None and maps.terminal:
-        maps.keep_value_heads(*head_plan(ckpt.config, shard).family["value_heads"])
+    if maps is not None and shard is not None:
+        _shard_maps(maps, ckpt.config, shard, group)
     return Engine(model, ckpt.tokenizer, config, maps, relay=relay)
+
+
+def _shard_maps(maps: FillMaps, config, shard: Shard, group: TensorGroup) -> None:
+    """A rank's part of the fill's maps: its columns of each x̂ (all-gathered), its value heads' ΔM."""
+    parts = even_rows(config.hidden_size, shard)
+    maps.keep_outputs(*parts[shard.rank], partial(group.gather_columns, widths=[hi - lo for lo, hi in parts]))
+    if maps.terminal:
+        maps.keep_value_heads(*head_plan(config, shard).family["value_heads"])
 
 
 def _wants_packed(config: EngineConfig) -> bool:

@@ -10,6 +10,7 @@ Gated DeltaNet layer (fill/terminal_state.py), fitted with these maps (metadata
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,7 @@ class FillMaps:
         if placement == "resident":
             self._resident = {l: self._materialize(l) for l in self.layers}
         self._prefetched: dict[int, tuple[tuple[torch.Tensor, torch.Tensor], object]] = {}
+        self._gather: Callable[[torch.Tensor], torch.Tensor] = lambda x: x  # keep_outputs: a rank's all-gather
 
     def _materialize(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         q, s, b = self._host[layer]
@@ -169,10 +171,21 @@ class FillMaps:
         return w
 
     def keep_value_heads(self, lo: int, hi: int) -> None:
-        """A tensor-parallel rank's maps: ΔM of its own value heads lo..hi only, as its Gated
-        DeltaNet states hold (parallel/shard.py). The maps proper predict whole hidden rows,
-        which every rank needs, and stay whole."""
+        """A tensor-parallel rank's ΔM: its own value heads lo..hi only, as its Gated DeltaNet
+        states hold (parallel/shard.py)."""
         self.terminal = {layer: t[lo:hi].contiguous() for layer, t in self.terminal.items()}
+
+    def keep_outputs(self, lo: int, hi: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A tensor-parallel rank's maps: output columns lo..hi of every x̂ (rows of A and b; the
+        int8 scales are per row, so the cut changes no value); `gather` joins the ranks' columns
+        into the whole x̂ every rank needs (benchmarks/tensor_parallel_parts.py measured this
+        against whole maps on every rank)."""
+        self._host = {
+            l: (q[lo:hi].contiguous(), s[lo:hi].contiguous(), b[lo:hi]) for l, (q, s, b) in self._host.items()
+        }
+        if self.placement == "resident":
+            self._resident = {l: self._materialize(l) for l in self.layers}
+        self._gather = gather
 
     def terminal_shift(self, layer: int) -> torch.Tensor:
         """ΔM [Hv, Dk, Dv] float32 of late recurrent layer `layer`."""
@@ -181,4 +194,4 @@ class FillMaps:
     def predict(self, layer: int, x_split: torch.Tensor) -> torch.Tensor:
         """x_S [F, d] -> x̂_layer [F, d]."""
         a, b = self._weights(layer)
-        return torch.nn.functional.linear(x_split, a, b)
+        return self._gather(torch.nn.functional.linear(x_split, a, b))  # [F, d] (a rank's [F, d/n] joined)

@@ -108,15 +108,16 @@ def head_plan(config: ModelConfig, shard: Shard) -> HeadPlan:
         q_heads=(r * hq, (r + 1) * hq),
         kv_heads=kv,
         mlp=(r * inter, (r + 1) * inter),
-        vocab=vocab_rows(config.vocab_size, shard)[r],
+        vocab=even_rows(config.vocab_size, shard)[r],
         family=own,
     )
 
 
-def vocab_rows(vocab: int, shard: Shard) -> list[tuple[int, int]]:
-    """Every rank's rows of the vocabulary, in rank order (sizes differ by one at most)."""
+def even_rows(count: int, shard: Shard) -> list[tuple[int, int]]:
+    """Every rank's part of `count` rows (the vocabulary, the maps' outputs), in rank order; the
+    parts' sizes differ by one at most."""
     n = shard.size
-    return [(r * vocab // n, (r + 1) * vocab // n) for r in range(n)]
+    return [(r * count // n, (r + 1) * count // n) for r in range(n)]
 
 
 def shard_config(config: ModelConfig, plan: HeadPlan, size: int) -> ModelConfig:
