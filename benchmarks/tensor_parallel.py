@@ -4,14 +4,15 @@
     python benchmarks/tensor_parallel.py --model /models/llama --device cuda --ranks 2   # a GPU machine (NCCL)
 
 (a) Weights per rank: the bytes each rank's model holds (packed weights as packed), built here from
-    the same checkpoint for every rank of `--ranks` and for one rank. The norms, the embedding and
-    the LM head are whole on every rank (parallel/shard.py); the table says how much of a rank that is.
+    the same checkpoint for every rank of `--ranks` and for one rank. The norms are whole on every
+    rank, the embedding and LM head split by token (parallel/shard.py); the table says how much of
+    a rank is whole.
 (b) Step time: on the CPU the same cores either way, one rank with `--threads` threads against
     `--ranks` ranks of `--threads / --ranks` threads each: a `--prompt`-token prefill (TTFT) and the
     median decode step at batch 1 and at `--batch` sequences after it. The arms take turns `--rounds`
     times; each cell is the median of its rounds.
-(c) Communication: on rank 0, the time inside the all-reduces (two per layer) and the step's send,
-    as a share of the step.
+(c) Communication: on rank 0, the time inside the all-reduces (two per layer and the embedding's),
+    the logits' all-gather and the step's send, as a share of the step.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def build(args, ranks: int):
     if ranks > 1:
         model, relay = llm.engine.model, llm.engine.relay
         clocks["all_reduce"] = model.sum_shards = Clock(model.sum_shards)
+        clocks["all_gather"] = model.gather_vocab = Clock(model.gather_vocab)  # the logits
         clocks["send"] = relay.group.send_step = Clock(relay.group.send_step)
     return llm, clocks
 
@@ -161,7 +163,7 @@ def main() -> None:
     )
     print(f"# load before the run (/proc/loadavg): {Path('/proc/loadavg').read_text().strip()}")
     print("\n## weights per rank (MiB)\n")
-    print("| ranks | per rank | of one rank's | whole on every rank (norms, embedding, head) |")
+    print("| ranks | per rank | of one rank's | whole on every rank (norms, K/V heads copied to several ranks) |")
     print("|---|---|---|---|")
     print(f"| 1 | {whole / 2**20:.1f} | 1.00 | – |")
     replicated = (
@@ -198,10 +200,11 @@ def main() -> None:
         f"{many[f'b{args.batch}_ms'] / one[f'b{args.batch}_ms']:.2f} |"
     )
     print(f"\n## communication on rank 0 ({args.ranks} ranks), share of the decode step\n")
-    print("| batch | all-reduces | the step's send |")
-    print("|---|---|---|")
+    print("| batch | all-reduces | logits' all-gather | the step's send |")
+    print("|---|---|---|---|")
     for b in (1, args.batch):
-        print(f"| {b} | {many[f'b{b}_all_reduce_share']:.2f} | {many[f'b{b}_send_share']:.2f} |")
+        shares = [many[f"b{b}_{name}_share"] for name in ("all_reduce", "all_gather", "send")]
+        print(f"| {b} | " + " | ".join(f"{x:.2f}" for x in shares) + " |")
 
 
 if __name__ == "__main__":
