@@ -124,6 +124,17 @@ class KVPool:
             return int8_kv.dequantize(k, k_s, self.read_dtype), int8_kv.dequantize(v, v_s, self.read_dtype)
         return k.to(self.read_dtype), v.to(self.read_dtype)
 
+    def copy_from(
+        self, layer: int, slots: torch.Tensor, src: KVPool, src_slots: torch.Tensor, parts=("k", "v")
+    ) -> None:
+        """Put `src`'s stored keys and/or values (`parts`) of `layer` at src_slots [N] into slots [N],
+        as stored: an int8 cache's rows with their scales, nothing rounded twice (evaluation's splices)."""
+        to, at = self.physical(layer, slots), src.physical(layer, src_slots)
+        for part in parts:
+            getattr(self, part)[layer][to] = getattr(src, part)[layer][at]
+            if self.quantized:
+                getattr(self, part + "_scale")[layer][to] = getattr(src, part + "_scale")[layer][at]
+
     def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """The int8 slabs' scales [slots, Hkv, G] of `layer` (None, None for a float cache)."""
         if not self.quantized:

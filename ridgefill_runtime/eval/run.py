@@ -75,16 +75,13 @@ def splices_for(model) -> tuple[str, ...]:
 
 def _splicer(exact_runner, exact_seq, what: str, split: int):
     """Copy the exact run's late keys and/or values into the filled slots (same positions)."""
+    parts = ("k",) * (what in ("keys", "both", "all")) + ("v",) * (what in ("values", "both", "all"))
 
     def splice(runner, seq):
         src = exact_runner._seq_slots(exact_seq, 0, seq.fill.boundary)
         dst = runner._seq_slots(seq, 0, seq.fill.boundary)
         for layer in (l for l in runner.caches.spec.attention_layers if l >= split):
-            to, at = runner.kv.physical(layer, dst), exact_runner.kv.physical(layer, src)
-            if what in ("keys", "both", "all"):
-                runner.kv.k[layer][to] = exact_runner.kv.k[layer][at]
-            if what in ("values", "both", "all"):
-                runner.kv.v[layer][to] = exact_runner.kv.v[layer][at]
+            runner.kv.copy_from(layer, dst, exact_runner.kv, src, parts)
 
     return splice
 

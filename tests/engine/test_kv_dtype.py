@@ -145,6 +145,21 @@ def test_int8_copy_on_write_copies_the_scales():
         assert torch.equal(a, b)
 
 
+def test_int8_splice_copies_keys_with_their_scales():
+    """KVPool.copy_from (evaluation's exact-K/V splices, eval/run.py) moves another pool's int8 rows with
+    their scales: the keys read back as the source's, the values not asked for stay the target's."""
+    src, dst = int8_caches().kv, int8_caches().kv
+    g = torch.Generator().manual_seed(2)
+    at, to = torch.tensor([0, 5, 9]), torch.tensor([3, 4, 20])
+    src.write(1, at, 4 * torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 8, generator=g))
+    dst.write(1, to, torch.randn(3, 2, 8, generator=g), 0.1 * torch.randn(3, 2, 8, generator=g))
+    values_before = dst.read(1, to)[1]
+    dst.copy_from(1, to, src, at, parts=("k",))
+    k_dst, v_dst = dst.read(1, to)
+    assert torch.equal(k_dst, src.read(1, at)[0])
+    assert torch.equal(v_dst, values_before)
+
+
 def test_int8_rescale_scales_the_scales():
     """The fill's rescale (fill/corrections.py) multiplies an int8 row's scale: the same product, no second
     rounding of the stored integers."""
