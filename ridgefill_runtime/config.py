@@ -347,7 +347,8 @@ class ParallelConfig:
     )
     backend: str = setting(
         "auto",
-        help="torch.distributed backend: auto (nccl on CUDA, which is RCCL on ROCm; gloo on the CPU) | gloo | nccl",
+        help="torch.distributed backend: auto (nccl on CUDA, which is RCCL on ROCm; on the CPU gloo, with "
+        "shared-memory collectives between ranks on one x86 Linux machine) | gloo (TCP only) | nccl",
         flag="--distributed-backend",
         choices=PARALLEL_BACKENDS,
     )
