@@ -11,6 +11,8 @@
     `--ranks` ranks of `--threads / --ranks` threads each: a `--prompt`-token prefill (TTFT) and the
     median decode step at batch 1 and at `--batch` sequences after it. The arms take turns `--rounds`
     times; each cell is the median of its rounds.
+    On the CPU a third arm runs the ranks with backend = "gloo" (TCP), the others on "auto"
+    (shared-memory collectives, parallel/shm.py).
 (c) Communication: on rank 0, the time inside the all-reduces (two per layer and the embedding's),
     the logits' all-gather and the step's send, as a share of the step.
 """
@@ -89,7 +91,7 @@ class Clock:
             self.seconds += time.perf_counter() - t
 
 
-def build(args, ranks: int):
+def build(args, ranks: int, backend: str = "auto"):
     from ridgefill_runtime.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from ridgefill_runtime.llm import LLM
 
@@ -102,7 +104,7 @@ def build(args, ranks: int):
             device=args.device,
             cache=CacheConfig(block_size=16, num_blocks=blocks, prefix_caching="off"),
             scheduler=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=2048, chunk_size=512),
-            parallel=ParallelConfig(tensor_parallel_size=ranks),
+            parallel=ParallelConfig(tensor_parallel_size=ranks, backend=backend),
         )
     )
     clocks = {}
@@ -174,37 +176,44 @@ def main() -> None:
         f"{replicated / (args.ranks - 1) / 2**20:.1f} MiB each |"
     )
 
-    arms = {1: build(args, 1), args.ranks: build(args, args.ranks)}
-    ids = real_text_ids(arms[1][0].tokenizer, args.prompt)
-    found: dict[int, list[dict]] = {r: [] for r in arms}
+    # arm -> (ranks, backend): on the CPU "auto" sums through shared memory (parallel/shm.py), "gloo" over TCP
+    layouts = {"1 rank": (1, "auto"), f"{args.ranks} ranks": (args.ranks, "auto")}
+    if args.device == "cpu":
+        layouts[f"{args.ranks} ranks, gloo only"] = (args.ranks, "gloo")
+    # NOTE: one process holds one group at a time, so a tensor-parallel arm is built, measured and
+    # closed in each round (start-up is not timed); the one-rank arm stays built
+    single = build(args, 1)
+    ids = real_text_ids(single[0].tokenizer, args.prompt)
+    found: dict[str, list[dict]] = {name: [] for name in layouts}
     for round_ in range(args.rounds):
-        for ranks in sorted(arms, reverse=bool(round_ % 2)):  # NOTE: turns, each round in the other order
-            llm, clocks = arms[ranks]
+        for name in sorted(layouts, reverse=bool(round_ % 2)):  # NOTE: turns, each round in the other order
+            ranks = layouts[name][0]
+            llm, clocks = single if ranks == 1 else build(args, *layouts[name])
             torch.set_num_threads(max(1, args.threads // ranks))
-            found[ranks].append(measure(llm, clocks, args, ids))
-    for llm, _ in arms.values():
-        llm.close()
+            found[name].append(measure(llm, clocks, args, ids))
+            if ranks > 1:
+                llm.close()
+    single[0].close()
 
-    med = {r: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for r, ms in found.items()}
-    one, many = med[1], med[args.ranks]
+    med = {name: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for name, ms in found.items()}
+    one = med["1 rank"]
+    cols = ("ttft_ms", "b1_ms", f"b{args.batch}_ms")
     print(f"\n## step time ({args.rounds} rounds in turns, medians; prompt {args.prompt} tokens)\n")
-    print(f"| arm | threads per rank | TTFT ms | decode B=1 ms | decode B={args.batch} ms |")
+    print(f"| arm | threads per rank | TTFT ms | decode B=1 ms | decode B={args.batch} ms | ratios to 1 rank |")
+    print("|---|---|---|---|---|---|")
+    for name, m in med.items():
+        threads = max(1, args.threads // layouts[name][0])
+        ratios = " / ".join(f"{m[c] / one[c]:.2f}" for c in cols)
+        print(f"| {name} | {threads} | {m[cols[0]]:.1f} | {m[cols[1]]:.2f} | {m[cols[2]]:.2f} | {ratios} |")
+    print("\n## communication on rank 0, share of the decode step\n")
+    print("| arm | batch | all-reduces | logits' all-gather | the step's send |")
     print("|---|---|---|---|---|")
-    print(f"| 1 rank | {args.threads} | {one['ttft_ms']:.1f} | {one['b1_ms']:.2f} | {one[f'b{args.batch}_ms']:.2f} |")
-    print(
-        f"| {args.ranks} ranks | {max(1, args.threads // args.ranks)} | {many['ttft_ms']:.1f} | {many['b1_ms']:.2f} | "
-        f"{many[f'b{args.batch}_ms']:.2f} |"
-    )
-    print(
-        f"| ratio {args.ranks} ranks / 1 | | {many['ttft_ms'] / one['ttft_ms']:.2f} | {many['b1_ms'] / one['b1_ms']:.2f} | "
-        f"{many[f'b{args.batch}_ms'] / one[f'b{args.batch}_ms']:.2f} |"
-    )
-    print(f"\n## communication on rank 0 ({args.ranks} ranks), share of the decode step\n")
-    print("| batch | all-reduces | logits' all-gather | the step's send |")
-    print("|---|---|---|---|")
-    for b in (1, args.batch):
-        shares = [many[f"b{b}_{name}_share"] for name in ("all_reduce", "all_gather", "send")]
-        print(f"| {b} | " + " | ".join(f"{x:.2f}" for x in shares) + " |")
+    for name, m in med.items():
+        if layouts[name][0] == 1:
+            continue
+        for b in (1, args.batch):
+            shares = [m[f"b{b}_{part}_share"] for part in ("all_reduce", "all_gather", "send")]
+            print(f"| {name} | {b} | " + " | ".join(f"{x:.2f}" for x in shares) + " |")
 
 
 if __name__ == "__main__":
