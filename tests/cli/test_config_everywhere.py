@@ -30,7 +30,7 @@ from looped_reference import TINY_HUGINN, LoopedReference, full_policy, ripe_pol
 # ~5e-4. Reading only the deepest plane, the float32 error grows along the sequence by a factor
 # that depends on the CPU's rounding: 3.5e-2 at position 14 on an AVX2 EPYC, 0.15 on an AVX-512
 # Xeon (measured). So that check runs the engine in float64. There the gap still grows along the
-# sequence the same way, from 1e-14 at the first rows to 1.4e-9 at position 15 on an AVX2 EPYC
+# sequence the same way, from 1e-14 at the first rows to 1.4e-9 at position 15 on an AMD EPYC (AVX-512)
 # (measured): amplified rounding, not a policy difference. 1e-6 leaves that room and stays six
 # orders below what the policy itself changes (up to 4.8 nats against the full cache).
 TOL = 2e-3
