@@ -4,8 +4,15 @@ A windowed layer's row at position p reads only keys in (p - window, p]. Handing
 [R, Lk] mask makes it score every pair and mask most away: at 8K rows and a 512 window that
 is 16x the work (one Gemma 3 270M layer, 2 threads: 1.18 s vs 0.12 s; a filled prefill's
 1,845 scattered exact rows over 32K keys: 1.18 s vs 0.18 s; benchmarks/prefill_attention.md).
-Here the rows, sorted by position, go in bands of `block`; a band scores only the keys from
-its first row's window start to its last row, a contiguous slice of the sorted keys.
+Here the rows, sorted by position, go in bands; a band scores only the keys from its first
+row's window start to its last row, a contiguous slice of the sorted keys.
+
+On a windowed layer a band is the rows inside one run of `block` positions, not `block` rows:
+the fill's scattered exact rows lie ~10 positions apart, so 256 of them spanned ~2,500
+positions and each row scored ~3,000 keys to use 512 (Gemma 3 270M at 16K: 7 late window
+layers, ~0.7 s of a 24 s fill). Cut by position, a band scores at most block + window - 1 keys
+a row, as a contiguous prefill's band does. A global layer's row reads every earlier key, so
+there a band is `block` rows: a wider span wastes little of keys it mostly needs.
 """
 
 from __future__ import annotations
@@ -37,19 +44,27 @@ def banded_window_attention(
     every earlier key), itself included -> [R, H*D]."""
     rows, heads, dim = q.shape
     out = q.new_empty(rows, heads * dim)
-    firsts = q_pos[::block]  # [bands] each band's first row's position
-    lasts = q_pos[block - 1 :: block]
-    if lasts.shape[0] < firsts.shape[0]:  # a short last band
-        lasts = torch.cat([lasts, q_pos[-1:]])
+    starts = band_starts(q_pos, block, window)  # [bands + 1] row boundaries
+    firsts, lasts = q_pos[starts[:-1]], q_pos[starts[1:] - 1]  # [bands] each band's first and last position
     lo = torch.searchsorted(k_pos, (firsts - window + 1).contiguous()).tolist() if window else [0] * len(firsts)
     hi = torch.searchsorted(k_pos, lasts.contiguous(), right=True).tolist()
-    for b, r0 in enumerate(range(0, rows, block)):
-        qp, kp = q_pos[r0 : r0 + block], k_pos[lo[b] : hi[b]]  # [r], [n]
+    for b, (r0, r1) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        qp, kp = q_pos[r0:r1], k_pos[lo[b] : hi[b]]  # [r], [n]
         gap = qp[:, None] - kp[None, :]  # [r, n] how far behind each row a key is
         mask = (gap >= 0) & (gap < window) if window else gap >= 0
-        qh = q[r0 : r0 + block].transpose(0, 1).unsqueeze(0)  # [1, H, r, D]
+        qh = q[r0:r1].transpose(0, 1).unsqueeze(0)  # [1, H, r, D]
         kh = k[lo[b] : hi[b]].transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
         vh = v[lo[b] : hi[b]].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[r0 : r0 + block] = o[0].transpose(0, 1).reshape(-1, heads * dim)
+        out[r0:r1] = o[0].transpose(0, 1).reshape(-1, heads * dim)
     return out
+
+
+def band_starts(q_pos: torch.Tensor, block: int, window: int) -> torch.Tensor:
+    """Row boundaries [bands + 1] of the bands over rows at ascending positions q_pos [R]: with a
+    window, the rows inside each run of `block` positions (p // block); without, `block` rows."""
+    rows, device = q_pos.shape[0], q_pos.device
+    if not window:
+        return torch.cat([torch.arange(0, rows, block, device=device), torch.tensor([rows], device=device)])
+    _, counts = torch.unique_consecutive(torch.div(q_pos, block, rounding_mode="floor"), return_counts=True)
+    return torch.cat([torch.zeros(1, dtype=counts.dtype, device=device), counts.cumsum(0)])

@@ -10,18 +10,22 @@ from ridgefill_runtime.fill.ceiling import LayerShape, ceiling, exact_macs, fill
 
 
 def naive_fill_and_exact(layers, n, split, tail, chosen=()):
-    """Every row of every layer counted one at a time (the reference)."""
+    """Every row of every layer counted one at a time (the reference). In the final layer only the
+    last row (the one whose logits are wanted) attends and runs o and the MLP; the others project
+    q, k and v."""
     exact = fill = 0
     for index, layer in enumerate(layers):
         for i in range(n):
             keys = i + 1 if layer.window == 0 else min(i + 1, layer.window)
+            qkv = layer.hidden * layer.q_width + 2 * layer.hidden * layer.kv_width  # q; k, v
             full = (
-                layer.hidden * layer.q_width  # q
-                + 2 * layer.hidden * layer.kv_width  # k, v
+                qkv
                 + layer.q_width * layer.hidden  # o
                 + 3 * layer.hidden * layer.intermediate  # gate, up, down
                 + 2 * layer.q_width * keys  # q·k and p·v
             )
+            if index == len(layers) - 1 and i < n - 1:
+                full = qkv
             exact += full
             filled = index >= split and i < n - tail and i not in chosen
             fill += layer.hidden * layer.hidden + 2 * layer.hidden * layer.kv_width if filled else full
@@ -52,7 +56,7 @@ def test_macs_match_the_row_by_row_count(n, split, tail):
 
 def test_a_tail_over_the_whole_prompt_saves_nothing_and_a_shorter_tail_saves_more():
     layers = (LayerShape(hidden=576, q_width=576, kv_width=192, intermediate=1536),) * 30
-    assert ceiling(layers, 4096, 15, 4096) == 1.0
+    assert ceiling(layers, 4096, 15, 4096) == pytest.approx(1.0)
     by_tail = [ceiling(layers, 4096, 15, t) for t in (2048, 1024, 512)]
     assert 1.0 < by_tail[0] < by_tail[1] < by_tail[2]
 

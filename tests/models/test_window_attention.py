@@ -63,6 +63,29 @@ def test_scattered_rows_over_gathered_keys():
         torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
+def test_a_windowed_band_spans_at_most_block_positions_and_a_global_one_block_rows():
+    """Sparse rows (the fill's chosen exact rows, ~10 positions apart) on a windowed layer: each band
+    holds the rows of one run of `block` positions, so it scores at most block + window - 1 keys a
+    row; contiguous rows band as block rows; a global layer bands by rows."""
+    sparse = torch.arange(3, 1000, 10)  # [100]
+    starts = window_attention.band_starts(sparse, 64, 16)
+    spans = [int(sparse[b - 1] - sparse[a]) for a, b in zip(starts[:-1].tolist(), starts[1:].tolist())]
+    assert int(starts[0]) == 0 and int(starts[-1]) == 100 and max(spans) < 64
+    assert (starts.diff() > 0).all()
+    contiguous = torch.arange(128, 384)
+    assert window_attention.band_starts(contiguous, 64, 16).tolist() == [0, 64, 128, 192, 256]
+    assert window_attention.band_starts(sparse, 64, 0).tolist() == [0, 64, 100]
+
+
+def test_sparse_rows_on_a_windowed_layer_equal_the_row_loop():
+    torch.manual_seed(5)
+    k_pos = torch.arange(0, 700)
+    q_pos = torch.cat([torch.arange(5, 600, 11), torch.arange(640, 700)])  # spread, then a tail
+    q, k, v = torch.randn(len(q_pos), 4, 8), torch.randn(700, 2, 8), torch.randn(700, 2, 8)
+    got = banded_window_attention(q, q_pos, k, v, k_pos, 0.3, 24, block=32)
+    torch.testing.assert_close(got.double(), window_loop(q, q_pos, k, v, k_pos, 0.3, 24), atol=2e-6, rtol=1e-5)
+
+
 def _spy(monkeypatch):
     calls = []
     real = attention.banded_window_attention
