@@ -122,6 +122,7 @@ def main() -> None:
             f" | {len(chosen):>6} | {mac:>11.2f} | {(e / f) / mac:>12.2f}" + (roof_cells(n, e, f) if peaks else ""),
             flush=True,
         )
+        print(f"{'':>6}   reps in turns, exact / fill s: " + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in zip(ex, fi)))
 
 
 if __name__ == "__main__":
