@@ -214,7 +214,8 @@ def _batched(
         q, owner, pos, kv.k[layer], kv.v[layer], tables, paged.context_lens, batch.block_size, scale,
         window=window, k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-    return out.reshape(q.shape[0], -1), pick
+    # NOTE: explicit widths: no row may be served (logit rows all in long chunks), and [0, -1] is ambiguous
+    return out.reshape(q.shape[0], q.shape[1] * q.shape[2]), pick
 
 
 def causal_offset_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:

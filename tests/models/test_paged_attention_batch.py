@@ -113,6 +113,20 @@ def test_logit_rows_subset_equals_float64():
         assert (got[r].double() - want[0]).abs().max() < 2e-5
 
 
+def test_logit_rows_none_of_which_the_batched_kernel_serves():
+    """A step whose logit rows all lie in long chunks (the gather + SDPA path) while a short chunk
+    of another sequence is served by the kernel: the kernel gets no row (a 16-sequence decode
+    benchmark hit this, 4K prompts in 1,024-row chunks)."""
+    specs = [(129, 40, None), (300, 5, None), (0, 57, None)]
+    pool, batch, q, k_new, v_new, full_kv, positions = _step(specs, 9, 3, 64, seed=7)
+    rows = torch.tensor([39, 101])  # the long chunk's last row, the fresh prompt's last row
+    got = paged_attention_rows(q[rows], rows, k_new, v_new, pool, 0, batch, 0.125)
+    for r, (i, j) in enumerate(((0, 39), (2, 56))):
+        k, v = full_kv[i]
+        want = _float64_rows(q[rows[r : r + 1]], positions[i][j : j + 1], k, v, 0.125)
+        assert (got[r].double() - want[0]).abs().max() < 2e-5
+
+
 @pytest.mark.skipif(not compiled_for(torch.device("cpu")), reason="compiled extension not built")
 def test_a_decode_step_is_one_kernel_call_per_layer(monkeypatch):
     calls = []
