@@ -18,7 +18,7 @@ ITL: median (p50) and p90 of the timed step times. Aggregate tok/s = B / median 
 "agg vs B=1": that arm's aggregate over its own B=1 aggregate. "ITL vs llama.cpp": that B=1
 row's ITL divided by llama.cpp's (above 1: slower than llama.cpp).
 
-llama.cpp (llama-cpp-python, B=1): the prompt ids in n_batch=512 evals, then `--new`
+llama.cpp (llama-cpp-python, B=1, flash attention on as in llama-server): the prompt ids in n_batch=512 evals, then `--new`
 single-token evals with greedy argmax over the last logits, each eval timed. transformers
 (B=1, --no-hf to skip): one forward over the prompt with its KV cache, then `--new`
 single-token forwards with past_key_values, greedy, each timed.
@@ -161,6 +161,9 @@ def time_llama_cpp(path, ids: list[int], new: int, threads: int) -> dict:
         n_threads=threads,
         n_threads_batch=threads,
         n_batch=512,
+        # NOTE: llama-server's default (-fa auto) turns flash attention on for the CPU; the
+        # binding's default is off, which made its 16K-context step 2.7x slower (53.5 vs 20 ms)
+        flash_attn=True,
         verbose=False,
     )
     n_vocab = llm.n_vocab()
