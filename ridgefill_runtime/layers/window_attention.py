@@ -12,7 +12,7 @@ the fill's scattered exact rows lie ~10 positions apart, so 256 of them spanned 
 positions and each row scored ~3,000 keys to use 512 (Gemma 3 270M at 16K: 7 late window
 layers, ~0.7 s of a 24 s fill). Cut by position, a band scores at most block + window - 1 keys
 a row, as a contiguous prefill's band does. A global layer's row reads every earlier key, so
-there a band is `block` rows: a wider span wastes little of keys it mostly needs.
+there a band stays `block` rows: a wide span adds few keys to the many each row needs anyway.
 """
 
 from __future__ import annotations
