@@ -26,9 +26,10 @@
 // log-sum-exp weights, so the buffer stays small. Scores, softmax and sums are
 // fp32; the output is cast to q's dtype. float and bfloat16 rows are read in
 // place (bfloat16 widened 32 at a time by a shift and a mask, see load32);
-// float16 rows go through an fp32 copy. int8 rows (cache.kv_dtype = "int8",
+// float16 rows go through an fp32 copy (a group of keys, every KV head, widened
+// per call: widen_rows). int8 rows (cache.kv_dtype = "int8",
 // ridgefill::scattered_rows_attention_int8) go through the fp32 copy too,
-// each value widened (vpmovsxbd + vcvtdq2ps, see kInt8Row) and multiplied by
+// each value widened (vpmovsxbd + vcvtdq2ps, see kInt8Rows) and multiplied by
 // its group's float32 scale (one per 32 values of a (slot, KV head) row):
 // float(q) * s, the product every other reader of the cache forms
 // (ridgefill_runtime/cache/int8_kv.py), so the kernel matches the reference.
@@ -191,79 +192,153 @@ RIDGEFILL_INLINE float sexp(float x) {
   return v[0];
 }
 
-// float16 rows with F16C where the CPU has it: one vcvtph2ps per 16 (AVX-512) or 8 values instead of the
-// bit-level conversion in load16, which made a float16 cache slower to attend over than a float32 one of twice
-// the bytes (benchmarks/decode.md). The clones cannot use the instruction in their own bodies (the baseline
-// clone has no F16C), so the row goes through one call, picked once at load time. Same values: the
-// conversion is exact either way.
-using HalfRowFn = void (*)(const c10::Half*, int64_t, float*);
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f"))) void half_row_avx512(const c10::Half* src, int64_t D, float* dst) {
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16)
-    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-}
-__attribute__((target("avx,f16c"))) void half_row_f16c(const c10::Half* src, int64_t D, float* dst) {
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8)
-    _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-}
-HalfRowFn pick_half_row() {
-  __builtin_cpu_init();  // a static initializer may run before libgcc's own CPU detection
-  if (__builtin_cpu_supports("avx512f")) return half_row_avx512;
-  return __builtin_cpu_supports("f16c") ? half_row_f16c : nullptr;
-}
-const HalfRowFn kHalfRow = pick_half_row();
-#else
-constexpr HalfRowFn kHalfRow = nullptr;
-#endif
+// float16 and int8 K/V rows are widened to fp32 before the hot loops read them, one call per group of keys
+// (every KV head of each): a call per row cost about a third of a float16 cache's attention time, each one
+// waiting on its row's first load (benchmarks/decode.md). The conversions use F16C / AVX-512 instructions the
+// clones cannot use in their own bodies (the baseline clone has neither), so the group goes through one call
+// picked once at load time. Same values as the portable code: the conversions are exact, and an int8 value
+// is float(q) * s, the product every other reader of the cache forms (ridgefill_runtime/cache/int8_kv.py).
+//
+// Row (i, h) of a group is key slots[i]'s row for KV head h: base + slots[i] * slot_stride + h * head_stride,
+// written to dst + (i * kv_heads + h) * Dp (entries past D left as they are: zero padding).
+struct RowGroup {
+  const int64_t* slots;
+  int64_t n, kv_heads, D, Dp;
+  int64_t slot_stride, head_stride;      // the slab's, in elements
+  const float* scale;                    // int8 only: [S, Hkv, D / 32] group scales
+  int64_t s_slot_stride, s_head_stride;  // the scales', in elements
+};
 
-// int8 rows the same way: GCC 12 lowers the clones' vector conversion of 16 int8 lanes to 16 scalar
-// conversions (vcvtsi2ss), which made an int8 cache ~8x slower to attend over than a float32 one; one
-// vpmovsxbd + vcvtdq2ps per 16 (8) values here, times scales[d / 32] (kInt8Group values per scale).
-constexpr int64_t kInt8Group = 32;
-using Int8RowFn = void (*)(const int8_t*, int64_t, float*, const float*);
-void int8_row_portable(const int8_t* src, int64_t D, float* dst, const float* scales) {
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scales[d / kInt8Group];
-}
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f"))) void int8_row_avx512(const int8_t* src, int64_t D, float* dst, const float* scales) {
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {  // 16 values lie in one group of 32
-    const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
-    _mm512_storeu_ps(dst + d, _mm512_mul_ps(x, _mm512_set1_ps(scales[d / kInt8Group])));
-  }
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scales[d / kInt8Group];
-}
-__attribute__((target("avx2"))) void int8_row_avx2(const int8_t* src, int64_t D, float* dst, const float* scales) {
-  int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d))));
-    _mm256_storeu_ps(dst + d, _mm256_mul_ps(x, _mm256_set1_ps(scales[d / kInt8Group])));
-  }
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scales[d / kInt8Group];
-}
-Int8RowFn pick_int8_row() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return int8_row_avx512;
-  return __builtin_cpu_supports("avx2") ? int8_row_avx2 : int8_row_portable;
-}
-const Int8RowFn kInt8Row = pick_int8_row();
-#else
-constexpr Int8RowFn kInt8Row = int8_row_portable;
-#endif
-
-// dst[0..D) = float(src[0..D)); entries past D are left as they are (zero padding).
 template <typename T>
-RIDGEFILL_INLINE void to_float_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst) {
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    if (kHalfRow) return kHalfRow(src, D, dst);
+RIDGEFILL_INLINE const T* group_src(const T* base, const RowGroup& g, int64_t i, int64_t h) {
+  return base + g.slots[i] * g.slot_stride + h * g.head_stride;
+}
+RIDGEFILL_INLINE float* group_dst(float* dst, const RowGroup& g, int64_t i, int64_t h) {
+  return dst + (i * g.kv_heads + h) * g.Dp;
+}
+RIDGEFILL_INLINE const float* group_scales(const RowGroup& g, int64_t i, int64_t h) {
+  return g.scale + g.slots[i] * g.s_slot_stride + h * g.s_head_stride;
+}
+
+constexpr int64_t kInt8Group = 32;  // int8 values per scale
+using HalfRowsFn = void (*)(const c10::Half*, const RowGroup&, float*);
+using Int8RowsFn = void (*)(const int8_t*, const RowGroup&, float*);
+
+void half_rows_portable(const c10::Half* base, const RowGroup& g, float* dst) {
+  for (int64_t i = 0; i < g.n; ++i) {
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      const c10::Half* src = group_src(base, g, i, h);
+      float* out = group_dst(dst, g, i, h);
+      int64_t d = 0;
+      for (; d + kW <= g.D; d += kW) storef(out + d, load16(src + d));
+      for (; d < g.D; ++d) out[d] = static_cast<float>(src[d]);
+    }
   }
-  int64_t d = 0;
-  for (; d + kW <= D; d += kW) storef(dst + d, load16(src + d));
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+void int8_rows_portable(const int8_t* base, const RowGroup& g, float* dst) {
+  for (int64_t i = 0; i < g.n; ++i) {
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      const int8_t* src = group_src(base, g, i, h);
+      const float* sc = group_scales(g, i, h);
+      float* out = group_dst(dst, g, i, h);
+      for (int64_t d = 0; d < g.D; ++d) out[d] = static_cast<float>(src[d]) * sc[d / kInt8Group];
+    }
+  }
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f"))) void half_rows_avx512(const c10::Half* base, const RowGroup& g, float* dst) {
+  for (int64_t i = 0; i < g.n; ++i) {
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      const c10::Half* src = group_src(base, g, i, h);
+      float* out = group_dst(dst, g, i, h);
+      int64_t d = 0;
+      for (; d + 16 <= g.D; d += 16)
+        _mm512_storeu_ps(out + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+      for (; d < g.D; ++d) out[d] = static_cast<float>(src[d]);
+    }
+  }
+}
+__attribute__((target("avx,f16c"))) void half_rows_f16c(const c10::Half* base, const RowGroup& g, float* dst) {
+  for (int64_t i = 0; i < g.n; ++i) {
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      const c10::Half* src = group_src(base, g, i, h);
+      float* out = group_dst(dst, g, i, h);
+      int64_t d = 0;
+      for (; d + 8 <= g.D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+      for (; d < g.D; ++d) out[d] = static_cast<float>(src[d]);
+    }
+  }
+}
+// int8: one vpmovsxbd + vcvtdq2ps per 16 (8) values (GCC 12 lowers the clones' vector conversion of int8
+// lanes to one scalar vcvtsi2ss each, ~8x slower), times the value's group scale.
+__attribute__((target("avx512f"))) void int8_rows_avx512(const int8_t* base, const RowGroup& g, float* dst) {
+  for (int64_t i = 0; i < g.n; ++i) {
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      const int8_t* src = group_src(base, g, i, h);
+      const float* sc = group_scales(g, i, h);
+      float* out = group_dst(dst, g, i, h);
+      int64_t d = 0;
+      for (; d + 16 <= g.D; d += 16) {  // 16 values lie in one group of 32
+        const __m512 x =
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+        _mm512_storeu_ps(out + d, _mm512_mul_ps(x, _mm512_set1_ps(sc[d / kInt8Group])));
+      }
+      for (; d < g.D; ++d) out[d] = static_cast<float>(src[d]) * sc[d / kInt8Group];
+    }
+  }
+}
+__attribute__((target("avx2"))) void int8_rows_avx2(const int8_t* base, const RowGroup& g, float* dst) {
+  for (int64_t i = 0; i < g.n; ++i) {
+    for (int64_t h = 0; h < g.kv_heads; ++h) {
+      const int8_t* src = group_src(base, g, i, h);
+      const float* sc = group_scales(g, i, h);
+      float* out = group_dst(dst, g, i, h);
+      int64_t d = 0;
+      for (; d + 8 <= g.D; d += 8) {
+        const __m256 x =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d))));
+        _mm256_storeu_ps(out + d, _mm256_mul_ps(x, _mm256_set1_ps(sc[d / kInt8Group])));
+      }
+      for (; d < g.D; ++d) out[d] = static_cast<float>(src[d]) * sc[d / kInt8Group];
+    }
+  }
+}
+// Test knob: RIDGEFILL_CPU_ATTN_WIDEN=avx2 or =portable caps the widening's instruction set (read at load),
+// so the tests run every variant on an AVX-512 machine. 2: AVX-512, 1: AVX2 / F16C, 0: portable.
+int widen_cap() {
+  const char* env = std::getenv("RIDGEFILL_CPU_ATTN_WIDEN");
+  if (env == nullptr) return 2;
+  if (std::strcmp(env, "avx2") == 0) return 1;
+  if (std::strcmp(env, "portable") == 0) return 0;
+  return 2;
+}
+HalfRowsFn pick_half_rows() {
+  __builtin_cpu_init();  // a static initializer may run before libgcc's own CPU detection
+  const int cap = widen_cap();
+  if (cap >= 2 && __builtin_cpu_supports("avx512f")) return half_rows_avx512;
+  return cap >= 1 && __builtin_cpu_supports("f16c") ? half_rows_f16c : half_rows_portable;
+}
+Int8RowsFn pick_int8_rows() {
+  __builtin_cpu_init();
+  const int cap = widen_cap();
+  if (cap >= 2 && __builtin_cpu_supports("avx512f")) return int8_rows_avx512;
+  return cap >= 1 && __builtin_cpu_supports("avx2") ? int8_rows_avx2 : int8_rows_portable;
+}
+const HalfRowsFn kHalfRows = pick_half_rows();
+const Int8RowsFn kInt8Rows = pick_int8_rows();
+#else
+constexpr HalfRowsFn kHalfRows = half_rows_portable;
+constexpr Int8RowsFn kInt8Rows = int8_rows_portable;
+#endif
+
+template <typename T>
+RIDGEFILL_INLINE void widen_rows(const T* base, const RowGroup& g, float* dst) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    kInt8Rows(base, g, dst);
+  } else {
+    kHalfRows(base, g, dst);
+  }
 }
 
 // How the hot loops read K/V rows of T: float and bfloat16 straight from the cache (bfloat16 widens with a
@@ -277,7 +352,7 @@ struct RowType<c10::Half> {
   using type = float;
 };
 template <>
-struct RowType<int8_t> {  // widened into the fp32 copy, times its group scales (widen_row)
+struct RowType<int8_t> {  // widened into the fp32 copy, times its group scales (widen_rows)
   using type = float;
 };
 
@@ -376,17 +451,6 @@ RIDGEFILL_INLINE int64_t first_key(const Problem<T>& P, int64_t row) {
   return P.window > 0 ? std::max<int64_t>(0, P.q_pos[row] - P.window + 1) : 0;
 }
 
-// A K/V row of T as fp32 in dst (T not read in place: float16, int8 with its row's group scales).
-template <typename T>
-RIDGEFILL_INLINE void widen_row(const T* __restrict__ src, int64_t D, float* __restrict__ dst,
-                                const float* scales) {
-  if constexpr (std::is_same_v<T, int8_t>) {
-    kInt8Row(src, D, dst, scales);
-  } else {
-    to_float_row(src, D, dst);
-  }
-}
-
 // Prefetch of one key's K (or V) rows for every KV head: one contiguous run when the heads are adjacent.
 template <typename T>
 RIDGEFILL_INLINE void prefetch_slot(const T* slot_base, int64_t kv_heads, int64_t head_stride, int64_t D) {
@@ -402,16 +466,17 @@ struct Scratch {
   std::vector<float> qf;       // [H, dpad] queries times scale
   std::vector<float> scores;   // [H, cap]
   std::vector<int64_t> slots;  // [cap] slot of each key of the task
-  std::vector<float> ktile;    // [kKeyGroup, dpad] K rows in fp32 (float16 inputs)
-  std::vector<float> vtile;    // [kTile, dpad] V rows in fp32 (float16 inputs)
+  std::vector<float> ktile;    // [kKeyGroup, wide_heads, dpad] K rows widened to fp32 (float16, int8 slabs)
+  std::vector<float> vtile;    // [kTile, wide_heads, dpad] V rows likewise
   std::vector<float> acc;      // [H, dpad]
   std::vector<float> m, l;     // [H]
   std::vector<float> run_acc, run_m, run_l;  // attend_range's running merge of passes
   std::vector<float> mass;     // [kMassChunk]
   int64_t cap;                 // score row stride: keys per pass plus a key group
-  Scratch(int64_t heads, int64_t dpad, int64_t cap_keys)
-      : qf(heads * dpad), scores(heads * (cap_keys + kKeyGroup)), slots(cap_keys), ktile(kKeyGroup * dpad),
-        vtile(kTile * dpad), acc(heads * dpad), m(heads), l(heads), run_acc(heads * dpad), run_m(heads),
+  // wide_heads: the KV heads whose rows are widened (0 where the slabs are read in place)
+  Scratch(int64_t heads, int64_t wide_heads, int64_t dpad, int64_t cap_keys)
+      : qf(heads * dpad), scores(heads * (cap_keys + kKeyGroup)), slots(cap_keys),
+        ktile(kKeyGroup * wide_heads * dpad), vtile(kTile * wide_heads * dpad), acc(heads * dpad), m(heads), l(heads), run_acc(heads * dpad), run_m(heads),
         run_l(heads), mass(kMassChunk), cap(cap_keys + kKeyGroup) {}
 };
 
@@ -434,6 +499,18 @@ RIDGEFILL_INLINE void collect_slots(const int32_t* table, int64_t block_size, in
   for_each_slot(table, block_size, j0, j1, [&](int64_t j, int64_t slot) { slots[j - j0] = slot; });
 }
 
+// The K (or V) rows of keys slots[0..n), every KV head, as a group to widen (widen_rows).
+template <typename T>
+RIDGEFILL_INLINE RowGroup k_group(const Problem<T>& P, const int64_t* slots, int64_t n) {
+  return {slots, n, P.kv_heads, P.head_dim, P.dpad, P.k_slot_stride, P.k_head_stride,
+          P.k_scale, P.ks_slot_stride, P.ks_head_stride};
+}
+template <typename T>
+RIDGEFILL_INLINE RowGroup v_group(const Problem<T>& P, const int64_t* slots, int64_t n) {
+  return {slots, n, P.kv_heads, P.head_dim, P.dpad, P.v_slot_stride, P.v_head_stride,
+          P.v_scale, P.vs_slot_stride, P.vs_head_stride};
+}
+
 // scores[h * cap + i] = qf[h] . K[slots[i], h / G] for i < n and every head h. Each key's K row of each KV
 // head is read once for the G query heads of its group; keys go in groups of four (independent FMA chains and
 // one transposing reduction per head). Writes up to 3 entries past n.
@@ -447,18 +524,17 @@ RIDGEFILL_INLINE void score_keys(const Problem<T>& P, const int64_t* __restrict_
     for (int64_t i = i0 + kPrefetchKeys; i < std::min(n, i0 + kPrefetchKeys + kKeyGroup); ++i) {
       prefetch_slot(P.k + slots[i] * ks, P.kv_heads, khs, D);
     }
+    using R = typename RowType<T>::type;
+    int64_t group[kKeyGroup];
+    for (int64_t b = 0; b < kKeyGroup; ++b) group[b] = slots[std::min(i0 + b, n - 1)];  // a short group repeats its last key
+    if constexpr (!std::is_same_v<T, R>) widen_rows(P.k, k_group(P, group, kKeyGroup), ktile);
     for (int64_t kvh = 0; kvh < P.kv_heads; ++kvh) {
-      using R = typename RowType<T>::type;
       const R* kr[kKeyGroup];
       for (int64_t b = 0; b < kKeyGroup; ++b) {
-        const int64_t slot = slots[std::min(i0 + b, n - 1)];  // a short group repeats its last key
-        const T* kp = P.k + slot * ks + kvh * khs;
         if constexpr (std::is_same_v<T, R>) {
-          kr[b] = kp;
+          kr[b] = P.k + group[b] * ks + kvh * khs;
         } else {
-          const float* sc = P.k_scale ? P.k_scale + slot * P.ks_slot_stride + kvh * P.ks_head_stride : nullptr;
-          widen_row(kp, D, ktile + b * Dp, sc);
-          kr[b] = ktile + b * Dp;
+          kr[b] = ktile + (b * P.kv_heads + kvh) * Dp;
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -633,16 +709,13 @@ RIDGEFILL_ATTN_CLONES void attend_chunk(const Problem<T>& P, int64_t row, int64_
     for (int64_t i = t0 + 2 * kTile; i < std::min(n, t0 + 3 * kTile); ++i) {
       prefetch_slot(P.v + slots[i] * vs, P.kv_heads, vhs, D);
     }
+    if constexpr (!std::is_same_v<T, R>) widen_rows(P.v, v_group(P, slots + t0, nt), S.vtile.data());
     for (int64_t kvh = 0; kvh < P.kv_heads; ++kvh) {
       for (int64_t i = 0; i < nt; ++i) {
-        const int64_t slot = slots[t0 + i];
-        const T* vp = P.v + slot * vs + kvh * vhs;
         if constexpr (std::is_same_v<T, R>) {
-          rows[i] = vp;
+          rows[i] = P.v + slots[t0 + i] * vs + kvh * vhs;
         } else {
-          float* dst = S.vtile.data() + i * Dp;
-          widen_row(vp, D, dst, P.v_scale ? P.v_scale + slot * P.vs_slot_stride + kvh * P.vs_head_stride : nullptr);
-          rows[i] = dst;
+          rows[i] = S.vtile.data() + (i * P.kv_heads + kvh) * Dp;
         }
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -735,11 +808,12 @@ void attend_range(const Problem<T>& P, int64_t row, int64_t j0, int64_t j1, Scra
 
 // Runs body(scratch, task) for tasks 0..n_tasks-1 on up to `workers` threads, handing tasks out in order.
 template <typename F>
-void run_tasks(int64_t n_tasks, int64_t workers, int64_t heads, int64_t dpad, int64_t cap, F&& body) {
+void run_tasks(int64_t n_tasks, int64_t workers, int64_t heads, int64_t wide_heads, int64_t dpad, int64_t cap,
+               F&& body) {
   if (n_tasks <= 0) return;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::max<int64_t>(1, std::min(workers, n_tasks)), 1, [&](int64_t, int64_t) {
-    Scratch scratch(heads, dpad, cap);
+    Scratch scratch(heads, wide_heads, dpad, cap);
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < n_tasks;) body(scratch, t);
   });
 }
@@ -760,6 +834,8 @@ int split_mode() {
 template <typename T>
 void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max_ctx, T* out, float* key_mass) {
   const int64_t D = P.head_dim, H = P.heads, Dp = P.dpad;
+  // float16 and int8 rows are widened into the scratch tiles, every KV head at once; others are read in place.
+  const int64_t wide_heads = std::is_same_v<T, typename RowType<T>::type> ? 0 : P.kv_heads;
   const int64_t threads = std::max(1, at::get_num_threads());
   // Keys row r reads: first_key(r)..q_pos[r].
   auto row_keys = [&](int64_t r) { return P.q_pos[r] + 1 - first_key(P, r); };
@@ -809,7 +885,7 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
   std::vector<float> partials(n_parts * part_size);
   std::vector<float> stats(key_mass != nullptr ? rows * H * 2 : 0);  // final (m, l) per (row, head)
 
-  run_tasks(static_cast<int64_t>(tasks.size()), workers, H, Dp, cap, [&](Scratch& S, int64_t t) {
+  run_tasks(static_cast<int64_t>(tasks.size()), workers, H, wide_heads, Dp, cap, [&](Scratch& S, int64_t t) {
     const Task& task = tasks[t];
     attend_range<T>(P, task.row, task.j0, task.j1, S);
     if (task.part >= 0) {
@@ -894,7 +970,7 @@ void run_attention(const Problem<T>& P, int64_t rows, int64_t batch, int64_t max
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t j0 = seq_first[b]; j0 < seq_keys[b]; j0 += kMassChunk) mass_tasks.emplace_back(b, j0);
   }
-  run_tasks(static_cast<int64_t>(mass_tasks.size()), workers, H, Dp, kMassChunk, [&](Scratch& S, int64_t t) {
+  run_tasks(static_cast<int64_t>(mass_tasks.size()), workers, H, wide_heads, Dp, kMassChunk, [&](Scratch& S, int64_t t) {
     const auto [b, j0] = mass_tasks[t];
     const int64_t j1 = std::min(j0 + kMassChunk, seq_keys[b]);
     key_mass_chunk<T>(P, b_rows.data() + seq_begin[b], seq_begin[b + 1] - seq_begin[b], b, j0, j1, stats.data(), S,
