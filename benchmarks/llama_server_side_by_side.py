@@ -280,9 +280,15 @@ def _f(x, nd: int) -> str:
 
 
 # Environment variables that cap the instruction set of ours (ridgefill's packed kernel, ATen's kernels, MKL,
-# oneDNN): set together, they make this machine run ours as an AVX2 CPU would (our attention kernel still
-# picks its own clone by CPU detection).
-ISA_CAP_VARS = ("RIDGEFILL_PACKED_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA")
+# oneDNN, our attention kernel's float16/int8 row widening): set together, they make this machine run ours as
+# an AVX2 CPU would (our attention kernel's own loops still pick their clone by CPU detection).
+ISA_CAP_VARS = (
+    "RIDGEFILL_PACKED_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "DNNL_MAX_CPU_ISA",
+    "RIDGEFILL_CPU_ATTN_WIDEN",
+)
 
 
 def machine_info() -> dict:
