@@ -55,6 +55,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ridgefill_clients.sse import asplit_lines
+
 REPO = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA = "llama-server"
@@ -419,7 +421,7 @@ async def stream_one(client, url: str, body: dict, arm: str) -> StreamRecord:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
                 return rec
-            async for line in resp.aiter_lines():
+            async for line in asplit_lines(resp.aiter_bytes()):
                 now = time.perf_counter()
                 msg = parse_sse_line(line)
                 if msg == "done":

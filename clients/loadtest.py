@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from .sse import asplit_lines
+
 # A neutral English passage; repeated and cut to the exact token count asked for.
 _FILLER = (
     "The river ran past the old mill, where the miller kept a ledger of every sack of grain. "
@@ -117,7 +119,7 @@ class Client:
                 if r.status_code != 200:
                     rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                     return rec
-                async for line in r.aiter_lines():
+                async for line in asplit_lines(r.aiter_bytes()):
                     if not line.startswith("data: {"):
                         continue
                     now = time.perf_counter()

@@ -62,6 +62,12 @@ class Echo:
     prompt_ids: tuple[int, ...] = ()
 
 
+# NOTE: JSON leaves these raw inside strings, but clients that split lines like
+# str.splitlines() (httpx's iter_lines) break an event at them; as \u escapes the JSON decodes
+# to the same text and the event stays one line. They occur only inside JSON strings.
+_LINE_BREAKERS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(payload: BaseModel | dict | str) -> str:
     if isinstance(payload, BaseModel):
         data = payload.model_dump_json()
@@ -69,7 +75,7 @@ def sse(payload: BaseModel | dict | str) -> str:
         data = json.dumps(payload, ensure_ascii=False)
     else:
         data = payload
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKERS)}\n\n"
 
 
 async def choice_events(

@@ -85,6 +85,18 @@ def test_sse_framing_is_exact(served):
     assert len({c["id"] for c in payloads}) == 1 and payloads[0]["object"] == "text_completion"
 
 
+def test_streamed_text_with_unicode_line_separators_reads_as_whole_events(served):
+    # CI once failed on a generated token holding U+2028: httpx's iter_lines broke the event
+    # there. An echoed prompt puts such characters in the stream on purpose.
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"prompt": prompt, "stream": True, "echo": True, "max_tokens": 2, "temperature": 0}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    texts = [json.loads(line[len("data: ") :])["choices"][0]["text"] for line in lines[:-1]]
+    assert texts[0] == prompt, texts
+
+
 def test_stop_string_ends_the_request_without_the_stop_text(served):
     r = httpx.post(
         served.url + "/v1/completions",
