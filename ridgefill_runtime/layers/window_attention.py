@@ -24,9 +24,12 @@ BAND_BLOCK = 256  # query rows a band holds (128-512 measured within 10% at 4K-1
 
 
 def worth_banding(q_len: int, k_len: int, window: int) -> bool:
-    """Bands pay once the keys reach well past one band's span (else one mask is as cheap).
-    A global layer (window 0) bands only scattered rows: a band stops at its last row's keys."""
-    return q_len > 1 and k_len > 2 * (BAND_BLOCK + window)
+    """On a windowed layer bands pay as soon as some key falls out of a row's window: one
+    Gemma 3 270M layer (4 heads, window 512, 2 threads) at 600 / 1K / 1.5K rows took 7.1 / 15.7 /
+    26.7 ms in bands against 8.8 / 24.0 / 53.8 ms under one mask. A global layer (window 0)
+    bands only scattered rows once the keys reach well past one band: a band stops at its last
+    row's keys."""
+    return q_len > 1 and (k_len > window if window else k_len > 2 * BAND_BLOCK)
 
 
 def banded_window_attention(

@@ -98,10 +98,11 @@ def _spy(monkeypatch):
     return calls
 
 
-def test_attend_sends_long_windowed_prompts_to_bands(monkeypatch):
+@pytest.mark.parametrize("past_window", [1, 2 * window_attention.BAND_BLOCK + 13])
+def test_attend_sends_windowed_prompts_longer_than_the_window_to_bands(monkeypatch, past_window):
     calls = _spy(monkeypatch)
     window = 8
-    k_len = 2 * (window_attention.BAND_BLOCK + window) + 5
+    k_len = window + past_window
     assert worth_banding(k_len, k_len, window)
     q, k, v = torch.randn(k_len, 2, 8), torch.randn(k_len, 1, 8), torch.randn(k_len, 1, 8)
     got = attention.attend(q, k, v, 0.3, window=window)
