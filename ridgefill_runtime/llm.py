@@ -11,6 +11,7 @@ from .config import EngineConfig
 from .engine import _DTYPES, Engine
 from .errors import InputError, UnsupportedError
 from .ops.grouped_ints import GroupedInts
+from .ops.packed_linear import bf16_gemm_native, with_gemm_dtype
 from .ops.packed_linear import compiled_for as packed_compiled_for
 from .fill.maps import FillMaps, check_maps_fit
 from .loader.load import load_checkpoint, naming_the_file
@@ -43,6 +44,11 @@ def build_local_engine(
 ) -> Engine:
     """This process's engine; in a tensor-parallel `group`, over this rank's shard of the model
     (`relay`: rank 0's, which sends each step to the others)."""
+    if config.gemm_dtype != "float32" and not bf16_gemm_native(torch.device(config.device)):
+        raise UnsupportedError(
+            f'gemm_dtype = "{config.gemm_dtype}" needs a CPU with AVX512-BF16 or AMX; this one has '
+            "neither, and its emulated bfloat16 GEMMs would be slower than float32"
+        )
     ckpt = load_checkpoint(config.model, packed=_wants_packed(config))
     if config.weights == "packed" and not any(isinstance(t, GroupedInts) for t in ckpt.tensors.values()):
         raise UnsupportedError(
@@ -63,6 +69,8 @@ def build_local_engine(
         widths = [hi - lo for lo, hi in even_rows(ckpt.config.vocab_size, shard)]
         model.gather_vocab = partial(group.gather_columns, widths=widths)
     model.identity = ckpt.identity
+    if config.gemm_dtype != "float32":
+        set_gemm_dtype(config, model, ckpt.source)
     tensors.clear()
     ckpt.tensors.clear()  # NOTE: the model holds fused copies; drop the loader's to halve memory
     maps = load_fill_maps(config, model)
@@ -77,6 +85,15 @@ def _shard_maps(maps: FillMaps, config, shard: Shard, group: TensorGroup) -> Non
     maps.keep_outputs(*parts[shard.rank], partial(group.gather_columns, widths=[hi - lo for lo, hi in parts]))
     if maps.terminal:
         maps.keep_value_heads(*head_plan(config, shard).family["value_heads"])
+
+
+def set_gemm_dtype(config: EngineConfig, model, source) -> None:
+    """gemm_dtype on the model's packed weights; refused where it has none to act on."""
+    if not with_gemm_dtype(model.weights, _DTYPES[config.gemm_dtype]):
+        raise UnsupportedError(
+            f'gemm_dtype = "{config.gemm_dtype}" acts on packed weights, and {source} runs with none '
+            f'(weights = "{config.weights}" on {config.device}); for dense weights set dtype instead'
+        )
 
 
 def _wants_packed(config: EngineConfig) -> bool:

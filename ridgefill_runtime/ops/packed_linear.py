@@ -20,7 +20,7 @@ whether one serves a device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from .extension import op_available
 
 PANEL = 16
+GEMM_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL = torch.ops.ridgefill.packed_linear.default if op_available("packed_linear") else None
 _DEQUANTIZE_T = torch.ops.ridgefill.packed_dequantize_t.default if op_available("packed_dequantize_t") else None
 # NOTE: from this many rows (prefill chunks) a float32 BLAS GEMM on the weight dequantized for the
@@ -65,6 +66,14 @@ class PackedWeight:
     bits: int
     group: int
     n: int  # output rows
+    # What a GEMM call (BLAS_MIN_ROWS rows and up: prefill chunks) multiplies in: float32 is
+    # exact; bfloat16 rounds x, the weight and the output to bfloat16 and runs ~2.3x faster on a
+    # CPU with AVX512-BF16 (benchmarks/long_prompts/*gemm_dtype_agreement.txt: what it costs).
+    gemm_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.gemm_dtype not in GEMM_DTYPES:
+            raise ValueError(f"a packed weight's gemm_dtype is float32 or bfloat16, got {self.gemm_dtype}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,22 +87,19 @@ class PackedWeight:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.min))
 
     def to(self, device) -> PackedWeight:
-        return PackedWeight(
-            self.data.to(device), self.scale.to(device), self.min.to(device), self.bits, self.group, self.n
-        )
+        return replace(self, data=self.data.to(device), scale=self.scale.to(device), min=self.min.to(device))
 
     def rows(self, lo: int, hi: int) -> PackedWeight:
         """Output rows lo..hi-1 (a fused projection's part); lo must start a panel."""
         if lo % PANEL:
             raise ValueError(f"packed rows must start at a multiple of {PANEL}, got {lo}")
         p0, p1 = lo // PANEL, -(-hi // PANEL)
-        return PackedWeight(
-            self.data[p0:p1],
-            self.scale[p0:p1],
-            self.min[p0:p1] if self.min.numel() else self.min,
-            self.bits,
-            self.group,
-            hi - lo,
+        return replace(
+            self,
+            data=self.data[p0:p1],
+            scale=self.scale[p0:p1],
+            min=self.min[p0:p1] if self.min.numel() else self.min,
+            n=hi - lo,
         )
 
 
@@ -166,12 +172,12 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
         x2 = x2.float()
     if _KERNEL and x.device.type == "cpu":
         if x2.shape[0] >= BLAS_MIN_ROWS and _DEQUANTIZE_T is not None:
-            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n]  # [M, K] @ [K, n]
+            y = _gemm(x2, _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n], w.gemm_dtype)
         else:
             y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     elif _CUDA_KERNEL and x.device.type == "cuda":
         if x2.shape[0] >= CUDA_BLAS_MIN_ROWS:
-            y = x2 @ _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n]  # cuBLAS
+            y = _gemm(x2, _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n], w.gemm_dtype)
         else:
             y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     else:  # NOTE: no kernel for this device (the engine refuses packed there): dequantize per call
@@ -181,6 +187,46 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
     return y.view(*lead, w.n) if len(lead) != 1 else y
+
+
+def _gemm(x: torch.Tensor, wt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] float32 @ wt [K, n] float32 -> [M, n] float32, multiplied in `dtype` (BLAS, cuBLAS)."""
+    if dtype == torch.float32:
+        return x @ wt
+    return (x.to(dtype) @ wt.to(dtype)).float()  # NOTE: torch's CPU mm has no float32 out for bf16 inputs
+
+
+def bf16_gemm_native(device: torch.device) -> bool:
+    """This device multiplies bfloat16 in hardware: a GPU, or a CPU with AVX512-BF16 or AMX
+    (elsewhere oneDNN emulates it, slower than float32)."""
+    if device.type != "cpu":
+        return True
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe() for probe in probes if probe is not None)
+
+
+def with_gemm_dtype(tree, dtype: torch.dtype) -> int:
+    """Sets gemm_dtype on every PackedWeight inside `tree` (dataclasses, lists, dicts, in place);
+    returns how many it set."""
+    count = 0
+
+    def swap(obj):
+        nonlocal count
+        if isinstance(obj, PackedWeight):
+            count += 1
+            return replace(obj, gemm_dtype=dtype)
+        if is_dataclass(obj) and not isinstance(obj, type):
+            for f in fields(obj):
+                setattr(obj, f.name, swap(getattr(obj, f.name)))
+        elif isinstance(obj, list):
+            obj[:] = [swap(x) for x in obj]
+        elif isinstance(obj, dict):
+            for k in obj:
+                obj[k] = swap(obj[k])
+        return obj
+
+    swap(tree)
+    return count
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

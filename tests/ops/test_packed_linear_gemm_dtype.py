@@ -1,0 +1,93 @@
+"""model.gemm_dtype: packed weights' GEMM calls (BLAS_MIN_ROWS rows and up) in bfloat16, against a
+float64 product of the bfloat16-rounded operands; smaller calls untouched; the engine's refusals."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from ridgefill_runtime.config import EngineConfig
+from ridgefill_runtime.errors import UnsupportedError
+from ridgefill_runtime.ops import op_available
+from ridgefill_runtime.ops import packed_linear as pl
+from ridgefill_runtime.ops.packed_linear import BLAS_MIN_ROWS, dequantize_reference, pack, packed_linear
+
+needs_kernel = pytest.mark.skipif(not op_available("packed_linear"), reason="compiled extension not built")
+
+
+def _weight(n: int = 40, k: int = 96, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = (torch.rand(n, k // 32, generator=g) * 0.02).to(torch.float16)
+    mins = (torch.randn(n, k // 32, generator=g) * 0.05).to(torch.float16)
+    return pack(q, scale, mins, 4, 32)
+
+
+@needs_kernel
+def test_bfloat16_gemm_is_the_product_of_the_rounded_operands():
+    w32 = _weight()
+    w16 = pl.replace(w32, gemm_dtype=torch.bfloat16)
+    x = torch.randn(BLAS_MIN_ROWS + 3, 96, generator=torch.Generator().manual_seed(1))
+    got = packed_linear(x, w16)
+    # the operands rounded as the GEMM takes them, multiplied in float64
+    want = x.bfloat16().double() @ dequantize_reference(w32).bfloat16().double().T  # [M, n]
+    # float32 accumulation, then one rounding of the output to bfloat16 (8 bits)
+    bound = 2.0**-8 * want.abs() + 1e-5 * (x.abs().double() @ dequantize_reference(w32).abs().double().T)
+    assert got.dtype == torch.float32
+    assert ((got.double() - want).abs() <= bound).all()
+    exact = packed_linear(x, w32)
+    assert not torch.equal(got, exact)  # it did round: the setting acts
+    torch.testing.assert_close(got, exact, rtol=0.02, atol=0.02)
+
+
+@needs_kernel
+def test_calls_under_the_gemm_rows_stay_float32():
+    w32 = _weight()
+    w16 = pl.replace(w32, gemm_dtype=torch.bfloat16)
+    x = torch.randn(BLAS_MIN_ROWS - 1, 96)
+    assert torch.equal(packed_linear(x, w16), packed_linear(x, w32))  # decode batches: the packed kernel
+
+
+def test_slices_and_moves_keep_the_gemm_dtype_and_bad_ones_are_refused():
+    w = pl.replace(_weight(), gemm_dtype=torch.bfloat16)
+    assert w.rows(16, 40).gemm_dtype == torch.bfloat16 and w.rows(16, 40).n == 24
+    assert w.to("cpu").gemm_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="gemm_dtype is float32 or bfloat16"):
+        pl.replace(w, gemm_dtype=torch.float16)
+
+
+def test_with_gemm_dtype_reaches_every_packed_weight_of_a_tree():
+    @dataclass
+    class Layer:
+        qkv: object
+        norm: torch.Tensor
+
+    @dataclass
+    class Tree:
+        layers: list = field(default_factory=list)
+        extra: dict = field(default_factory=dict)
+
+    tree = Tree([Layer(_weight(), torch.ones(3)), Layer(_weight(seed=1), torch.ones(3))], {"head": _weight(seed=2)})
+    assert pl.with_gemm_dtype(tree, torch.bfloat16) == 3
+    assert [layer.qkv.gemm_dtype for layer in tree.layers] == [torch.bfloat16] * 2
+    assert tree.extra["head"].gemm_dtype == torch.bfloat16
+    assert torch.equal(tree.layers[0].norm, torch.ones(3))
+
+
+def test_the_engine_refuses_bfloat16_gemms_where_they_would_not_act_or_pay(monkeypatch):
+    from ridgefill_runtime.llm import build_engine
+
+    monkeypatch.setattr("ridgefill_runtime.llm.bf16_gemm_native", lambda device: True)
+    engine = build_engine(EngineConfig(gemm_dtype="bfloat16"))  # the embedded SmolLM2, packed
+    weights = engine.model.weights
+    assert {w.gemm_dtype for layer in weights.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)} == {
+        torch.bfloat16
+    }
+    engine.close()
+    with pytest.raises(UnsupportedError, match='acts on packed weights.*weights = "dequantized"'):
+        build_engine(EngineConfig(gemm_dtype="bfloat16", weights="dequantized"))
+    monkeypatch.setattr("ridgefill_runtime.llm.bf16_gemm_native", lambda device: False)
+    with pytest.raises(UnsupportedError, match="needs a CPU with AVX512-BF16 or AMX"):
+        build_engine(EngineConfig(gemm_dtype="bfloat16"))
+    with pytest.raises(ValueError, match="gemm_dtype"):
+        EngineConfig(gemm_dtype="float16")
