@@ -17,13 +17,13 @@ multiply in bfloat16, decode stays float32.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's real-text helper
+from agreement import agreement  # noqa: E402
 from prefill import real_text_ids  # noqa: E402
 
 ARMS = ("float32", "bfloat16")
@@ -83,10 +83,6 @@ def llama_cpp_arm(model: str | None, docs: list[list[int]], prompts: list[list[i
     return scores, greedy
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -125,19 +121,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|")
     for g in arms:
-        d, nll, agree, total = [], [], 0, 0
-        for mine, ref in zip(scores[g], scores["float32"]):
-            d += [abs(x - y) for x, y in zip(mine["target_logprobs"], ref["target_logprobs"])]
-            nll += [-x for x in mine["target_logprobs"]]
-            agree += sum(x == y for x, y in zip(mine["argmax"], ref["argmax"]))
-            total += len(ref["argmax"])
-        div = ", ".join(
-            "none" if (i := first_divergence(a, b)) is None else str(i) for a, b in zip(greedy[g], greedy["float32"])
-        )
+        a = agreement(scores[g], scores["float32"], greedy[g], greedy["float32"])
         name = g if g == "llama.cpp" else f"ours, gemm_dtype {g}"
         print(
-            f"| {name} | {statistics.fmean(nll):.4f} | {max(d):.3g} | {statistics.fmean(d):.3g} | "
-            f"{agree} / {total} | {div} |"
+            f"| {name} | {a.nll:.4f} | {a.max_dlogp:.3g} | {a.mean_dlogp:.3g} | {a.argmax_agree} / {a.positions} "
+            f"| {a.divergences} |"
         )
 
 

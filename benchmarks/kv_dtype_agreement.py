@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's real-text helper
+from agreement import agreement  # noqa: E402
 from prefill import real_text_ids  # noqa: E402
 
 KV_DTYPES = ("auto", "float16", "bfloat16", "int8")
@@ -67,10 +68,6 @@ def decode_ms(llm, prompts: list[list[int]], steps: int) -> float:
     for s in seqs:
         engine.abort(s)
     return 1e3 * statistics.median(times)
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def main() -> None:
@@ -119,18 +116,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for kv, llm in llms.items():
-        d, agree, total = [], 0, 0
-        for mine, ref in zip(scores[kv], scores["auto"]):
-            d += [abs(x - y) for x, y in zip(mine["target_logprobs"], ref["target_logprobs"])]
-            agree += sum(x == y for x, y in zip(mine["argmax"], ref["argmax"]))
-            total += len(ref["argmax"])
-        div = ", ".join(
-            "none" if (i := first_divergence(a, b)) is None else str(i) for a, b in zip(greedy[kv], greedy["auto"])
-        )
+        a = agreement(scores[kv], scores["auto"], greedy[kv], greedy["auto"])
         name = "float32 (auto)" if kv == "auto" else kv
         print(
-            f"| {name} | {llm.engine.kv.bytes_per_token():,} | {max(d):.3g} | {statistics.fmean(d):.3g} | "
-            f"{agree} / {total} | {div} | {speed[kv, 1]:.2f} | {speed[kv, args.batch]:.2f} |"
+            f"| {name} | {llm.engine.kv.bytes_per_token():,} | {a.max_dlogp:.3g} | {a.mean_dlogp:.3g} | "
+            f"{a.argmax_agree} / {a.positions} | {a.divergences} | {speed[kv, 1]:.2f} | {speed[kv, args.batch]:.2f} |"
         )
 
 
