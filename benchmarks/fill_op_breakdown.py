@@ -21,7 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # NOTE: prefill.py's real-text helper
 
 KINDS = {
-    "GEMM": ("aten::mm", "aten::addmm", "aten::bmm", "ridgefill::packed_linear", "ridgefill::packed_dequantize_t"),
+    "GEMM": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "ridgefill::packed_linear",
+        "ridgefill::packed_dequantize_t",
+        "ridgefill::packed_dequantize_t_bf16",
+    ),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu", "ridgefill::scattered_rows_attention"),
     "norms": ("ridgefill::rms_norm",),
     "activations": ("aten::gelu", "aten::silu", "aten::mul", "aten::mul_", "aten::add", "aten::add_"),

@@ -31,6 +31,8 @@ TORCH_LIBRARY(ridgefill, m) {
   // zero), each value computed as packed_linear computes it. For many-row calls
   // (prefill chunks), where a float32 BLAS GEMM beats dequantizing in registers.
   m.def("packed_dequantize_t(Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
+  // W.T as bfloat16 (CPU only): packed_dequantize_t's values rounded to nearest even, for gemm_dtype = bfloat16.
+  m.def("packed_dequantize_t_bf16(Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
 
   // Attention of an arbitrary subset of prompt rows over the paged KV cache.
   // q [R, H, D]; row i is sequence q_seq[i] (int32) at position q_pos[i]

@@ -18,6 +18,7 @@
 // Instruction set chosen at run time: AVX-512F, AVX2+FMA+F16C, or portable C++.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -417,19 +418,32 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& data, const 
 // -- dequantize (W.T) -----------------------------------------------------------------------------
 
 // Panel p's 16 rows at every k -> wt[k, 16p .. 16p + 16): in W.T a panel's k-major bytes land as 16
-// contiguous floats, so the transposed layout is the cheap one to write (and x @ W.T needs no transpose).
-void dequantize_panel_portable(const Packed& w, int64_t panel, float* wt, int64_t ld) {
+// contiguous values, so the transposed layout is the cheap one to write (and x @ W.T needs no
+// transpose). Out: float, or c10::BFloat16 (rounded to nearest even, as torch's .to(bfloat16) does)
+// for a bfloat16 GEMM, which then reads half the bytes and needs no conversion pass.
+template <typename Out>
+void dequantize_panel_portable(const Packed& w, int64_t panel, Out* wt, int64_t ld) {
   for (int64_t k = 0; k < w.K; ++k) {
-    for (int j = 0; j < kPanel; ++j) wt[k * ld + panel * kPanel + j] = weight_at(w, panel, k, j);
+    for (int j = 0; j < kPanel; ++j) wt[k * ld + panel * kPanel + j] = Out(weight_at(w, panel, k, j));
   }
 }
 
 #if defined(__x86_64__)
-template <int BITS, int MIN>
-__attribute__((target("avx512f"))) void dequantize_panel_avx512(const Packed& w, int64_t panel, float* wt, int64_t ld) {
+__attribute__((target("avx512f"))) inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// Round to nearest even on the bits (finite values: dequantized weights are never NaN or inf).
+__attribute__((target("avx512f"))) inline void store16(c10::BFloat16* p, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+template <int BITS, int MIN, typename Out>
+__attribute__((target("avx512f"))) void dequantize_panel_avx512(const Packed& w, int64_t panel, Out* wt, int64_t ld) {
   const int64_t groups = w.K / w.group;
   const uint8_t* base = w.data + panel * w.panel_bytes();
-  float* out = wt + panel * kPanel;
+  Out* out = wt + panel * kPanel;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t at = (panel * groups + g) * kPanel;
     const __m512 s = load16(w.scale, w.half_scale, at);
@@ -437,36 +451,40 @@ __attribute__((target("avx512f"))) void dequantize_panel_avx512(const Packed& w,
     for (int64_t k = g * w.group; k < (g + 1) * w.group; k += (BITS == 4 ? 2 : 1)) {
       if (BITS == 4) {
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k / 2) * 16)));
-        _mm512_storeu_ps(out + k * ld, dequant16<MIN>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z));
-        _mm512_storeu_ps(out + (k + 1) * ld, dequant16<MIN>(_mm512_srli_epi32(b, 4), s, z));
+        store16(out + k * ld, dequant16<MIN>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z));
+        store16(out + (k + 1) * ld, dequant16<MIN>(_mm512_srli_epi32(b, 4), s, z));
       } else {
-        _mm512_storeu_ps(out + k * ld, q8_at<MIN>(base, k, s, z));
+        store16(out + k * ld, q8_at<MIN>(base, k, s, z));
       }
     }
   }
 }
 #endif
 
-using DequantFn = void (*)(const Packed&, int64_t, float*, int64_t);
+template <typename Out>
+using DequantFn = void (*)(const Packed&, int64_t, Out*, int64_t);
 
-DequantFn dequantize_kernel(const Packed& w) {
+template <typename Out>
+DequantFn<Out> dequantize_kernel(const Packed& w) {
 #if defined(__x86_64__)
   static const bool avx512 = isa_cap() >= 2 && __builtin_cpu_supports("avx512f");
   if (avx512) {
-    if (w.bits == 4) return w.min ? dequantize_panel_avx512<4, kMinRounded> : dequantize_panel_avx512<4, kNoMin>;
-    return w.min ? dequantize_panel_avx512<8, kMinRounded> : dequantize_panel_avx512<8, kNoMin>;
+    if (w.bits == 4)
+      return w.min ? dequantize_panel_avx512<4, kMinRounded, Out> : dequantize_panel_avx512<4, kNoMin, Out>;
+    return w.min ? dequantize_panel_avx512<8, kMinRounded, Out> : dequantize_panel_avx512<8, kNoMin, Out>;
   }
 #endif
-  return dequantize_panel_portable;
+  return dequantize_panel_portable<Out>;
 }
 
-at::Tensor packed_dequantize_t_cpu(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
-                                   int64_t bits, int64_t group, int64_t n) {
+template <typename Out>
+at::Tensor dequantize_t(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min, int64_t bits,
+                        int64_t group, int64_t n, at::ScalarType dtype) {
   const Packed w = check_packed(data, scale, min, bits, group, n);
   const int64_t ld = w.panels * kPanel;
-  at::Tensor wt = at::empty({w.K, ld}, data.options().dtype(at::kFloat));
-  const DequantFn kernel = dequantize_kernel(w);
-  float* out = wt.data_ptr<float>();
+  at::Tensor wt = at::empty({w.K, ld}, data.options().dtype(dtype));
+  const DequantFn<Out> kernel = dequantize_kernel<Out>(w);
+  Out* out = wt.data_ptr<Out>();
   at::parallel_for(0, w.panels, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) kernel(w, p, out, ld);
   });
@@ -475,9 +493,20 @@ at::Tensor packed_dequantize_t_cpu(const at::Tensor& data, const at::Tensor& sca
   return wt;
 }
 
+at::Tensor packed_dequantize_t_cpu(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
+                                   int64_t bits, int64_t group, int64_t n) {
+  return dequantize_t<float>(data, scale, min, bits, group, n, at::kFloat);
+}
+
+at::Tensor packed_dequantize_t_bf16_cpu(const at::Tensor& data, const at::Tensor& scale, const at::Tensor& min,
+                                        int64_t bits, int64_t group, int64_t n) {
+  return dequantize_t<c10::BFloat16>(data, scale, min, bits, group, n, at::kBFloat16);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ridgefill, CPU, m) {
   m.impl("packed_linear", &packed_linear_cpu);
   m.impl("packed_dequantize_t", &packed_dequantize_t_cpu);
+  m.impl("packed_dequantize_t_bf16", &packed_dequantize_t_bf16_cpu);
 }

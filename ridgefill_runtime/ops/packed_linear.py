@@ -31,6 +31,10 @@ PANEL = 16
 GEMM_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL = torch.ops.ridgefill.packed_linear.default if op_available("packed_linear") else None
 _DEQUANTIZE_T = torch.ops.ridgefill.packed_dequantize_t.default if op_available("packed_dequantize_t") else None
+# NOTE: CPU only: W.T written as bfloat16 for gemm_dtype = bfloat16 (no float32 copy to convert).
+_DEQUANTIZE_T_BF16 = (
+    torch.ops.ridgefill.packed_dequantize_t_bf16.default if op_available("packed_dequantize_t_bf16") else None
+)
 # NOTE: from this many rows (prefill chunks) a float32 BLAS GEMM on the weight dequantized for the
 # call beats dequantizing in registers: on an AMX/AVX-512 Xeon, 512 rows ran 1.5-1.7x faster, and
 # the same values go in (benchmarks/decode.md). Decode batches stay on the kernel, which reads 4-8x
@@ -172,12 +176,12 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
         x2 = x2.float()
     if _KERNEL and x.device.type == "cpu":
         if x2.shape[0] >= BLAS_MIN_ROWS and _DEQUANTIZE_T is not None:
-            y = _gemm(x2, _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n], w.gemm_dtype)
+            y = _gemm(x2, w)
         else:
             y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     elif _CUDA_KERNEL and x.device.type == "cuda":
         if x2.shape[0] >= CUDA_BLAS_MIN_ROWS:
-            y = _gemm(x2, _DEQUANTIZE_T(w.data, w.scale, w.min, w.bits, w.group, w.n)[:, : w.n], w.gemm_dtype)
+            y = _gemm(x2, w)
         else:
             y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     else:  # NOTE: no kernel for this device (the engine refuses packed there): dequantize per call
@@ -189,11 +193,17 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     return y.view(*lead, w.n) if len(lead) != 1 else y
 
 
-def _gemm(x: torch.Tensor, wt: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [M, K] float32 @ wt [K, n] float32 -> [M, n] float32, multiplied in `dtype` (BLAS, cuBLAS)."""
-    if dtype == torch.float32:
-        return x @ wt
-    return (x.to(dtype) @ wt.to(dtype)).float()  # NOTE: torch's CPU mm has no float32 out for bf16 inputs
+def _gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [M, K] float32 @ W.T -> [M, n] float32, W dequantized for the call and multiplied in
+    w.gemm_dtype (BLAS, cuBLAS)."""
+    args = (w.data, w.scale, w.min, w.bits, w.group, w.n)
+    if w.gemm_dtype == torch.float32:
+        return x @ _DEQUANTIZE_T(*args)[:, : w.n]  # [M, K] @ [K, n]
+    if _DEQUANTIZE_T_BF16 is not None and x.device.type == "cpu":
+        wt = _DEQUANTIZE_T_BF16(*args)[:, : w.n]  # [K, n] bfloat16
+    else:
+        wt = _DEQUANTIZE_T(*args)[:, : w.n].to(w.gemm_dtype)
+    return (x.to(w.gemm_dtype) @ wt).float()  # NOTE: torch's CPU mm has no float32 out for bf16 inputs
 
 
 def bf16_gemm_native(device: torch.device) -> bool:

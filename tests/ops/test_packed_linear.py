@@ -176,6 +176,8 @@ _ISA_CHECK = textwrap.dedent("""
             assert bool((err <= bound).all()), (bits, group, dtype, with_min, rows, float(err.max()))
         got = torch.ops.ridgefill.packed_dequantize_t(w.data, w.scale, w.min, bits, group, w.n)
         assert torch.equal(got, dequantize_t_reference(w)), (bits, group, dtype, with_min)
+        got16 = torch.ops.ridgefill.packed_dequantize_t_bf16(w.data, w.scale, w.min, bits, group, w.n)
+        assert torch.equal(got16, dequantize_t_reference(w).bfloat16()), (bits, group, dtype, with_min)
     print(repr(total))
 """)
 

@@ -91,3 +91,17 @@ def test_the_engine_refuses_bfloat16_gemms_where_they_would_not_act_or_pay(monke
         build_engine(EngineConfig(gemm_dtype="bfloat16"))
     with pytest.raises(ValueError, match="gemm_dtype"):
         EngineConfig(gemm_dtype="float16")
+
+
+@pytest.mark.skipif(not op_available("packed_dequantize_t_bf16"), reason="compiled extension not built")
+@pytest.mark.parametrize("bits,group,with_min,n", [(4, 32, True, 40), (8, 32, False, 37), (4, 32, False, 16)])
+def test_bfloat16_dequantize_rounds_the_float32_values_to_nearest_even(bits, group, with_min, n):
+    g = torch.Generator().manual_seed(3)
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (n, 128), generator=g)
+    scale = (torch.rand(n, 128 // group, generator=g) * 0.02).to(torch.float16)
+    mins = (torch.randn(n, 128 // group, generator=g) * 0.05).to(torch.float16) if with_min else None
+    w = pack(q, scale, mins, bits, group)
+    got = torch.ops.ridgefill.packed_dequantize_t_bf16(w.data, w.scale, w.min, w.bits, w.group, w.n)
+    want = pl.dequantize_t_reference(w).to(torch.bfloat16)  # torch's own rounding, padding rows 0
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
