@@ -289,6 +289,14 @@ def main() -> None:
         choices=["auto", "float32", "bfloat16", "float16", "int8"],
         help="cache.kv_dtype of the packed arm (one arm each; llama.cpp's cache is float16)",
     )
+    ap.add_argument(
+        "--gemm-dtypes",
+        nargs="+",
+        default=["float32"],
+        choices=["float32", "bfloat16"],
+        help="model.gemm_dtype of the packed arm (one arm each): bfloat16 multiplies decode batches' whole "
+        "16-row blocks in bfloat16 (AVX512-BF16)",
+    )
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the transformers arm")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True, help="the llama.cpp arm")
     ap.add_argument(
@@ -314,8 +322,11 @@ def main() -> None:
     from ridgefill_runtime.llm import LLM
     from ridgefill_runtime.loader.gguf import default_model_path
     from ridgefill_runtime.loader.packaged import packaged_model_path
+    from ridgefill_runtime.ops.packed_linear import bf16_gemm_native, with_gemm_dtype
 
     path = packaged_model_path(args.model) if args.model else default_model_path()
+    if "bfloat16" in args.gemm_dtypes and not bf16_gemm_native(torch.device("cpu")):
+        sys.exit("--gemm-dtypes bfloat16 needs a CPU with AVX512-BF16 or AMX; this one would emulate it")
     header = {
         "threads": torch.get_num_threads(),
         "context": args.context,
@@ -344,8 +355,11 @@ def main() -> None:
         if prompts is None:
             prompts = real_text_prompts(llm.tokenizer, max(args.batches), args.context)
         time_ridgefill(llm, weights, args.dtype, [prompts[0][:64]], 4, args.chunk)  # warm up
-        for kv in args.kv_dtypes if weights == "packed" else ["auto"]:
+        packed_arms = [(g, kv) for g in args.gemm_dtypes for kv in args.kv_dtypes] if weights == "packed" else []
+        for gemm, kv in packed_arms or [("float32", "auto")]:
+            with_gemm_dtype(llm.engine.model.weights, getattr(torch, gemm))
             arm = f"ridgefill {weights}" + ("" if kv == "auto" else f", kv {kv}")
+            arm += "" if gemm == "float32" else f", gemm {gemm}"
             for b in args.batches:
                 r = time_ridgefill(llm, weights, args.dtype, prompts[:b], args.new, args.chunk, kv)
                 rows.append({"arm": arm, "batch": b, **r})
@@ -354,6 +368,7 @@ def main() -> None:
                     f"(prefill {r['prefill_s']:.1f} s in {r['prefill_steps']} steps)",
                     flush=True,
                 )
+        with_gemm_dtype(llm.engine.model.weights, torch.float32)  # the head to head below runs float32
         wbytes[f"ridgefill {weights}"] = weight_bytes(llm.engine.model.weights)
         model = llm.engine.model
         if weights == "packed":

@@ -27,6 +27,9 @@ TORCH_LIBRARY(ridgefill, m) {
   // empty. Layout and reference: ridgefill_runtime/ops/packed_linear.py; CPU
   // kernel csrc/cpu/packed_linear.cpp, CUDA kernel csrc/packed_linear.cu.
   m.def("packed_linear(Tensor x, Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
+  // The same (CPU only) with x's whole 16-row blocks multiplied in bfloat16 where the CPU has
+  // AVX512-BF16, for gemm_dtype = bfloat16 decode batches; other rows as packed_linear.
+  m.def("packed_linear_bf16(Tensor x, Tensor data, Tensor scale, Tensor min, int bits, int group, int n) -> Tensor");
   // The same weight dequantized, transposed: W.T float32 [K, P * 16] (rows past n
   // zero), each value computed as packed_linear computes it. For many-row calls
   // (prefill chunks), where a float32 BLAS GEMM beats dequantizing in registers.

@@ -449,8 +449,10 @@ class EngineConfig:
         help="what packed weights multiply in when a call holds 128 rows or more (32 on CUDA: prefill "
         "chunks, big batches): float32 (exact) | bfloat16 (about 2.3x faster GEMMs on CPUs with AVX512-BF16 or AMX and "
         "on GPUs; rounds activations, weights and outputs to bfloat16: "
-        "benchmarks/long_prompts/*gemm_dtype_agreement.txt). "
-        "Smaller calls (decode) stay float32",
+        "benchmarks/long_prompts/*gemm_dtype_agreement.txt). With bfloat16, CPU calls of 16 to 127 rows "
+        "(decode batches) multiply their whole 16-row blocks in bfloat16 too, summing in float32 "
+        "(AVX512-BF16; 1.5x faster packed GEMMs at B = 16), so a sequence's logits depend on its batch; "
+        "calls under 16 rows (batch-1 decode) stay float32",
         flag="--gemm-dtype",
         choices=GEMM_DTYPES,
     )

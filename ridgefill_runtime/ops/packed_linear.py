@@ -30,6 +30,9 @@ from .extension import op_available
 PANEL = 16
 GEMM_DTYPES = (torch.float32, torch.bfloat16)
 _KERNEL = torch.ops.ridgefill.packed_linear.default if op_available("packed_linear") else None
+# NOTE: CPU only: x's whole 16-row blocks multiplied in bfloat16 (AVX512-BF16), for gemm_dtype =
+# bfloat16 calls below BLAS_MIN_ROWS (decode batches of 16 and more); other rows as _KERNEL.
+_KERNEL_BF16 = torch.ops.ridgefill.packed_linear_bf16.default if op_available("packed_linear_bf16") else None
 _DEQUANTIZE_T = torch.ops.ridgefill.packed_dequantize_t.default if op_available("packed_dequantize_t") else None
 # NOTE: CPU only: W.T written as bfloat16 for gemm_dtype = bfloat16 (no float32 copy to convert).
 _DEQUANTIZE_T_BF16 = (
@@ -178,7 +181,8 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
         if x2.shape[0] >= BLAS_MIN_ROWS and _DEQUANTIZE_T is not None:
             y = _gemm(x2, w)
         else:
-            y = _KERNEL(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
+            kernel = _KERNEL_BF16 if w.gemm_dtype == torch.bfloat16 and _KERNEL_BF16 is not None else _KERNEL
+            y = kernel(x2, w.data, w.scale, w.min, w.bits, w.group, w.n)
     elif _CUDA_KERNEL and x.device.type == "cuda":
         if x2.shape[0] >= CUDA_BLAS_MIN_ROWS:
             y = _gemm(x2, w)

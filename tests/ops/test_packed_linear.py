@@ -153,6 +153,7 @@ def test_kernel_refuses_a_wrong_input_width():
 
 
 _ISA_CHECK = textwrap.dedent("""
+    import os
     import torch
     from ridgefill_runtime.ops.packed_linear import (BLAS_MIN_ROWS, dequantize_reference, dequantize_t_reference,
                                                      pack, packed_linear)
@@ -174,6 +175,9 @@ _ISA_CHECK = textwrap.dedent("""
             err = (y - x.double() @ wd.T).abs()
             bound = 1e-6 * (x.abs().double() @ wd.abs().T) + 1e-7
             assert bool((err <= bound).all()), (bits, group, dtype, with_min, rows, float(err.max()))
+            if os.environ.get("RIDGEFILL_PACKED_ISA"):  # capped under AVX-512: no bfloat16 tile, all float32
+                y16 = torch.ops.ridgefill.packed_linear_bf16(x, w.data, w.scale, w.min, bits, group, w.n)
+                assert torch.equal(y16, packed_linear(x, w)), (bits, group, dtype, with_min, rows)
         got = torch.ops.ridgefill.packed_dequantize_t(w.data, w.scale, w.min, bits, group, w.n)
         assert torch.equal(got, dequantize_t_reference(w)), (bits, group, dtype, with_min)
         got16 = torch.ops.ridgefill.packed_dequantize_t_bf16(w.data, w.scale, w.min, bits, group, w.n)

@@ -1,5 +1,6 @@
-"""model.gemm_dtype: packed weights' GEMM calls (BLAS_MIN_ROWS rows and up) in bfloat16, against a
-float64 product of the bfloat16-rounded operands; smaller calls untouched; the engine's refusals."""
+"""model.gemm_dtype: packed weights' GEMM calls (BLAS_MIN_ROWS rows and up) and decode batches' whole
+16-row blocks in bfloat16, against a float64 product of the bfloat16-rounded operands; calls under 16
+rows untouched; the engine's refusals."""
 
 from dataclasses import dataclass, field
 
@@ -41,11 +42,49 @@ def test_bfloat16_gemm_is_the_product_of_the_rounded_operands():
 
 
 @needs_kernel
-def test_calls_under_the_gemm_rows_stay_float32():
+def test_calls_under_sixteen_rows_stay_float32():
     w32 = _weight()
     w16 = pl.replace(w32, gemm_dtype=torch.bfloat16)
-    x = torch.randn(BLAS_MIN_ROWS - 1, 96)
-    assert torch.equal(packed_linear(x, w16), packed_linear(x, w32))  # decode batches: the packed kernel
+    x = torch.randn(15, 96)
+    assert torch.equal(packed_linear(x, w16), packed_linear(x, w32))  # batch-1 decode: the float32 kernel
+
+
+_BF16_TILE = torch.cpu._is_avx512_bf16_supported()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "bits,group,scale_dtype,with_min",
+    [
+        (4, 32, torch.float16, True),
+        (8, 32, torch.float16, False),
+        (4, 32, torch.float32, True),
+        (8, 3, torch.float16, False),
+    ],
+)
+@pytest.mark.parametrize("rows", [16, 35, BLAS_MIN_ROWS - 1])
+def test_decode_batches_multiply_whole_sixteen_row_blocks_in_bfloat16(bits, group, scale_dtype, with_min, rows):
+    """From 16 rows to BLAS_MIN_ROWS the packed kernel takes x's whole 16-row blocks in bfloat16
+    (AVX512-BF16): the float64 product of the rounded operands, summed in float32. The rows past the
+    last block, an odd group (a k pair would straddle two scales) and a CPU without AVX512-BF16
+    stay float32, bit for bit."""
+    g = torch.Generator().manual_seed(rows + bits)
+    lo, hi = (0, 16) if bits == 4 else (-128, 128)
+    q = torch.randint(lo, hi, (40, 96), generator=g)
+    scale = (torch.rand(40, 96 // group, generator=g) * 0.02).to(scale_dtype)
+    mins = (torch.randn(40, 96 // group, generator=g) * 0.05).to(scale_dtype) if with_min else None
+    w32 = pack(q, scale, mins, bits, group)
+    w16 = pl.replace(w32, gemm_dtype=torch.bfloat16)
+    x = torch.randn(rows, 96, generator=g)
+    got, exact = packed_linear(x, w16), packed_linear(x, w32)
+    blocked = (rows // 16) * 16 if _BF16_TILE and group % 2 == 0 else 0
+    assert torch.equal(got[blocked:], packed_linear(x[blocked:], w32))
+    if blocked:
+        wd = dequantize_reference(w32)
+        want = x[:blocked].bfloat16().double() @ wd.bfloat16().double().T  # [blocked, n]
+        bound = 1e-6 * (x[:blocked].abs().double() @ wd.abs().double().T) + 1e-7  # float32 sums only
+        assert ((got[:blocked].double() - want).abs() <= bound).all()
+        assert not torch.equal(got[:blocked], exact[:blocked])  # it did round
 
 
 def test_slices_and_moves_keep_the_gemm_dtype_and_bad_ones_are_refused():
