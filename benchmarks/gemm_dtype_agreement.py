@@ -1,6 +1,8 @@
 """What bfloat16 GEMMs (model.gemm_dtype) cost in accuracy against float32, on a packaged model or the
-embedded SmolLM2: same packed weights, same float32 K/V; only calls of 128 rows and up (prefill chunks)
-multiply in bfloat16, decode stays float32.
+embedded SmolLM2: same packed weights, same float32 K/V; only calls of 16 rows and up multiply in
+bfloat16 (128 and up: a BLAS GEMM, outputs rounded to bfloat16; 16 to 127: the packed kernel's whole
+16-row blocks, float32 sums, the path of decode batches), batch-1 decode stays float32. `--chunk 64`
+scores every row through that decode-batch path.
 
     python benchmarks/gemm_dtype_agreement.py --threads 2 --model gemma3-270m --docs 4 --tokens 2048
 
