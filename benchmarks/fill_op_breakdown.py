@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--split", type=int, required=True)
     ap.add_argument("--tail", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--top", type=int, default=8, help="list this many of the ops counted as 'other', by time")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -80,7 +81,7 @@ def main() -> None:
     ids = real_text_ids(llm.tokenizer, n)
     load = " ".join(open("/proc/loadavg").read().split()[:3])
     print(f"threads={args.threads} model={args.model} split={args.split} tail={args.tail} tokens={n}; load {load}")
-    seconds, by_kind, chosen = {}, {}, ()
+    seconds, by_kind, chosen, others = {}, {}, (), {}
     for name, fc in (("exact", FillConfig()), ("fill", fill)):
         eng = engine(fc)
         run(eng, ids[: args.tail + 256])
@@ -90,6 +91,8 @@ def main() -> None:
         kinds: dict[str, float] = {}
         for ev in prof.key_averages():
             kinds[kind_of(ev.key)] = kinds.get(kind_of(ev.key), 0.0) + ev.self_cpu_time_total / 1e6
+            if kind_of(ev.key) == "other":
+                others.setdefault(ev.key, {})[name] = (ev.self_cpu_time_total / 1e6, ev.count)
         by_kind[name] = kinds
     shapes = layer_shapes(model.config, model.cache_spec().layers)
     mac = ceiling(shapes, n, args.split, args.tail, chosen)
@@ -104,6 +107,14 @@ def main() -> None:
         print(f"| {kind} | {e:.2f} | {f:.2f} | {f / e if e else float('nan'):.3f} |")
     e, f = sum(by_kind["exact"].values()), sum(by_kind["fill"].values())
     print(f"| all (profiled) | {e:.2f} | {f:.2f} | {f / e:.3f} |")
+    if args.top:
+        print(f"\nThe {args.top} slowest ops counted as 'other' (self CPU s, calls):\n")
+        print("| op | exact s | exact calls | fill s | fill calls |")
+        print("|---|---|---|---|---|")
+        ranked = sorted(others.items(), key=lambda kv: -max(t for t, _ in kv[1].values()))
+        for op, arms in ranked[: args.top]:
+            (es, ec), (fs, fc) = arms.get("exact", (0.0, 0)), arms.get("fill", (0.0, 0))
+            print(f"| {op} | {es:.2f} | {ec} | {fs:.2f} | {fc} |")
 
 
 if __name__ == "__main__":
