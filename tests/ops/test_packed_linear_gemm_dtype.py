@@ -132,7 +132,7 @@ def test_the_engine_refuses_bfloat16_gemms_where_they_would_not_act_or_pay(monke
         EngineConfig(gemm_dtype="float16")
 
 
-@pytest.mark.skipif(not op_available("packed_dequantize_t_bf16"), reason="compiled extension not built")
+@needs_kernel
 @pytest.mark.parametrize("bits,group,with_min,n", [(4, 32, True, 40), (8, 32, False, 37), (4, 32, False, 16)])
 def test_bfloat16_dequantize_rounds_the_float32_values_to_nearest_even(bits, group, with_min, n):
     g = torch.Generator().manual_seed(3)
