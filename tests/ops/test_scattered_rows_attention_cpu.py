@@ -107,7 +107,10 @@ def assert_mass_close(mass, exact):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (9, 3), (8, 2)], ids=["g1", "g3", "g4"])
+# g3, g4: one pass of accumulate_rows_heads; g5, g7: a pass of four heads, then the rest (one head alone, three)
+@pytest.mark.parametrize(
+    "heads,kv_heads", [(3, 3), (9, 3), (8, 2), (10, 2), (14, 2)], ids=["g1", "g3", "g4", "g5", "g7"]
+)
 def test_mixed_batch_matches_f64(heads, kv_heads, block_size, dtype, monkeypatch):
     q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(heads, kv_heads, block_size, dtype)
     scale = D**-0.5
