@@ -52,8 +52,9 @@
 // (target_clones -> ifunc), so one binary runs anywhere; the vector code uses
 // GCC/Clang vector extensions of 16 floats, which each clone lowers to zmm,
 // 2 x ymm or 4 x xmm. The v3 and v4 clones give bitwise the same results (same
-// lane-wise arithmetic and reduction trees); the baseline differs by rounding
-// (no FMA).
+// lane-wise arithmetic and reduction trees) except over widened rows, whose V
+// pass runs a KV group's heads together on AVX-512 only (kGroupHeads) and sums
+// in another order there; the baseline differs by rounding (no FMA).
 //
 // Debug/test knob: RIDGEFILL_CPU_ATTN_SPLIT=0 never splits, =1 splits every
 // row longer than kMinSplitKeys keys; unset (or anything else) = heuristic.
@@ -327,9 +328,19 @@ Int8RowsFn pick_int8_rows() {
 }
 const HalfRowsFn kHalfRows = pick_half_rows();
 const Int8RowsFn kInt8Rows = pick_int8_rows();
+// The grouped V pass (accumulate_group) holds 16 accumulators of 16 floats: half of AVX-512's 32 zmm registers,
+// but under AVX2 each is two of the 16 ymm registers and it would spill. It runs only where the x86-64-v4 clone
+// runs (the features that clone's resolver checks); elsewhere the V pass goes a head at a time.
+bool pick_group_heads() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+const bool kGroupHeads = pick_group_heads();
 #else
 constexpr HalfRowsFn kHalfRows = half_rows_portable;
 constexpr Int8RowsFn kInt8Rows = int8_rows_portable;
+constexpr bool kGroupHeads = false;
 #endif
 
 template <typename T>
@@ -761,13 +772,13 @@ RIDGEFILL_ATTN_CLONES void attend_chunk(const Problem<T>& P, int64_t row, int64_
           rows[i] = S.vtile.data() + (i * P.kv_heads + kvh) * Dp;
         }
       }
-      if constexpr (std::is_same_v<T, R>) {
+      if (!std::is_same_v<T, R> && kGroupHeads) {
+        accumulate_group(acc + kvh * G * Dp, Dp, scores + kvh * G * cap + t0, cap, rows, nt, D, G);
+      } else {
         for (int64_t g = 0; g < G; ++g) {
           const int64_t h = kvh * G + g;
           accumulate_rows(acc + h * Dp, scores + h * cap + t0, rows, nt, D);
         }
-      } else {
-        accumulate_group(acc + kvh * G * Dp, Dp, scores + kvh * G * cap + t0, cap, rows, nt, D, G);
       }
     }
   }
