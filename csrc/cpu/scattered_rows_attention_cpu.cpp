@@ -694,7 +694,8 @@ RIDGEFILL_INLINE void accumulate_rows_heads(float* __restrict__ a, int64_t a_str
   }
 }
 
-// accumulate_rows for the G heads g0..g0+G of one KV group, four heads per pass where D allows.
+// accumulate_rows for the G query heads of one KV group (a and p at its first head), four heads per pass where D
+// allows; a head dim that is not a multiple of 4 * kW, and a single head left over, go a head at a time.
 template <typename R>
 RIDGEFILL_INLINE void accumulate_group(float* __restrict__ a, int64_t a_stride, const float* __restrict__ p,
                                        int64_t cap, const R* const* rows, int64_t nt, int64_t D, int64_t G) {
