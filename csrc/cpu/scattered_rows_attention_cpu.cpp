@@ -702,9 +702,14 @@ RIDGEFILL_INLINE void accumulate_group(float* __restrict__ a, int64_t a_stride, 
   int64_t g = 0;
   if (D % (4 * kW) == 0) {
     for (; g + 4 <= G; g += 4) accumulate_rows_heads<4>(a + g * a_stride, a_stride, p + g * cap, cap, rows, nt, D);
-    if (G - g == 3) accumulate_rows_heads<3>(a + g * a_stride, a_stride, p + g * cap, cap, rows, nt, D);
-    if (G - g == 2) accumulate_rows_heads<2>(a + g * a_stride, a_stride, p + g * cap, cap, rows, nt, D);
-    if (G - g >= 2) g = G;
+    if (G - g == 3) {
+      accumulate_rows_heads<3>(a + g * a_stride, a_stride, p + g * cap, cap, rows, nt, D);
+      return;
+    }
+    if (G - g == 2) {
+      accumulate_rows_heads<2>(a + g * a_stride, a_stride, p + g * cap, cap, rows, nt, D);
+      return;
+    }
   }
   for (; g < G; ++g) accumulate_rows(a + g * a_stride, p + g * cap, rows, nt, D);
 }

@@ -107,10 +107,7 @@ def assert_mass_close(mass, exact):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block_size", [1, 16])
-# g3, g4: one pass of accumulate_rows_heads; g5, g7: a pass of four heads, then the rest (one head alone, three)
-@pytest.mark.parametrize(
-    "heads,kv_heads", [(3, 3), (9, 3), (8, 2), (10, 2), (14, 2)], ids=["g1", "g3", "g4", "g5", "g7"]
-)
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (9, 3), (8, 2)], ids=["g1", "g3", "g4"])
 def test_mixed_batch_matches_f64(heads, kv_heads, block_size, dtype, monkeypatch):
     q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(heads, kv_heads, block_size, dtype)
     scale = D**-0.5
@@ -131,12 +128,15 @@ def test_mixed_batch_matches_f64(heads, kv_heads, block_size, dtype, monkeypatch
     assert_out_close(out_split, exact_out, dtype)
 
 
+# float16 rows are widened, and on AVX-512 their V pass runs a group's heads together (accumulate_group):
+# g2, g4 one pass of two / four heads; g5 four, then one head alone; g7 four, then three.
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 2), (10, 2), (14, 2)], ids=["g2", "g4", "g5", "g7"])
 @pytest.mark.parametrize("slab_dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_float32_queries_over_a_narrow_cache_match_f64(slab_dtype, monkeypatch):
+def test_float32_queries_over_a_narrow_cache_match_f64(slab_dtype, heads, kv_heads, monkeypatch):
     """cache.kv_dtype: float32 queries read bfloat16 / float16 slabs as stored; the queries and the
     output stay float32, so the result is the float64 answer on the stored (rounded) K/V within the
     float32 bound."""
-    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(8, 2, 16, slab_dtype)
+    q, q_seq, q_pos, k_slab, v_slab, tables, ctx = mixed_batch(heads, kv_heads, 16, slab_dtype)
     q = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))  # float32, never rounded
     scale = D**-0.5
     exact_out, exact_mass = naive_f64(q, q_seq, q_pos, k_slab, v_slab, tables, 16, scale)
