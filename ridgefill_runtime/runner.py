@@ -18,6 +18,7 @@ from .fill.plan import FillPlanner, PlannedFill, needs_fill_step
 from .fill.two_sweep import two_sweep
 from .layers.attention import AttentionBatch, kv_slots
 from .models.forward import ForwardBatch, ForwardOutput
+from .ops.row_argmax import row_argmax
 from .sampling import sample_token
 from .self_draft import SelfDrafter, loop_read
 from .speculative import accept_greedy
@@ -342,7 +343,8 @@ class Runner:
 def _greedy_choices(items: list[ScheduledSeq], owners: list[tuple[int, int]], logits: torch.Tensor) -> dict[int, int]:
     """logit row -> its argmax, for the sampled rows of greedy items, in one reduction.
     NOTE: one call for the step instead of one per sequence (at batch 16 those cost ~2 ms a step),
-    and max() rather than argmax(): the same first-maximum index, ~3x faster on CPU."""
+    and row_argmax rather than torch's argmax: the same first-maximum index, by block maxima
+    (Gemma 3's [16, 262144] logits: ~0.2 ms against ~1.8 ms)."""
     rows = [
         r
         for it, (_, hi) in zip(items, owners)
@@ -352,7 +354,7 @@ def _greedy_choices(items: list[ScheduledSeq], owners: list[tuple[int, int]], lo
     if not rows:
         return {}
     picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows, device=logits.device)]
-    return dict(zip(rows, picked.max(-1).indices.tolist()))
+    return dict(zip(rows, row_argmax(picked).tolist()))
 
 
 def _token_logprobs(

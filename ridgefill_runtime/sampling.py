@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .ops.row_argmax import row_argmax
 from .sequence import SamplingParams
 
 
@@ -28,7 +29,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from logits [V] (float32)."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return int(row_argmax(logits[None])[0])
     filtered = filter_logits(logits / params.temperature, params.top_k, params.top_p)
     probs = filtered.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
