@@ -315,15 +315,35 @@ __attribute__((target("avx512f"))) void tile16_avx512(const Packed& w, const flo
 // does the work of two FMAs. A 32-bit weight lane j holds row j's weights at k and k + 1 (k in the low
 // half), each rounded to nearest even from the float32 value the other kernels use; x comes as the same
 // pairs (xp [K / 2, 16] 32-bit words: row r's x at k and k + 1), so one k pair's 16 broadcasts are one
-// cache line. Sums stay float32. Dequantizing a pair costs ~9 vector ops against 16 dot products, where
-// tile16_avx512 spends ~6 against 32 FMAs: ~1.5x the rows per cycle at best (benchmarks/decode.py).
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512bh pair_bf16(__m512 lo, __m512 hi) {
-  // _mm512_cvtne2ps_pbh(a, b): 16-bit elements 0-15 from b, 16-31 from a; interleave them so that
-  // element 2j = lo_j, 2j + 1 = hi_j
-  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-  return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(_mm512_load_si512(order), both));
+// cache line. Sums stay float32.
+//
+// The weights are dequantized straight into that pair order: the bytes of rows 0-7 at k and k + 1 are
+// interleaved before widening (one 128-bit unpack; the nibbles of a 4-bit byte already are row j's k
+// and k + 1), so the float32 vector `lo` holds (row 0 k, row 0 k + 1, row 1 k, ..., row 7 k + 1) and
+// `hi` the same for rows 8-15, with the scales repeated to match (once a group). vcvtne2ps2bf16 then
+// lays lo's 16 values in bfloat16 elements 0-15 and hi's in 16-31: element 2j, 2j + 1 is row j at
+// k, k + 1, the lane order vdpbf16ps wants, with no permute per pair (an earlier version dequantized in
+// row order and permuted each pair, one more 512-bit op of ~9 against 16 dot products). Same values
+// and the same sums in the same order as before.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw"))) inline void pair_bytes(const uint8_t* base, int64_t k, __m128i& lo,
+                                                                    __m128i& hi) {
+  __m128i a, b;  // per row j (byte j): the value at k, at k + 1
+  if (BITS == 4) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k / 2) * 16));
+    a = _mm_and_si128(v, _mm_set1_epi8(15));
+    b = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15));
+  } else {
+    a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + k * 16));
+    b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k + 1) * 16));
+  }
+  lo = _mm_unpacklo_epi8(a, b);  // rows 0-7: (k, k + 1) byte pairs
+  hi = _mm_unpackhi_epi8(a, b);  // rows 8-15
+}
+
+template <int BITS>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i widen_bytes(__m128i v) {
+  return BITS == 4 ? _mm512_cvtepu8_epi32(v) : _mm512_cvtepi8_epi32(v);  // 4 bits: 0..15; 8 bits: signed
 }
 
 template <int BITS, int MIN>
@@ -331,6 +351,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile16_bf16(const Pa
                                                                           int64_t panel, float* y) {
   __m512 acc[16];
   for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  // lane i of the pair-ordered vectors belongs to row i / 2 (lo) or 8 + i / 2 (hi)
+  const __m512i rows_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i rows_hi = _mm512_add_epi32(rows_lo, _mm512_set1_epi32(8));
   const int64_t groups = w.K / w.group;
   const uint8_t* base = w.data + panel * w.panel_bytes();
   for (int64_t g = 0; g < groups; ++g) {
@@ -338,15 +361,14 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile16_bf16(const Pa
     prefetch_group(w, base + k0 * (BITS == 4 ? 8 : 16), at);
     const __m512 s = load16(w.scale, w.half_scale, at);
     const __m512 z = MIN ? load16(w.min, w.half_scale, at) : _mm512_setzero_ps();
+    const __m512 s_lo = _mm512_permutexvar_ps(rows_lo, s), s_hi = _mm512_permutexvar_ps(rows_hi, s);
+    const __m512 z_lo = _mm512_permutexvar_ps(rows_lo, z), z_hi = _mm512_permutexvar_ps(rows_hi, z);
     for (int64_t k = k0; k < k1; k += 2) {  // groups hold an even number of k (packed_linear_bf16_cpu)
-      __m512bh wv;
-      if (BITS == 4) {
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k / 2) * 16)));
-        wv = pair_bf16(dequant16<MIN>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z),
-                       dequant16<MIN>(_mm512_srli_epi32(b, 4), s, z));
-      } else {
-        wv = pair_bf16(q8_at<MIN>(base, k, s, z), q8_at<MIN>(base, k + 1, s, z));
-      }
+      __m128i lo, hi;
+      pair_bytes<BITS>(base, k, lo, hi);
+      // _mm512_cvtne2ps_pbh(a, b): bfloat16 elements 0-15 from b, 16-31 from a
+      const __m512bh wv = _mm512_cvtne2ps_pbh(dequant16<MIN>(widen_bytes<BITS>(hi), s_hi, z_hi),
+                                              dequant16<MIN>(widen_bytes<BITS>(lo), s_lo, z_lo));
       const uint32_t* xk = xp + (k / 2) * 16;
       for (int r = 0; r < 16; ++r)
         acc[r] = _mm512_dpbf16_ps(acc[r], wv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(int(xk[r]))));

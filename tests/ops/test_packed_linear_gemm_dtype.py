@@ -58,6 +58,7 @@ _BF16_TILE = torch.cpu._is_avx512_bf16_supported()
     [
         (4, 32, torch.float16, True),
         (8, 32, torch.float16, False),
+        (8, 32, torch.float16, True),
         (4, 32, torch.float32, True),
         (8, 3, torch.float16, False),
     ],
