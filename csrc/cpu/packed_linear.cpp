@@ -112,14 +112,58 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const void* p, bool
   return _mm256_loadu_ps(static_cast<const float*>(p) + i);
 }
 
-// One k's 16 weights (two 8-lane halves) times MR rows of x.
-template <int MR>
-__attribute__((target("avx2,fma,f16c"))) inline void fma_k(__m256 (&acc)[MR][2], __m256 w0, __m256 w1,
-                                                           const float* x, int64_t K, int64_t k) {
-  for (int r = 0; r < MR; ++r) {
-    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
-    acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
-    acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+// N rows' accumulators (16 lanes each: lo, hi) as nested named members. NOTE: GCC 12 wrote an array of
+// vector accumulators back to the stack every k (12 stores a k at 6 rows, also fully unrolled); named
+// members it keeps in registers.
+template <int N>
+struct RowsAvx2 {
+  __m256 lo, hi;
+  RowsAvx2<N - 1> rest;
+};
+template <>
+struct RowsAvx2<0> {};
+
+template <int N>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void zero_rows(RowsAvx2<N>& a) {
+  if constexpr (N > 0) {
+    a.lo = a.hi = _mm256_setzero_ps();
+    zero_rows<N - 1>(a.rest);
+  }
+}
+
+template <int N>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void load_rows(RowsAvx2<N>& a, const float* y) {
+  if constexpr (N > 0) {
+    a.lo = _mm256_loadu_ps(y), a.hi = _mm256_loadu_ps(y + 8);
+    load_rows<N - 1>(a.rest, y + kPanel);
+  }
+}
+
+template <int N>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void store_rows(const RowsAvx2<N>& a, float* y) {
+  if constexpr (N > 0) {
+    _mm256_storeu_ps(y, a.lo), _mm256_storeu_ps(y + 8, a.hi);
+    store_rows<N - 1>(a.rest, y + kPanel);
+  }
+}
+
+// One k's 16 weights (w0: rows 0-7 of the panel, w1: 8-15) times N rows of x (x: the first row's x at
+// that k; rows K apart).
+template <int N>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void fma_rows(RowsAvx2<N>& a, __m256 w0, __m256 w1,
+                                                                             const float* x, int64_t K) {
+  if constexpr (N > 0) {
+    const __m256 xb = _mm256_broadcast_ss(x);
+    a.lo = _mm256_fmadd_ps(w0, xb, a.lo), a.hi = _mm256_fmadd_ps(w1, xb, a.hi);
+    fma_rows<N - 1>(a.rest, w0, w1, x + K, K);
+  }
+}
+
+template <int N>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void add_rows(RowsAvx2<N>& a, const RowsAvx2<N>& b) {
+  if constexpr (N > 0) {
+    a.lo = _mm256_add_ps(a.lo, b.lo), a.hi = _mm256_add_ps(a.hi, b.hi);
+    add_rows<N - 1>(a.rest, b.rest);
   }
 }
 
@@ -149,10 +193,11 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const f
   // With one or two rows, one accumulator set is a chain of dependent FMAs, k after k: even and odd k go to
   // two sets there, as in tile_avx512 (four rows already give eight independent chains). Measured under the
   // AVX2 cap on an AVX-512 Xeon, this alone changed little; q8_avx2's two 8-byte loads gave 8-10 % at batch 1.
-  constexpr int C = MR <= 2 ? 2 : 1;
-  __m256 acc[C][MR][2];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < MR; ++r) acc[c][r][0] = acc[c][r][1] = _mm256_setzero_ps();
+  constexpr bool kSplit = MR <= 2;
+  RowsAvx2<MR> even, odd;  // odd: k + 1's chains where kSplit, else unused
+  zero_rows<MR>(even);
+  if (kSplit) zero_rows<MR>(odd);
+  RowsAvx2<MR>& second = kSplit ? odd : even;
   const int64_t groups = w.K / w.group;
   const uint8_t* base = w.data + panel * w.panel_bytes();
   const __m256i low4 = _mm256_set1_epi32(15);
@@ -167,36 +212,113 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const f
         const uint8_t* b = base + (k / 2) * 16;
         const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
         const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
-        fma_k<MR>(acc[0], dequant8<MIN>(_mm256_and_si256(b0, low4), s0, z0),
-                  dequant8<MIN>(_mm256_and_si256(b1, low4), s1, z1), x, w.K, k);
-        fma_k<MR>(acc[C - 1], dequant8<MIN>(_mm256_srli_epi32(b0, 4), s0, z0),
-                  dequant8<MIN>(_mm256_srli_epi32(b1, 4), s1, z1), x, w.K, k + 1);
+        fma_rows<MR>(even, dequant8<MIN>(_mm256_and_si256(b0, low4), s0, z0),
+                     dequant8<MIN>(_mm256_and_si256(b1, low4), s1, z1), x + k, w.K);
+        fma_rows<MR>(second, dequant8<MIN>(_mm256_srli_epi32(b0, 4), s0, z0),
+                     dequant8<MIN>(_mm256_srli_epi32(b1, 4), s1, z1), x + k + 1, w.K);
       }
     } else {
       int64_t k = k0;
       __m256 w0, w1;
       for (; k + 2 <= k1; k += 2) {
         q8_avx2<MIN>(base, k, s0, s1, z0, z1, w0, w1);
-        fma_k<MR>(acc[0], w0, w1, x, w.K, k);
+        fma_rows<MR>(even, w0, w1, x + k, w.K);
         q8_avx2<MIN>(base, k + 1, s0, s1, z0, z1, w0, w1);
-        fma_k<MR>(acc[C - 1], w0, w1, x, w.K, k + 1);
+        fma_rows<MR>(second, w0, w1, x + k + 1, w.K);
       }
       if (k < k1) {  // an odd group's last k
         q8_avx2<MIN>(base, k, s0, s1, z0, z1, w0, w1);
-        fma_k<MR>(acc[0], w0, w1, x, w.K, k);
+        fma_rows<MR>(even, w0, w1, x + k, w.K);
       }
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    __m256 a0 = acc[0][r][0], a1 = acc[0][r][1];
-    if (C == 2) a0 = _mm256_add_ps(a0, acc[C - 1][r][0]), a1 = _mm256_add_ps(a1, acc[C - 1][r][1]);
-    _mm256_storeu_ps(y + r * kPanel, a0);
-    _mm256_storeu_ps(y + r * kPanel + 8, a1);
+  if (kSplit) add_rows<MR>(even, odd);
+  store_rows<MR>(even, y);
+}
+
+// -- AVX2, many rows: dequantize a panel's chunk of k once, then every row tile reads it from L1 ----------
+// tile_avx2 dequantizes each weight again for every tile of 4-6 rows: at 16 rows (three tiles) the
+// dequantizing took 18 vector ops against 32 FMAs a k. Here a chunk of kStageK k of the panel is
+// dequantized once into a float32 buffer (16 KB: L1) by the same arithmetic (the same values), and each
+// tile then loads its two vectors a k from there (load ports, not the FMA ports). The accumulators go to
+// y between chunks, unrounded, and each row still sums k in order: the results are bitwise those of
+// tile_avx2 for tiles of 3 rows and more.
+constexpr int64_t kStageK = 256;
+constexpr int64_t kStageMinRows = 8;  // below: tile_avx2 (the buffer's stores and loads would not pay)
+
+// Weights of k in [k0, k1) (whole groups) of one panel, dequantized into buf [(k1 - k0), 16].
+template <int BITS, int MIN>
+__attribute__((target("avx2,fma,f16c"))) void stage_avx2(const Packed& w, int64_t panel, int64_t k0, int64_t k1,
+                                                         float* buf) {
+  const int64_t groups = w.K / w.group;
+  const uint8_t* base = w.data + panel * w.panel_bytes();
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t g = k0 / w.group; g < k1 / w.group; ++g) {
+    const int64_t at = (panel * groups + g) * kPanel, g0 = g * w.group, g1 = g0 + w.group;
+    prefetch_group(w, base + g0 * (BITS == 4 ? 8 : 16), at);
+    const __m256 s0 = load8(w.scale, w.half_scale, at), s1 = load8(w.scale, w.half_scale, at + 8);
+    __m256 z0 = _mm256_setzero_ps(), z1 = z0;
+    if (MIN) z0 = load8(w.min, w.half_scale, at), z1 = load8(w.min, w.half_scale, at + 8);
+    for (int64_t k = g0; k < g1; ++k) {
+      float* out = buf + (k - k0) * kPanel;
+      __m256 w0, w1;
+      if (BITS == 4) {
+        const uint8_t* b = base + (k / 2) * 16;
+        __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+        __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+        if (k & 1) b0 = _mm256_srli_epi32(b0, 4), b1 = _mm256_srli_epi32(b1, 4);  // odd k: high nibbles
+        w0 = dequant8<MIN>(_mm256_and_si256(b0, low4), s0, z0);
+        w1 = dequant8<MIN>(_mm256_and_si256(b1, low4), s1, z1);
+      } else {
+        q8_avx2<MIN>(base, k, s0, s1, z0, z1, w0, w1);
+      }
+      _mm256_store_ps(out, w0);
+      _mm256_store_ps(out + 8, w1);
+    }
+  }
+}
+
+// MR rows of x times the staged weights of k in [k0, k0 + kn), added to (or, first, written as) y [MR, 16].
+template <int MR>
+__attribute__((target("avx2,fma,f16c"))) void staged_rows_avx2(const float* buf, int64_t kn, const float* x,
+                                                               int64_t K, int64_t k0, bool first, float* y) {
+  if (first) std::memset(y, 0, MR * kPanel * sizeof(float));
+  RowsAvx2<MR> acc;
+  load_rows<MR>(acc, y);
+  for (int64_t k = 0; k < kn; ++k)
+    fma_rows<MR>(acc, _mm256_load_ps(buf + k * kPanel), _mm256_load_ps(buf + k * kPanel + 8), x + k0 + k, K);
+  store_rows<MR>(acc, y);
+}
+
+// Tiles of 6 rows, the last one to three tiles of 3-5 (sizes of 3 and more keep tile_avx2's sums): 16 rows
+// are 6 + 6 + 4, 20 are 6 + 6 + 4 + 4.
+template <int BITS, int MIN>
+void staged_panel_avx2(const Packed& w, const float* x, int64_t M, int64_t panel, float* y) {
+  alignas(32) float buf[kStageK * kPanel];
+  const int64_t chunk = kStageK / w.group * w.group;  // whole groups (w.group <= kStageK: panel_avx2)
+  int64_t sixes = M / 6, rest = M % 6;
+  if (rest == 1 || rest == 2) sixes -= 1, rest += 6;  // 7 = 4 + 3, 8 = 4 + 4
+  for (int64_t k0 = 0; k0 < w.K; k0 += chunk) {
+    const int64_t kn = std::min(chunk, w.K - k0);
+    const bool first = k0 == 0;
+    stage_avx2<BITS, MIN>(w, panel, k0, k0 + kn, buf);
+    int64_t m = 0;
+    for (int64_t t = 0; t < sixes; ++t, m += 6) staged_rows_avx2<6>(buf, kn, x + m * w.K, w.K, k0, first, y + m * kPanel);
+    int64_t left = rest;
+    if (left >= 7) staged_rows_avx2<4>(buf, kn, x + m * w.K, w.K, k0, first, y + m * kPanel), m += 4, left -= 4;
+    switch (left) {
+      case 5: staged_rows_avx2<5>(buf, kn, x + m * w.K, w.K, k0, first, y + m * kPanel); break;
+      case 4: staged_rows_avx2<4>(buf, kn, x + m * w.K, w.K, k0, first, y + m * kPanel); break;
+      case 3: staged_rows_avx2<3>(buf, kn, x + m * w.K, w.K, k0, first, y + m * kPanel); break;
+      default: break;
+    }
   }
 }
 
 template <int BITS, int MIN>
 void panel_avx2(const Packed& w, const float* x, const float*, int64_t M, int64_t panel, float* y) {
+  if (M >= kStageMinRows && w.group <= kStageK)
+    return staged_panel_avx2<BITS, MIN>(w, x, M, panel, y);
   int64_t m = 0;
   // 8-bit weights: 6-row tiles (12 accumulators; the group's scales then live on the stack and come in as
   // memory operands): each weight vector serves 6 rows, and AVX2's one broadcast per 8-lane FMA, not the

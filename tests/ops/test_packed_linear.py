@@ -161,15 +161,16 @@ _ISA_CHECK = textwrap.dedent("""
     total = 0.0  # float64 sum of every output: tells the variants apart (each sums in its own order)
     formats = [(4, 32, torch.float16, True), (8, 32, torch.float16, False), (8, 16, torch.float32, False),
                (4, 32, torch.float32, True), (8, 32, torch.float16, True)]
-    for bits, group, dtype, with_min in formats:
+    # K = 640: AVX2's many-row path dequantizes 256 k at a time (256 + 256 + 128)
+    for (bits, group, dtype, with_min), K in [(f, K) for f in formats for K in (128, 640)]:
         lo, hi = (0, 16) if bits == 4 else (-128, 128)
-        q = torch.randint(lo, hi, (45, 128), generator=g)
-        scale = (torch.rand(45, 128 // group, generator=g) * 0.02).to(dtype)
-        mins = (torch.randn(45, 128 // group, generator=g) * 0.05).to(dtype) if with_min else None
+        q = torch.randint(lo, hi, (45, K), generator=g)
+        scale = (torch.rand(45, K // group, generator=g) * 0.02).to(dtype)
+        mins = (torch.randn(45, K // group, generator=g) * 0.05).to(dtype) if with_min else None
         w = pack(q, scale, mins, bits, group)
         wd = dequantize_reference(w).double()
-        for rows in (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33, BLAS_MIN_ROWS - 1):
-            x = torch.randn(rows, 128, generator=g)
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 14, 16, 17, 20, 33, BLAS_MIN_ROWS - 1):
+            x = torch.randn(rows, K, generator=g)
             y = packed_linear(x, w).double()
             total += float(y.sum())
             err = (y - x.double() @ wd.T).abs()
