@@ -11,7 +11,8 @@
 //
 // so one 16-byte load gives 16 output rows' weights at two k (4 bits) or one k (8 bits), one
 // widening of the bytes serves both nibbles, and a tile of up to 16 input
-// rows (AVX-512; 4 on AVX2) reuses each dequantized weight vector. The dequantized weight is computed exactly as the
+// rows (AVX-512; 4-6 on AVX2, whose 8 rows and more read a chunk dequantized once: staged_panel_avx2)
+// reuses each dequantized weight vector. The dequantized weight is computed exactly as the
 // dequantized path computes it (q * scale rounded, then + min rounded; see kMinExact), so the two
 // paths use the same weight values and differ only in summation order. Many-row calls (prefill
 // chunks) take packed_dequantize_t and a float32 BLAS GEMM instead (ops/packed_linear.py).
