@@ -310,9 +310,9 @@ class Runner:
         chosen = logp.gather(1, targets[:, None])[:, 0]
         k = seq.params.prompt_top_logprobs
         if not k:
-            return start, chosen.tolist(), logp.argmax(-1).tolist()
+            return start, chosen.tolist(), row_argmax(logp).tolist()
         top = logp.topk(k, -1)
-        return start, chosen.tolist(), logp.argmax(-1).tolist(), _pairs(top.indices, top.values)
+        return start, chosen.tolist(), row_argmax(logp).tolist(), _pairs(top.indices, top.values)
 
     def _accepted(
         self, item: ScheduledSeq, draft: list[int], logits: torch.Tensor, greedy: list[int | None]

@@ -15,6 +15,7 @@ import torch
 from .layers.attention import kv_slots
 from .layers.loop_attention import LoopRead
 from .models.forward import ForwardBatch
+from .ops.row_argmax import row_argmax
 from .sequence import Sequence
 from .step_layout import SeqLayout, attention_batch
 
@@ -45,7 +46,7 @@ class SelfDrafter:
             ids = [it.seq.seq_id for it in live]
             if guide is not None:
                 guide.mask(ids, logits)
-            tokens = logits.argmax(-1).tolist()
+            tokens = row_argmax(logits).tolist()
             if guide is not None:
                 guide.take(ids, tokens)
             for seq_id, token in zip(ids, tokens):
