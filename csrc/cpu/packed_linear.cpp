@@ -12,9 +12,10 @@
 // so one 16-byte load gives 16 output rows' weights at two k (4 bits) or one k (8 bits), one
 // widening of the bytes serves both nibbles, and a tile of up to 16 input
 // rows (AVX-512; 4-6 on AVX2, whose 8 rows and more read a chunk dequantized once: staged_panel_avx2)
-// reuses each dequantized weight vector. The dequantized weight is computed exactly as the
-// dequantized path computes it (q * scale rounded, then + min rounded; see kMinExact), so the two
-// paths use the same weight values and differ only in summation order. Many-row calls (prefill
+// reuses each dequantized weight vector. From three rows on, the dequantized weight is computed exactly
+// as the dequantized path computes it (q * scale rounded, then + min rounded; see kMinExact), so the
+// two paths use the same weight values and differ only in summation order; one and two rows (decode's
+// batch 1) scale each group's sum of q * x instead (see kRaw): the same error bound. Many-row calls (prefill
 // chunks) take packed_dequantize_t and a float32 BLAS GEMM instead (ops/packed_linear.py).
 // Instruction set chosen at run time: AVX-512F, AVX2+FMA+F16C, or portable C++.
 #include <ATen/ATen.h>
@@ -42,6 +43,13 @@ constexpr int kPanel = 16;
 // (the separate multiply and add cost ~20 % of the batch-1 weight sweep, benchmarks/packed_sweep.py);
 // with float32 scales the product is rounded first.
 constexpr int kNoMin = 0, kMinExact = 1, kMinRounded = 2;
+// Not a weight format: the integers as floats, unscaled. The one-row (AVX2) and one- and two-row
+// (AVX-512) tiles sum q * x over a group and scale the sum once: y += scale * sum(q x) + min * sum(x).
+// That is one multiply (or FMA) a k fewer; at batch 1 dequantizing is half of the vector work and the
+// kernel was compute-bound even on weights in cache (benchmarks/packed_group_sum.txt). The products are
+// then rounded as q * x, not as (q * scale + min) * x: the same error bound, not the same bits as the
+// dequantized path (the tests compare both to float64).
+constexpr int kRaw = 3;
 
 struct Packed {
   const uint8_t* data;  // panel p starts at data + p * panel_bytes()
@@ -93,7 +101,7 @@ inline float weight_at(const Packed& w, int64_t panel, int64_t k, int j) {
   return v;
 }
 
-void panel_portable(const Packed& w, const float* x, const float*, int64_t M, int64_t panel, float* y) {
+void panel_portable(const Packed& w, const float* x, const float*, const float*, int64_t M, int64_t panel, float* y) {
   float acc[kPanel];
   for (int64_t m = 0; m < M; ++m) {
     std::fill(acc, acc + kPanel, 0.f);
@@ -168,9 +176,31 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) inline void add_rows(Row
   }
 }
 
+// a += b * scale (rows 0-7 of the panel: s0, 8-15: s1)
+template <int N>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void scale_add_rows(RowsAvx2<N>& a, const RowsAvx2<N>& b,
+                                                                                   __m256 s0, __m256 s1) {
+  if constexpr (N > 0) {
+    a.lo = _mm256_fmadd_ps(b.lo, s0, a.lo), a.hi = _mm256_fmadd_ps(b.hi, s1, a.hi);
+    scale_add_rows<N - 1>(a.rest, b.rest, s0, s1);
+  }
+}
+
+// a += min * sum: row r's sum at sums[r * stride]
+template <int N>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void min_add_rows(RowsAvx2<N>& a, __m256 z0, __m256 z1,
+                                                                                 const float* sums, int64_t stride) {
+  if constexpr (N > 0) {
+    const __m256 sum = _mm256_set1_ps(*sums);
+    a.lo = _mm256_fmadd_ps(z0, sum, a.lo), a.hi = _mm256_fmadd_ps(z1, sum, a.hi);
+    min_add_rows<N - 1>(a.rest, z0, z1, sums + stride, stride);
+  }
+}
+
 template <int MIN>
 __attribute__((target("avx2,fma,f16c"))) inline __m256 dequant8(__m256i q, __m256 s, __m256 z) {
   const __m256 qf = _mm256_cvtepi32_ps(q);
+  if (MIN == kRaw) return qf;
   if (MIN == kMinExact) return _mm256_fmadd_ps(qf, s, z);
   __m256 w = _mm256_mul_ps(qf, s);
   if (MIN == kNoMin) return w;
@@ -190,15 +220,18 @@ __attribute__((target("avx2,fma,f16c"))) inline void q8_avx2(const uint8_t* pane
 }
 
 template <int BITS, int MIN, int MR>
-__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const float* x, int64_t panel, float* y) {
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const float* x, const float* xs, int64_t panel,
+                                                        float* y) {
   // With one or two rows, one accumulator set is a chain of dependent FMAs, k after k: even and odd k go to
   // two sets there, as in tile_avx512 (four rows already give eight independent chains). Measured under the
   // AVX2 cap on an AVX-512 Xeon, this alone changed little; q8_avx2's two 8-byte loads gave 8-10 % at batch 1.
   constexpr bool kSplit = MR <= 2;
-  RowsAvx2<MR> even, odd;  // odd: k + 1's chains where kSplit, else unused
-  zero_rows<MR>(even);
-  if (kSplit) zero_rows<MR>(odd);
-  RowsAvx2<MR>& second = kSplit ? odd : even;
+  constexpr bool kGroupSum = MR <= 2;  // see kRaw
+  constexpr bool kGroupSplit = MR == 1;  // two rows already give four chains (and 16 registers hold no more)
+  constexpr int DQ = kGroupSum ? kRaw : MIN;
+  RowsAvx2<MR> total, odd;  // odd: k + 1's chains where kSplit, else unused
+  zero_rows<MR>(total);
+  if (kSplit && !kGroupSum) zero_rows<MR>(odd);
   const int64_t groups = w.K / w.group;
   const uint8_t* base = w.data + panel * w.panel_bytes();
   const __m256i low4 = _mm256_set1_epi32(15);
@@ -208,33 +241,43 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const f
     const __m256 s0 = load8(w.scale, w.half_scale, at), s1 = load8(w.scale, w.half_scale, at + 8);
     __m256 z0 = _mm256_setzero_ps(), z1 = z0;
     if (MIN) z0 = load8(w.min, w.half_scale, at), z1 = load8(w.min, w.half_scale, at + 8);
+    RowsAvx2<MR> group_even, group_odd;  // kGroupSum: this group's unscaled sums (even, odd k)
+    if constexpr (kGroupSum) zero_rows<MR>(group_even);
+    if constexpr (kGroupSplit) zero_rows<MR>(group_odd);
+    RowsAvx2<MR>& even = kGroupSum ? group_even : total;
+    RowsAvx2<MR>& second = kGroupSum ? (kGroupSplit ? group_odd : group_even) : kSplit ? odd : total;
     if (BITS == 4) {
       for (int64_t k = k0; k < k1; k += 2) {  // a pair of k per 16 bytes
         const uint8_t* b = base + (k / 2) * 16;
         const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
         const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
-        fma_rows<MR>(even, dequant8<MIN>(_mm256_and_si256(b0, low4), s0, z0),
-                     dequant8<MIN>(_mm256_and_si256(b1, low4), s1, z1), x + k, w.K);
-        fma_rows<MR>(second, dequant8<MIN>(_mm256_srli_epi32(b0, 4), s0, z0),
-                     dequant8<MIN>(_mm256_srli_epi32(b1, 4), s1, z1), x + k + 1, w.K);
+        fma_rows<MR>(even, dequant8<DQ>(_mm256_and_si256(b0, low4), s0, z0),
+                     dequant8<DQ>(_mm256_and_si256(b1, low4), s1, z1), x + k, w.K);
+        fma_rows<MR>(second, dequant8<DQ>(_mm256_srli_epi32(b0, 4), s0, z0),
+                     dequant8<DQ>(_mm256_srli_epi32(b1, 4), s1, z1), x + k + 1, w.K);
       }
     } else {
       int64_t k = k0;
       __m256 w0, w1;
       for (; k + 2 <= k1; k += 2) {
-        q8_avx2<MIN>(base, k, s0, s1, z0, z1, w0, w1);
+        q8_avx2<DQ>(base, k, s0, s1, z0, z1, w0, w1);
         fma_rows<MR>(even, w0, w1, x + k, w.K);
-        q8_avx2<MIN>(base, k + 1, s0, s1, z0, z1, w0, w1);
+        q8_avx2<DQ>(base, k + 1, s0, s1, z0, z1, w0, w1);
         fma_rows<MR>(second, w0, w1, x + k + 1, w.K);
       }
       if (k < k1) {  // an odd group's last k
-        q8_avx2<MIN>(base, k, s0, s1, z0, z1, w0, w1);
+        q8_avx2<DQ>(base, k, s0, s1, z0, z1, w0, w1);
         fma_rows<MR>(even, w0, w1, x + k, w.K);
       }
     }
+    if constexpr (kGroupSum) {
+      if constexpr (kGroupSplit) add_rows<MR>(group_even, group_odd);
+      scale_add_rows<MR>(total, group_even, s0, s1);
+      if constexpr (MIN != kNoMin) min_add_rows<MR>(total, z0, z1, xs + g, groups);  // + min * sum(x) over the group
+    }
   }
-  if (kSplit) add_rows<MR>(even, odd);
-  store_rows<MR>(even, y);
+  if (kSplit && !kGroupSum) add_rows<MR>(total, odd);
+  store_rows<MR>(total, y);
 }
 
 // -- AVX2, many rows: dequantize a panel's chunk of k once, then every row tile reads it from L1 ----------
@@ -317,20 +360,21 @@ void staged_panel_avx2(const Packed& w, const float* x, int64_t M, int64_t panel
 }
 
 template <int BITS, int MIN>
-void panel_avx2(const Packed& w, const float* x, const float*, int64_t M, int64_t panel, float* y) {
+void panel_avx2(const Packed& w, const float* x, const float*, const float* xs, int64_t M, int64_t panel, float* y) {
   if (M >= kStageMinRows && w.group <= kStageK)
     return staged_panel_avx2<BITS, MIN>(w, x, M, panel, y);
+  const int64_t groups = w.K / w.group;
   int64_t m = 0;
   // 8-bit weights: 6-row tiles (12 accumulators; the group's scales then live on the stack and come in as
   // memory operands): each weight vector serves 6 rows, and AVX2's one broadcast per 8-lane FMA, not the
   // FMA ports, is the limit there. 4-bit weights keep 4 rows (their two widened k need the registers).
   if constexpr (BITS == 8)
-    for (; m + 6 <= M; m += 6) tile_avx2<BITS, MIN, 6>(w, x + m * w.K, panel, y + m * kPanel);
-  for (; m + 4 <= M; m += 4) tile_avx2<BITS, MIN, 4>(w, x + m * w.K, panel, y + m * kPanel);
+    for (; m + 6 <= M; m += 6) tile_avx2<BITS, MIN, 6>(w, x + m * w.K, xs + m * groups, panel, y + m * kPanel);
+  for (; m + 4 <= M; m += 4) tile_avx2<BITS, MIN, 4>(w, x + m * w.K, xs + m * groups, panel, y + m * kPanel);
   switch (M - m) {
-    case 3: tile_avx2<BITS, MIN, 3>(w, x + m * w.K, panel, y + m * kPanel); break;
-    case 2: tile_avx2<BITS, MIN, 2>(w, x + m * w.K, panel, y + m * kPanel); break;
-    case 1: tile_avx2<BITS, MIN, 1>(w, x + m * w.K, panel, y + m * kPanel); break;
+    case 3: tile_avx2<BITS, MIN, 3>(w, x + m * w.K, xs + m * groups, panel, y + m * kPanel); break;
+    case 2: tile_avx2<BITS, MIN, 2>(w, x + m * w.K, xs + m * groups, panel, y + m * kPanel); break;
+    case 1: tile_avx2<BITS, MIN, 1>(w, x + m * w.K, xs + m * groups, panel, y + m * kPanel); break;
     default: break;
   }
 }
@@ -345,6 +389,7 @@ __attribute__((target("avx512f"))) inline __m512 load16(const void* p, bool half
 template <int MIN>
 __attribute__((target("avx512f"))) inline __m512 dequant16(__m512i q, __m512 s, __m512 z) {
   const __m512 qf = _mm512_cvtepi32_ps(q);
+  if (MIN == kRaw) return qf;
   if (MIN == kMinExact) return _mm512_fmadd_ps(qf, s, z);
   __m512 w = _mm512_mul_ps(qf, s);
   if (MIN == kNoMin) return w;
@@ -368,11 +413,14 @@ __attribute__((target("avx512f"))) inline __m512 q8_at(const uint8_t* panel, int
 }
 
 template <int BITS, int MIN, int MR>
-__attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float* x, int64_t panel, float* y) {
+__attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float* x, const float* xs, int64_t panel,
+                                                    float* y) {
   // Two accumulators a row, for even and odd k: with one or two rows a single chain of dependent
   // FMAs would wait on the FMA latency instead of the loads (-30 % at batch 1).
-  __m512 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  constexpr bool kGroupSum = MR <= 2;  // see kRaw
+  constexpr int DQ = kGroupSum ? kRaw : MIN;
+  __m512 total[MR][2];
+  for (int r = 0; r < MR; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
   const int64_t groups = w.K / w.group;
   const uint8_t* base = w.data + panel * w.panel_bytes();
   for (int64_t g = 0; g < groups; ++g) {
@@ -380,22 +428,32 @@ __attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float
     prefetch_group(w, base + k0 * (BITS == 4 ? 8 : 16), at);
     const __m512 s = load16(w.scale, w.half_scale, at);
     const __m512 z = MIN ? load16(w.min, w.half_scale, at) : _mm512_setzero_ps();
+    __m512 group[MR][2];  // kGroupSum: this group's unscaled sums (even, odd k)
+    if constexpr (kGroupSum)
+      for (int r = 0; r < MR; ++r) group[r][0] = group[r][1] = _mm512_setzero_ps();
+    __m512(&acc)[MR][2] = kGroupSum ? group : total;
     if (BITS == 4) {
       for (int64_t k = k0; k < k1; k += 2) {  // a pair of k per 16 bytes
         const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + (k / 2) * 16)));
-        fma2<MR>(acc, dequant16<MIN>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z),
-                 dequant16<MIN>(_mm512_srli_epi32(b, 4), s, z), x, w.K, k);
+        fma2<MR>(acc, dequant16<DQ>(_mm512_and_si512(b, _mm512_set1_epi32(15)), s, z),
+                 dequant16<DQ>(_mm512_srli_epi32(b, 4), s, z), x, w.K, k);
       }
     } else {
       int64_t k = k0;
-      for (; k + 2 <= k1; k += 2) fma2<MR>(acc, q8_at<MIN>(base, k, s, z), q8_at<MIN>(base, k + 1, s, z), x, w.K, k);
+      for (; k + 2 <= k1; k += 2) fma2<MR>(acc, q8_at<DQ>(base, k, s, z), q8_at<DQ>(base, k + 1, s, z), x, w.K, k);
       if (k < k1) {  // an odd group's last k
-        const __m512 wv = q8_at<MIN>(base, k, s, z);
+        const __m512 wv = q8_at<DQ>(base, k, s, z);
         for (int r = 0; r < MR; ++r) acc[r][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * w.K + k]), acc[r][0]);
       }
     }
+    if constexpr (kGroupSum)
+      for (int r = 0; r < MR; ++r) {
+        total[r][0] = _mm512_fmadd_ps(_mm512_add_ps(group[r][0], group[r][1]), s, total[r][0]);
+        if constexpr (MIN != kNoMin)  // + min * sum(x) over the group
+          total[r][1] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * groups + g]), total[r][1]);
+      }
   }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * kPanel, _mm512_add_ps(acc[r][0], acc[r][1]));
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * kPanel, _mm512_add_ps(total[r][0], total[r][1]));
 }
 
 // Sixteen rows of x against one panel: one accumulator a row (sixteen independent FMA chains hide the
@@ -501,24 +559,27 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile16_bf16(const Pa
 }
 
 template <int BITS, int MIN, int MR>
-void rest_avx512(const Packed& w, const float* x, int64_t rows, int64_t panel, float* y) {
+void rest_avx512(const Packed& w, const float* x, const float* xs, int64_t rows, int64_t panel, float* y) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile_avx512<BITS, MIN, MR>(w, x, panel, y);
-    return rest_avx512<BITS, MIN, MR - 1>(w, x, rows, panel, y);
+    if (rows == MR) return tile_avx512<BITS, MIN, MR>(w, x, xs, panel, y);
+    return rest_avx512<BITS, MIN, MR - 1>(w, x, xs, rows, panel, y);
   }
 }
 
 template <int BITS, int MIN>
-void panel_avx512(const Packed& w, const float* x, const float* xt, int64_t M, int64_t panel, float* y) {
+void panel_avx512(const Packed& w, const float* x, const float* xt, const float* xs, int64_t M, int64_t panel,
+                  float* y) {
+  const int64_t groups = w.K / w.group;
   int64_t m = 0;
   for (; m + 16 <= M; m += 16) tile16_avx512<BITS, MIN>(w, xt + m * w.K, panel, y + m * kPanel);
-  for (; m + 8 <= M; m += 8) tile_avx512<BITS, MIN, 8>(w, x + m * w.K, panel, y + m * kPanel);
-  rest_avx512<BITS, MIN, 7>(w, x + m * w.K, M - m, panel, y + m * kPanel);
+  for (; m + 8 <= M; m += 8) tile_avx512<BITS, MIN, 8>(w, x + m * w.K, xs + m * groups, panel, y + m * kPanel);
+  rest_avx512<BITS, MIN, 7>(w, x + m * w.K, xs + m * groups, M - m, panel, y + m * kPanel);
 }
 
 // -- dispatch ----------------------------------------------------------------------------------
 
-using PanelFn = void (*)(const Packed&, const float*, const float*, int64_t, int64_t, float*);
+// (w, x [M, K], x k-major in 16-row blocks, x summed over each group [M, K / group] (w has a min), M, panel, y)
+using PanelFn = void (*)(const Packed&, const float*, const float*, const float*, int64_t, int64_t, float*);
 
 template <template <int, int> class Pick>
 PanelFn by_format(int bits, int min) {
@@ -565,7 +626,8 @@ Bf16Fn bf16_kernel(const Packed& w) {
   return min == kNoMin ? tile16_bf16<8, kNoMin> : min == kMinExact ? tile16_bf16<8, kMinExact> : tile16_bf16<8, kMinRounded>;
 }
 #else
-using PanelFn = void (*)(const Packed&, const float*, const float*, int64_t, int64_t, float*);
+// (w, x [M, K], x k-major in 16-row blocks, x summed over each group [M, K / group] (w has a min), M, panel, y)
+using PanelFn = void (*)(const Packed&, const float*, const float*, const float*, int64_t, int64_t, float*);
 PanelFn panel_kernel(const Packed&) { return panel_portable; }
 using Bf16Fn = void (*)(const Packed&, const uint32_t*, int64_t, float*);
 Bf16Fn bf16_kernel(const Packed&) { return nullptr; }
@@ -625,6 +687,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
                                   : blocked.view({blocks, 16, w.K}).transpose(1, 2).contiguous();
   const at::Tensor xb = tile_bf16 ? bf16_pairs(xc, blocks, w.K) : blocked.new_empty({0}, at::kInt);
   const float* xtp = xt.data_ptr<float>();
+  // the group-sum tiles' min term: each row's x summed over each group, [M - done, K / group] (a loop:
+  // ATen's sum cost ~4 us a call, a tenth of a batch-1 call on a small weight)
+  const int64_t groups = w.K / w.group;
+  std::vector<float> xs(w.min ? (M - done) * groups : 0);
+  for (int64_t i = 0; i < int64_t(xs.size()); ++i) {
+    const float* row = xp + (i / groups) * w.K + (i % groups) * w.group;
+    float t = 0.f;
+    for (int64_t k = 0; k < w.group; ++k) t += row[k];
+    xs[i] = t;
+  }
+  const float* xsp = xs.data();
   const uint32_t* xbp = reinterpret_cast<const uint32_t*>(xb.data_ptr<int32_t>());
   float* yp = y.data_ptr<float>();
   // NOTE: a panel's 16 outputs per row land in a small buffer first, so the last, partial panel
@@ -633,7 +706,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
     std::vector<float> tile(M * kPanel);
     for (int64_t p = lo; p < hi; ++p) {
       for (int64_t b = 0; b * 16 < done; ++b) tile_bf16(w, xbp + b * (w.K / 2) * 16, p, tile.data() + b * 16 * kPanel);
-      if (M > done) kernel(w, xp, xtp, M - done, p, tile.data() + done * kPanel);
+      if (M > done) kernel(w, xp, xtp, xsp, M - done, p, tile.data() + done * kPanel);
       const int64_t cols = std::min<int64_t>(kPanel, n - p * kPanel);
       for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * n + p * kPanel, tile.data() + m * kPanel, cols * sizeof(float));
     }
