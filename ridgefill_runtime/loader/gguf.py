@@ -37,7 +37,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the conversion changes, so caches written by an older converter are not reused.
 # 2: the model config's family settings are stored under "family_config" (ModelConfig.family_config).
-CONVERTER_VERSION = 2
+# 3: Q5_0's integers are q - 16 (signed) with no min: 8.5 bits a packed weight instead of 9.
+CONVERTER_VERSION = 3
 
 # Only types with an independent test of their dequantization are accepted.
 _DEQUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")

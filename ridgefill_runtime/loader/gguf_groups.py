@@ -15,8 +15,7 @@ same tensor. Why each type is exact (all arithmetic float32, as gguf-py does it)
          an fp16's 11), so the sum is the exact (q - 8) * d too. -8 * d stays fp16 unless it
          overflows fp16 (|d| >= 8192); then scale and min are float32. The one difference is the
          sign of a zero: q == 8 with a negative d gives +0 here, -0 in gguf-py.
-- Q5_0   as Q4_0 with 5-bit q and -16 * d (gguf-py: (q - 16) * d); -16 * d overflows fp16 from
-         |d| >= 4096. The same zero-sign difference.
+- Q5_0   (q - 16) * d, gguf-py's product: q - 16 (-16..15) is kept signed, with no min.
 - Q4_K   scale = d * sc and min = -(dmin * m) per 32-value sub-block, both exact products (fp16
          times a 6-bit integer), then q * scale + min, which IEEE defines as q * scale - dmin * m.
 - Q6_K   scale = d * sc per 16 values (exact), then q * scale: gguf-py's product, operands swapped.
@@ -90,8 +89,10 @@ def _decode_q5_0(blocks: np.ndarray) -> Decoded:
     qh = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # [B, 1]
     fifth = ((qh >> _BIT) & 1).astype(np.uint8)  # [B, 32]
     low = _nibbles(blocks[:, 6:22]).reshape(len(blocks), 32)  # [B, 32]
-    q = _as_int8(low | (fifth << 4), (len(blocks), 32))  # [B, 32] in 0..31
-    return _offset_by(q, _half(blocks, 0)[:, None], 16)
+    q = _as_int8(low | (fifth << 4), (len(blocks), 32)) - np.int8(16)  # [B, 32] in -16..15
+    # NOTE: signed, no min (unlike Q4_0, whose 4-bit layout is unsigned): 8.5 bits a weight in the
+    # 8-bit layout instead of 9, and the product gguf-py takes, signs of zeros included
+    return q, _half(blocks, 0)[:, None], None
 
 
 def _decode_q4_1(blocks: np.ndarray) -> Decoded:
@@ -151,7 +152,7 @@ class _Format:
 _FORMATS = {
     "Q8_0": _Format(32, 34, 8, 32, _decode_q8_0),
     "Q4_0": _Format(32, 18, 4, 32, _decode_q4_0),
-    "Q5_0": _Format(32, 22, 8, 32, _decode_q5_0),  # NOTE: 5-bit q held in the 8-bit layout
+    "Q5_0": _Format(32, 22, 8, 32, _decode_q5_0),  # NOTE: 5-bit q - 16 held in the 8-bit layout
     "Q4_1": _Format(32, 20, 4, 32, _decode_q4_1),
     "Q4_K": _Format(256, 144, 4, 32, _decode_q4_k),
     "Q6_K": _Format(256, 210, 8, 16, _decode_q6_k),

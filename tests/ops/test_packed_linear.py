@@ -25,7 +25,8 @@ from ridgefill_runtime.ops.packed_linear import (
 
 needs_kernel = pytest.mark.skipif(not op_available("packed_linear"), reason="compiled extension not built")
 
-# (bits, group, scale dtype, with a min): Q4_1 / Q4_0, Q8_0, Q6_K, Q4_K, Q5_0 as the loader repacks them
+# (bits, group, scale dtype, with a min): Q4_1 / Q4_0, Q8_0 and Q5_0, Q6_K, Q4_K as the loader repacks them,
+# and 8 bits with an fp16 min (a fused projection of 8-bit and 4-bit-with-min parts)
 FORMATS = [
     (4, 32, torch.float16, True),
     (8, 32, torch.float16, False),
