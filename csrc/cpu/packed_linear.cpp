@@ -12,11 +12,12 @@
 // so one 16-byte load gives 16 output rows' weights at two k (4 bits) or one k (8 bits), one
 // widening of the bytes serves both nibbles, and a tile of up to 16 input
 // rows (AVX-512; 4-6 on AVX2, whose 8 rows and more read a chunk dequantized once: staged_panel_avx2)
-// reuses each dequantized weight vector. From three rows on, the dequantized weight is computed exactly
-// as the dequantized path computes it (q * scale rounded, then + min rounded; see kMinExact), so the
-// two paths use the same weight values and differ only in summation order; one and two rows (decode's
-// batch 1) scale each group's sum of q * x instead (see kRaw): the same error bound. Many-row calls (prefill
-// chunks) take packed_dequantize_t and a float32 BLAS GEMM instead (ops/packed_linear.py).
+// reuses each dequantized weight vector. In tiles of five rows and more (three and more on AVX2), the
+// dequantized weight is computed exactly as the dequantized path computes it (q * scale rounded, then
+// + min rounded; see kMinExact), so the two paths use the same weight values and differ only in
+// summation order; smaller tiles (decode's small batches) scale each group's sum of q * x instead (see
+// kRaw): the same error bound. Many-row calls (prefill chunks) take packed_dequantize_t and a float32
+// BLAS GEMM instead (ops/packed_linear.py).
 // Instruction set chosen at run time: AVX-512F, AVX2+FMA+F16C, or portable C++.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,8 +44,8 @@ constexpr int kPanel = 16;
 // (the separate multiply and add cost ~20 % of the batch-1 weight sweep, benchmarks/packed_sweep.py);
 // with float32 scales the product is rounded first.
 constexpr int kNoMin = 0, kMinExact = 1, kMinRounded = 2;
-// Not a weight format: the integers as floats, unscaled. The one-row (AVX2) and one- and two-row
-// (AVX-512) tiles sum q * x over a group and scale the sum once: y += scale * sum(q x) + min * sum(x).
+// Not a weight format: the integers as floats, unscaled. The one- and two-row (AVX2) and one- to
+// four-row (AVX-512) tiles sum q * x over a group and scale the sum once: y += scale * sum(q x) + min * sum(x).
 // That is one multiply (or FMA) a k fewer; at batch 1 dequantizing is half of the vector work and the
 // kernel was compute-bound even on weights in cache (benchmarks/packed_group_sum.txt). The products are
 // then rounded as q * x, not as (q * scale + min) * x: the same error bound, not the same bits as the
@@ -226,7 +227,7 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2(const Packed& w, const f
   // two sets there, as in tile_avx512 (four rows already give eight independent chains). Measured under the
   // AVX2 cap on an AVX-512 Xeon, this alone changed little; q8_avx2's two 8-byte loads gave 8-10 % at batch 1.
   constexpr bool kSplit = MR <= 2;
-  constexpr bool kGroupSum = MR <= 2;  // see kRaw
+  constexpr bool kGroupSum = MR <= 4;  // see kRaw
   constexpr bool kGroupSplit = MR == 1;  // two rows already give four chains (and 16 registers hold no more)
   constexpr int DQ = kGroupSum ? kRaw : MIN;
   RowsAvx2<MR> total, odd;  // odd: k + 1's chains where kSplit, else unused
@@ -417,7 +418,7 @@ __attribute__((target("avx512f"))) void tile_avx512(const Packed& w, const float
                                                     float* y) {
   // Two accumulators a row, for even and odd k: with one or two rows a single chain of dependent
   // FMAs would wait on the FMA latency instead of the loads (-30 % at batch 1).
-  constexpr bool kGroupSum = MR <= 2;  // see kRaw
+  constexpr bool kGroupSum = MR <= 4;  // see kRaw
   constexpr int DQ = kGroupSum ? kRaw : MIN;
   __m512 total[MR][2];
   for (int r = 0; r < MR; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
