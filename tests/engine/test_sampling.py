@@ -24,6 +24,20 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
         assert kept == expect, p
 
 
+@pytest.mark.parametrize("scale,rank", [(4.0, 40), (4.0, 700), (0.05, 3000)])
+def test_top_p_over_a_large_vocabulary_matches_a_full_float64_sort(scale, rank):
+    """Peaked logits: the nucleus lies in the top NUCLEUS_CANDIDATES; flat ones (scale 0.05): the
+    candidates' mass falls short and the whole vocabulary is sorted. top_p sits midway between two
+    cumulative masses of a float64 sort, so exactly the `rank + 2` most likely tokens must stay."""
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(rank)) * scale
+    probs = logits.double().softmax(-1)
+    order = probs.argsort(descending=True)
+    mass = probs[order].cumsum(-1)
+    top_p = float(mass[rank] + mass[rank + 1]) / 2
+    kept = torch.isfinite(filter_logits(logits, 0, top_p))
+    assert set(torch.nonzero(kept).flatten().tolist()) == set(order[: rank + 2].tolist())
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
     assert sample_token(logits, SamplingParams(temperature=0), None) == int(logits.argmax())
