@@ -15,12 +15,14 @@ vocabulary in its own order, the full sort's in sorted order): the table counts 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from ridgefill_runtime.sampling import NUCLEUS_CANDIDATES, filter_logits
+sys.path.insert(0, str(Path(__file__).parent))  # NOTE: paged_attention_cpu.py's median timer
+from paged_attention_cpu import timed  # noqa: E402
+from ridgefill_runtime.sampling import NUCLEUS_CANDIDATES, filter_logits  # noqa: E402
 
 
 def full_sort_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -31,16 +33,6 @@ def full_sort_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted[0] = False
     drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
-
-
-def median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -63,8 +55,8 @@ def main() -> None:
         theirs = torch.isfinite(full_sort_filter(logits, args.top_p))
         differ = int((ours != theirs).sum())
         mass = float(logits.softmax(-1).topk(NUCLEUS_CANDIDATES).values.sum())
-        full = median_ms(lambda: full_sort_filter(logits, args.top_p), args.reps)
-        new = median_ms(lambda: filter_logits(logits, 0, args.top_p), args.reps)
+        full = timed(lambda: full_sort_filter(logits, args.top_p), args.reps) * 1e3
+        new = timed(lambda: filter_logits(logits, 0, args.top_p), args.reps) * 1e3
         print(f"| {name} | {mass:.4f} | {int(theirs.sum())} | {differ} | {full:.2f} | {new:.2f} | {full / new:.1f}x |")
 
 
