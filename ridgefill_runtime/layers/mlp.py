@@ -22,5 +22,6 @@ def geglu_mlp(x: torch.Tensor, gate_up, down) -> torch.Tensor:
     """Gemma's feed-forward: down(gelu_tanh(gate x) * up x); x [N, d] -> [N, d], same layout as
     swiglu_mlp."""
     h = linear(x, gate_up)  # [N, 2I]
-    gate, up = h.chunk(2, dim=-1)
+    inner = h.shape[-1] // 2
+    gate, up = h[..., :inner], h[..., inner:]  # [N, I] each (slices, not chunk(): see swiglu_mlp)
     return linear(F.gelu(gate, approximate="tanh").mul_(up), down)
