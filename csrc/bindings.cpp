@@ -12,6 +12,10 @@ TORCH_LIBRARY(ridgefill, m) {
   // y = (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype) * weight, over the last
   // dim; fp32 accumulation; weight is 1-D of size x.size(-1), same dtype as x.
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // A head's RMSNorm (skipped when weight is None) then its rotate-half RoPE, per head row:
+  // x [N, H, D] float32 (rows at any stride, heads contiguous), cos/sin [N, 1, D / 2]. CPU only
+  // (cpu/rms_norm_cpu.cpp); reference ridgefill_runtime/ops/norm_rope.py.
+  m.def("rms_norm_rope(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps) -> Tensor");
 
   // RidgeFill map application, W8A16: y = x @ (qweight * scales).T + bias in
   // x's dtype (fp32 accumulation). x [M, d_in] (float32/bfloat16/float16);

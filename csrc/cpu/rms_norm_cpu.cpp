@@ -1,9 +1,9 @@
-// CPU kernel for ridgefill::rms_norm (schema in csrc/bindings.cpp; reference and convention in
-// ridgefill_runtime/ops/rms_norm.py): y = (x * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight per
-// row, the mean in float32. One call replaces the reference's five tensor ops (pow, mean, add,
-// rsqrt, mul) and their temporaries, which at decode cost more than the arithmetic itself.
-// The sum of squares runs in 16 independent float32 lanes, then adds them up: vectorised under
-// run-time ISA clones without reassociating any one lane's sum.
+// CPU kernels for ridgefill::rms_norm and ridgefill::rms_norm_rope (schemas in csrc/bindings.cpp;
+// references and convention in ridgefill_runtime/ops/rms_norm.py and ops/norm_rope.py):
+// y = (x * rsqrt(mean(x^2) + eps)).to(x.dtype) * weight per row, the mean in float32. One call replaces
+// the reference's five tensor ops (pow, mean, add, rsqrt, mul) and their temporaries, which at decode
+// cost more than the arithmetic itself. The sum of squares runs in 16 independent float32 lanes, then
+// adds them up: vectorised under run-time ISA clones without reassociating any one lane's sum.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__ELF__)
 #define RIDGEFILL_NORM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -72,6 +73,63 @@ at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double ep
   return y;
 }
 
+// -- rms_norm_rope: a head's RMSNorm (optional) and its rotate-half RoPE in one pass ---------------
+// Reference: ridgefill_runtime/ops/norm_rope.py. float32 only. The norm is rms_norm_cpu's two functions;
+// the rotation rounds as torch's mul then addcmul do on x86 (ATen's AVX2 / AVX-512 addcmul is one FMA):
+// lo = fma(-x2, s, x1 * c rounded), hi = fma(x1, s, x2 * c rounded), so the kernel gives the reference's
+// bits there. NOTE: fp-contract=off keeps the first product rounded (GCC would fuse it too).
+__attribute__((optimize("fp-contract=off"))) RIDGEFILL_NORM_CLONES void rotate_half(const float* x, const float* c,
+                                                                                   const float* s, float* y,
+                                                                                   int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    const float lo = x1 * c[i], hi = x2 * c[i];  // [each rounded]
+    y[i] = std::fma(-x2, s[i], lo);
+    y[i + half] = std::fma(x1, s[i], hi);
+  }
+}
+
+at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& weight, const at::Tensor& cos,
+                             const at::Tensor& sin, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rms_norm_rope: x, cos and sin must be float32");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "rms_norm_rope: x must be [N, H, D] with D even, got ", x.sizes());
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(cos.numel() == N * half && sin.numel() == N * half, "rms_norm_rope: cos and sin must hold N * D / 2 = ",
+              N * half, " values");
+  const bool norm = weight.has_value() && weight->defined();
+  if (norm)
+    TORCH_CHECK(weight->scalar_type() == at::kFloat && weight->dim() == 1 && weight->size(0) == D,
+                "rms_norm_rope: weight must be float32 [D]");
+  // NOTE: heads contiguous inside a row, rows at any stride: q and k slice the fused projection's output
+  const at::Tensor xc = (x.stride(2) == 1 && x.stride(1) == D) ? x : x.contiguous();
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  const at::Tensor wc = norm ? weight->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({N, H, D}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float *cp = cc.data_ptr<float>(), *sp = sc.data_ptr<float>();
+  const float* wp = norm ? wc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t row_stride = xc.stride(0);
+  at::parallel_for(0, N * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(D, 1)), [&](int64_t lo, int64_t hi) {
+    std::vector<float> normed(norm ? D : 0);
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t n = r / H, h = r % H;
+      const float* xr = xp + n * row_stride + h * D;
+      if (norm) {
+        const float mean = sum_of_squares(xr, D) / float(D);
+        scale_row(xr, wp, normed.data(), D, 1.f / std::sqrt(mean + float(eps)));
+        xr = normed.data();
+      }
+      rotate_half(xr, cp + n * half, sp + n * half, yp + r * D, half);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ridgefill, CPU, m) { m.impl("rms_norm", &rms_norm_cpu); }
+TORCH_LIBRARY_IMPL(ridgefill, CPU, m) {
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("rms_norm_rope", &rms_norm_rope_cpu);
+}

@@ -63,16 +63,3 @@ class RotaryTable:
         if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
             self._ensure(int(positions.max()) + 1 if positions.numel() else 0)
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, H, D] rotated by cos/sin [N, 1, D/2]: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    lo, hi = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=lo)
-    lo.addcmul_(x2, sin, value=-1)
-    torch.mul(x2, cos, out=hi)
-    hi.addcmul_(x1, sin)
-    return out

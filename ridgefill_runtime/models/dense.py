@@ -14,8 +14,9 @@ from ..cache.spec import CacheSpec
 from ..config import ModelConfig
 from ..layers.attention import AttentionBatch, paged_attention, paged_attention_rows
 from ..layers.mlp import swiglu_mlp
-from ..layers.rotary import RotaryTable, apply_rotary
+from ..layers.rotary import RotaryTable
 from ..layers.vocab import embed_tokens, vocab_logits
+from ..ops.norm_rope import norm_rope
 from ..ops.packed_linear import linear, weight_slice
 from ..ops.rms_norm import rms_norm
 from .fill_hooks import LateRows, unsharded
@@ -83,11 +84,13 @@ class DenseLM:
         v = qkv[:, q_dim + kv_dim :].view(n, cfg.num_kv_heads, hd)
         cos, sin = self.layer_rope(layer, rope)
         if cfg.qk_norm:
-            q = rms_norm(qkv[:, :q_dim].view(n, cfg.num_heads, hd), w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(qkv[:, q_dim : q_dim + kv_dim].view(n, cfg.num_kv_heads, hd), w.k_norm, cfg.rms_norm_eps)
-            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+            q = norm_rope(qkv[:, :q_dim].view(n, cfg.num_heads, hd), cos, sin, w.q_norm, cfg.rms_norm_eps)
+            k = norm_rope(
+                qkv[:, q_dim : q_dim + kv_dim].view(n, cfg.num_kv_heads, hd), cos, sin, w.k_norm, cfg.rms_norm_eps
+            )
+            return q, k, v
         # NOTE: q and k lie side by side in the fused output: one rotation covers both heads' sets
-        qk = apply_rotary(qkv[:, : q_dim + kv_dim].view(n, cfg.num_heads + cfg.num_kv_heads, hd), cos, sin)
+        qk = norm_rope(qkv[:, : q_dim + kv_dim].view(n, cfg.num_heads + cfg.num_kv_heads, hd), cos, sin)
         return qk[:, : cfg.num_heads], qk[:, cfg.num_heads :], v
 
     def kv_only(self, layer: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,10 +102,8 @@ class DenseLM:
         bias = None if w.qkv_bias is None else w.qkv_bias[q_dim:]
         kv = linear(xn, weight_slice(w.qkv, q_dim, w.qkv.shape[0]), bias)  # [F, 2 * Hkv * D]
         k, v = kv.view(x.shape[0], 2, cfg.num_kv_heads, hd).unbind(1)
-        if cfg.qk_norm:
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         cos, sin = self.layer_rope(layer, rope)
-        return apply_rotary(k, cos, sin), v
+        return norm_rope(k, cos, sin, w.k_norm if cfg.qk_norm else None, cfg.rms_norm_eps), v
 
     def layer(
         self,

@@ -24,9 +24,10 @@ from ..layers.attention import AttentionBatch, paged_attention, paged_attention_
 from ..layers.gated_deltanet import gdn_mixer, state_shapes
 from ..layers.mlp import swiglu_mlp
 from ..layers.moe import MoEWeights, sparse_moe
-from ..layers.rotary import RotaryTable, apply_rotary
+from ..layers.rotary import RotaryTable
 from ..layers.vocab import embed_tokens, vocab_logits
 from ..layers.zero_centred_norm import zero_centred_rms_norm
+from ..ops.norm_rope import apply_rotary
 from .fill_hooks import LateRows, unsharded
 from .forward import ForwardBatch, ForwardOutput
 from .hybrid_weights import AttentionWeights, HybridWeights, build_hybrid_weights
