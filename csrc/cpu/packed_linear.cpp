@@ -683,11 +683,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
   const float* xp = xc.data_ptr<float>() + done * w.K;
   // the float32 16-row tile's input: x's whole blocks again, k-major ([M / 16, K, 16]);
   // the bfloat16 tile's: k pairs ([M / 16, K / 2, 16, 2] bfloat16, read as 32-bit words)
-  const at::Tensor blocked = xc.narrow(0, 0, blocks * 16);
-  const at::Tensor xt = tile_bf16 ? blocked.new_empty({0})
-                                  : blocked.view({blocks, 16, w.K}).transpose(1, 2).contiguous();
-  const at::Tensor xb = tile_bf16 ? bf16_pairs(xc, blocks, w.K) : blocked.new_empty({0}, at::kInt);
-  const float* xtp = xt.data_ptr<float>();
+  // NOTE: none of them below 16 rows (decode's batch 1): five tensor ops, ~1.5 us of a ~20 us call
+  at::Tensor xt, xb;
+  if (blocks > 0 && tile_bf16) xb = bf16_pairs(xc, blocks, w.K);
+  if (blocks > 0 && !tile_bf16) xt = xc.narrow(0, 0, blocks * 16).view({blocks, 16, w.K}).transpose(1, 2).contiguous();
+  const float* xtp = xt.defined() ? xt.data_ptr<float>() : nullptr;
   // the group-sum tiles' min term: each row's x summed over each group, [M - done, K / group] (a loop:
   // ATen's sum cost ~4 us a call, a tenth of a batch-1 call on a small weight)
   const int64_t groups = w.K / w.group;
@@ -699,7 +699,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor&
     xs[i] = t;
   }
   const float* xsp = xs.data();
-  const uint32_t* xbp = reinterpret_cast<const uint32_t*>(xb.data_ptr<int32_t>());
+  const uint32_t* xbp = xb.defined() ? reinterpret_cast<const uint32_t*>(xb.data_ptr<int32_t>()) : nullptr;
   float* yp = y.data_ptr<float>();
   // NOTE: a panel's 16 outputs per row land in a small buffer first, so the last, partial panel
   // writes only its real rows and y needs no padding columns.

@@ -73,9 +73,9 @@ class KVPool:
         self.page_of = torch.full((layout.num_groups, num_pages), -1, dtype=torch.int64, device=device)
         self.page_of[0] = torch.arange(num_pages, device=device)
         self._paged_for: torch.Tensor | None = None  # the step's block tables block_tables() last saw
-        self._paged: dict[int, torch.Tensor] = {}  # group -> those tables, paged as the group is
+        self._paged: tuple[torch.Tensor, ...] = ()  # per group: those tables, paged as the group is
         self._physical_for: torch.Tensor | None = None  # the slots physical() last saw
-        self._physical: dict[int, torch.Tensor] = {}  # group -> those slots in the group's pages
+        self._physical: tuple[torch.Tensor, ...] = ()  # per group: those slots in the group's pages
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -91,29 +91,25 @@ class KVPool:
 
     def physical(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The slab slots [N] of block-table slots [N] at `layer`.
-        NOTE: a step's layers all write the same slots tensor: each group's are made once (four ops
-        a layer otherwise, ~0.3 ms of a Gemma 3 batch-1 decode step)."""
+        NOTE: a step's layers all write the same slots tensor: every group's are made at once, on the
+        first call (four ops a layer otherwise, ~0.3 ms of a Gemma 3 batch-1 decode step)."""
         if self.layout is None or self._group[layer] == 0:
             return slots
         if self._physical_for is not slots:
-            self._physical_for, self._physical = slots, {}
-        g = self._group[layer]
-        if g not in self._physical:
             bs = self.layout.block_size
-            self._physical[g] = self.page_of[g][slots // bs] * bs + slots % bs
-        return self._physical[g]
+            self._physical_for = slots
+            self._physical = (self.page_of[:, slots // bs] * bs + slots % bs).unbind(0)  # G x [N]
+        return self._physical[self._group[layer]]
 
     def block_tables(self, layer: int, tables: torch.Tensor) -> torch.Tensor:
         """int32 [B, max_blocks] tables as `layer`'s slab is paged (-1: a page let go).
-        NOTE: every layer of a step passes the same tables: each group's are made once."""
+        NOTE: every layer of a step passes the same tables: every group's are made at once."""
         if self.layout is None or self._group[layer] == 0:
             return tables
         if self._paged_for is not tables:
-            self._paged_for, self._paged = tables, {}
-        g = self._group[layer]
-        if g not in self._paged:
-            self._paged[g] = self.page_of[g][tables.long()].to(torch.int32)
-        return self._paged[g]
+            self._paged_for = tables
+            self._paged = self.page_of[:, tables.long()].to(torch.int32).unbind(0)  # G x [B, max_blocks]
+        return self._paged[self._group[layer]]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, Hkv, D] at slots [N]."""
@@ -121,8 +117,10 @@ class KVPool:
         if self.quantized:
             int8_kv.write(self.k[layer], self.v[layer], self.k_scale[layer], self.v_scale[layer], at, k, v)
             return
-        self.k[layer].index_copy_(0, at, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(0, at, v.to(self.v[layer].dtype))
+        k_slab, v_slab = self.k[layer], self.v[layer]
+        # NOTE: .to only where the dtypes differ: even a no-op .to costs ~1 us, twice a layer at decode
+        k_slab.index_copy_(0, at, k if k.dtype == k_slab.dtype else k.to(k_slab.dtype))
+        v_slab.index_copy_(0, at, v if v.dtype == v_slab.dtype else v.to(v_slab.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [L, Hkv, D] gathered from slots [L]."""

@@ -172,12 +172,14 @@ def packed_linear_reference(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (any float dtype) -> [..., n] in x's dtype."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)  # [M, K]
+    """x [..., K] (any float dtype) -> [..., n] in x's dtype.
+    NOTE: called ~4 times a layer at decode, where each Python step here costs ~0.5 us of a ~30 us call:
+    the 2-D float32 CPU case takes no reshape, conversion or view."""
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, x.shape[-1])  # [M, K]
     if x2.dtype != torch.float32:
         x2 = x2.float()
-    if _KERNEL and x.device.type == "cpu":
+    if _KERNEL and x.is_cpu:
         if x2.shape[0] >= BLAS_MIN_ROWS and _DEQUANTIZE_T is not None:
             y = _gemm(x2, w)
         else:
@@ -194,7 +196,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
         y = y + bias.float()
     if x.dtype != torch.float32:
         y = y.to(x.dtype)
-    return y.view(*lead, w.n) if len(lead) != 1 else y
+    return y if flat else y.view(*x.shape[:-1], w.n)
 
 
 def _gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
