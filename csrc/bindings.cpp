@@ -16,6 +16,10 @@ TORCH_LIBRARY(ridgefill, m) {
   // x [N, H, D] float32 (rows at any stride, heads contiguous), cos/sin [N, 1, D / 2]. CPU only
   // (cpu/rms_norm_cpu.cpp); reference ridgefill_runtime/ops/norm_rope.py.
   m.def("rms_norm_rope(Tensor x, Tensor? weight, Tensor cos, Tensor sin, float eps) -> Tensor");
+  // A residual add around RMSNorm (CPU only, float32; reference and kernel beside rms_norm's):
+  // sum = residual + (weight is None ? y : rms_norm(y, weight)) [N, d]; normed = rms_norm(sum, next_weight)
+  // ([0] when next_weight is None).
+  m.def("rms_norm_add(Tensor y, Tensor? weight, Tensor residual, Tensor? next_weight, float eps) -> (Tensor, Tensor)");
 
   // RidgeFill map application, W8A16: y = x @ (qweight * scales).T + bias in
   // x's dtype (fp32 accumulation). x [M, d_in] (float32/bfloat16/float16);

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__ELF__)
@@ -127,9 +128,53 @@ at::Tensor rms_norm_rope_cpu(const at::Tensor& x, const c10::optional<at::Tensor
   return y;
 }
 
+// -- rms_norm_add: a residual add around RMSNorm in one pass -----------------------------------------
+// Reference: ridgefill_runtime/ops/rms_norm.py. float32 only. sum = residual + (weight ? rms_norm(y) : y);
+// normed = rms_norm(sum) by next_weight (empty without). The norms are rms_norm_cpu's two functions (called,
+// not inlined: run-time clones), so every value is the bits of the tensor ops it replaces.
+// NOTE: fp-contract=off keeps GCC from fusing a product into the residual add.
+__attribute__((optimize("fp-contract=off"))) void add_row(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_add_cpu(const at::Tensor& y, const c10::optional<at::Tensor>& weight,
+                                                    const at::Tensor& residual,
+                                                    const c10::optional<at::Tensor>& next_weight, double eps) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat,
+              "rms_norm_add: y and residual must be float32");
+  TORCH_CHECK(y.dim() == 2 && y.sizes() == residual.sizes(), "rms_norm_add: y and residual must be the same [N, d], got ",
+              y.sizes(), " and ", residual.sizes());
+  const int64_t N = y.size(0), d = y.size(1);
+  const bool norm = weight.has_value() && weight->defined(), next = next_weight.has_value() && next_weight->defined();
+  for (const auto* w : {norm ? &*weight : nullptr, next ? &*next_weight : nullptr})
+    if (w) TORCH_CHECK(w->scalar_type() == at::kFloat && w->dim() == 1 && w->size(0) == d, "rms_norm_add: weights must be float32 [d]");
+  const at::Tensor yc = y.contiguous(), rc = residual.contiguous();
+  const at::Tensor wc = norm ? weight->contiguous() : at::Tensor(), nc = next ? next_weight->contiguous() : at::Tensor();
+  at::Tensor sum = at::empty({N, d}, y.options());
+  at::Tensor normed = next ? at::empty({N, d}, y.options()) : at::empty({0}, y.options());
+  const float *yp = yc.data_ptr<float>(), *rp = rc.data_ptr<float>();
+  const float *wp = norm ? wc.data_ptr<float>() : nullptr, *np = next ? nc.data_ptr<float>() : nullptr;
+  float *sp = sum.data_ptr<float>(), *op = next ? normed.data_ptr<float>() : nullptr;
+  const float feps = float(eps);
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1)), [&](int64_t lo, int64_t hi) {
+    std::vector<float> tmp(norm ? d : 0);
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* yr = yp + r * d;
+      if (norm) {
+        scale_row(yr, wp, tmp.data(), d, 1.f / std::sqrt(sum_of_squares(yr, d) / float(d) + feps));
+        yr = tmp.data();
+      }
+      add_row(rp + r * d, yr, sp + r * d, d);
+      if (next) scale_row(sp + r * d, np, op + r * d, d, 1.f / std::sqrt(sum_of_squares(sp + r * d, d) / float(d) + feps));
+    }
+  });
+  return {sum, normed};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ridgefill, CPU, m) {
+  m.impl("rms_norm_add", &rms_norm_add_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("rms_norm_rope", &rms_norm_rope_cpu);
 }

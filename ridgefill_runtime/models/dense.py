@@ -18,7 +18,7 @@ from ..layers.rotary import RotaryTable
 from ..layers.vocab import embed_tokens, vocab_logits
 from ..ops.norm_rope import norm_rope
 from ..ops.packed_linear import linear, weight_slice
-from ..ops.rms_norm import rms_norm
+from ..ops.rms_norm import rms_norm, rms_norm_add
 from .fill_hooks import LateRows, unsharded
 from .forward import ForwardBatch, ForwardOutput
 from .weights import DenseWeights, build_weights
@@ -142,8 +142,7 @@ class DenseLM:
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """After attention: residual [R, d] + output projection of attn [R, H*D], then the MLP."""
         w = self.weights.layers[layer]
-        h = h + self.sum_shards(linear(attn, w.o))
-        x = rms_norm(h, w.post_norm, self.config.rms_norm_eps)
+        h, x = rms_norm_add(self.sum_shards(linear(attn, w.o)), h, self.config.rms_norm_eps, next_weight=w.post_norm)
         return h + self.sum_shards(swiglu_mlp(x, w.gate_up, w.down))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from ..layers.mlp import geglu_mlp
 from ..layers.rotary import RotaryTable
 from ..layers.vocab import embed_tokens
 from ..ops.packed_linear import linear
-from ..ops.rms_norm import rms_norm
+from ..ops.rms_norm import rms_norm_add
 from . import decoder_config
 from .dense import DenseLM
 from .family import GGUFFormat, MetadataLookup, ModelFamily
@@ -187,9 +187,10 @@ class Gemma3LM(DenseLM):
     def finish_layer(self, layer: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Norms after attention and around the MLP (sandwich): h [R, d], attn [R, H*D]."""
         w, (pre_ff, post_ff), eps = self.weights.layers[layer], self.ff_norms[layer], self.config.rms_norm_eps
-        h = h + rms_norm(self.sum_shards(linear(attn, w.o)), w.post_norm, eps)
-        mlp = self.sum_shards(geglu_mlp(rms_norm(h, pre_ff, eps), w.gate_up, w.down))
-        return h + rms_norm(mlp, post_ff, eps)
+        # h + norm(o), then its pre-MLP norm; then h + norm(mlp): one call each (ops/rms_norm.py)
+        h, x = rms_norm_add(self.sum_shards(linear(attn, w.o)), h, eps, weight=w.post_norm, next_weight=pre_ff)
+        mlp = self.sum_shards(geglu_mlp(x, w.gate_up, w.down))
+        return rms_norm_add(mlp, h, eps, weight=post_ff)[0]
 
 
 # -- the family --------------------------------------------------------------------------------

@@ -64,3 +64,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_args(x, weight)
         return _compiled(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+# -- a residual add around RMSNorm ------------------------------------------------------------------
+# Where a layer adds a block's output to the residual stream, it norms the sum next (and Gemma 3
+# norms the block's output first): three tensor ops, ~4 us each at decode, 0.2 ms of an 18-layer
+# Gemma 3 step. ridgefill::rms_norm_add (csrc/cpu/rms_norm_cpu.cpp) is one, bit for bit.
+
+_ADD_KERNEL = extension_loaded() and torch._C._dispatch_has_kernel_for_dispatch_key("ridgefill::rms_norm_add", "CPU")
+if _ADD_KERNEL:
+
+    @torch.library.register_fake("ridgefill::rms_norm_add")
+    def _rms_norm_add_fake(y, weight, residual, next_weight, eps):
+        return torch.empty_like(y), torch.empty_like(y) if next_weight is not None else y.new_empty(0)
+
+
+def rms_norm_add_reference(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + (y normed by `weight`, or y itself when None), that sum normed by `next_weight`; an
+    empty [0] tensor instead when next_weight is None)."""
+    total = residual + (y if weight is None else rms_norm(y, weight, eps))
+    return total, y.new_empty(0) if next_weight is None else rms_norm(total, next_weight, eps)
+
+
+def rms_norm_add(
+    y: torch.Tensor,
+    residual: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm_add_reference's values; 2-D float32 CPU rows take the one-pass kernel."""
+    fused = (
+        _ADD_KERNEL
+        and y.is_cpu
+        and y.dtype == residual.dtype == torch.float32
+        and y.dim() == 2
+        and y.shape == residual.shape
+        and all(w is None or w.dtype == torch.float32 for w in (weight, next_weight))
+    )
+    if not fused:
+        return rms_norm_add_reference(y, residual, eps, weight, next_weight)
+    return torch.ops.ridgefill.rms_norm_add(y, weight, residual, next_weight, eps)
