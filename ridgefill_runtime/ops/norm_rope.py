@@ -3,8 +3,10 @@
 Decode's query and key heads each take a norm (qk_norm families: Gemma 3, Qwen3) and a rotation. As
 tensor ops that is ~11 small calls a layer (the norm, then an empty, four slices, two mul and two
 addcmul), each costing more than its arithmetic at batch 1: ~25 us of a Gemma 3 layer, 0.45 ms of its
-18-layer step. `ridgefill::rms_norm_rope` (csrc/cpu/rms_norm_cpu.cpp) does it in one pass, bit for bit
-what the reference gives in float32; other dtypes and devices take the reference.
+18-layer step. `ridgefill::rms_norm_rope` (csrc/cpu/rms_norm_cpu.cpp) does it in one pass in float32:
+the norm is rms_norm's kernel, and the rotation rounds as torch's mul then addcmul do on x86 (ATen's
+AVX2 / AVX-512 addcmul is one FMA), so there it gives the reference's bits (tests/ops/test_norm_rope.py
+checks the kernel against that rounding emulated in float64). Other dtypes and devices take the reference.
 """
 
 from __future__ import annotations
